@@ -1,0 +1,158 @@
+"""The ``rolloutd`` command: one subcommand per job."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .registry import errors
+
+log = logging.getLogger("rolloutd")
+
+
+def setup_logging(verbose: bool = False) -> None:
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+
+
+# -- rolloutd registry ---------------------------------------------------------------------------
+
+def _registry_args(p: argparse.ArgumentParser) -> None:
+    from .registry.settings import RegistrySettings
+    for name, field in RegistrySettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
+                       help=f"{field.description} (default: {field.default})")
+
+
+def cmd_registry(args: argparse.Namespace) -> int:
+    from .registry.settings import RegistrySettings
+    values = {k: v for k, v in vars(args).items() if k in RegistrySettings.model_fields}
+    settings = RegistrySettings.model_validate(values, strict=False)
+    return asyncio.run(serve_registry(settings))
+
+
+async def serve_registry(settings) -> int:
+    from .httpserver import QuietServer, bind, server_config
+    from .registry.server import create_app
+    from .registry.service import RegistryService
+
+    service = RegistryService(settings)
+    sock = bind(settings.host, settings.port)
+    server = QuietServer(server_config(create_app(service), timeout_keep_alive=settings.keep_alive_s))
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # handlers only ask the server to stop
+        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+    log.info("serve registry on %s:%d (instance %s, bytes in %s, auth %s)", *sock.getsockname()[:2],
+             service.store.instance, service.blobs.describe(), "on" if service.token else "off")
+    await server.serve(sockets=[sock])
+    log.info("stop registry")
+    return 0
+
+
+# -- rolloutd publish --------------------------------------------------------------------------------
+
+class ProgressLine:
+    """Prints ``done/total, rate, ETA`` to stderr at most every ``every_s`` seconds."""
+
+    def __init__(self, label: str, every_s: float = 0.5):
+        self.label, self.every_s = label, every_s
+        self.start = self.last = time.monotonic()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s and done < total:
+            return
+        self.last = now
+        rate = done / max(now - self.start, 1e-6)
+        eta = (total - done) / rate if rate > 0 else float("inf")
+        print(f"{self.label}: {_size(done)} / {_size(total)} ({100 * done / max(total, 1):.0f}%), "
+              f"{_size(rate)}/s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from .registry.publish import RegistryHTTP
+    token = Path(args.token_file).read_text().strip() if args.token_file else None
+    metadata = dict(kv.split("=", 1) for kv in args.metadata)
+    reg = RegistryHTTP(args.registry, token, timeout_s=args.timeout_s)
+    try:
+        manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
+                                   metadata=metadata, progress=ProgressLine(f"upload v{args.version}"))
+    finally:
+        reg.close()
+    print(f"published version {manifest.version}: {len(manifest.files)} files, "
+          f"{_size(manifest.total_bytes)}, digest {manifest.digest}")
+    return 0
+
+
+def _metadata(value: str) -> str:
+    if "=" not in value:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {value!r}")
+    return value
+
+
+# -- entry point -------------------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rolloutd", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("registry", help="run a standalone weight registry")
+    _registry_args(p)
+    p.set_defaults(func=cmd_registry)
+
+    p = sub.add_parser("publish", help="publish a directory of safetensors files as a version")
+    p.add_argument("version", type=int, help="version number (newer than every published one)")
+    p.add_argument("directory", help="directory holding *.safetensors")
+    p.add_argument("--registry", required=True, help="registry URL, e.g. http://trainer:8700")
+    p.add_argument("--token-file", help="file holding the registry's bearer token")
+    p.add_argument("--chunk-bytes", type=int, default=64 << 20, help="digest chunk size")
+    p.add_argument("--metadata", type=_metadata, action="append", default=[], metavar="KEY=VALUE",
+                   help="label stored in the manifest (repeatable)")
+    p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
+    p.set_defaults(func=cmd_publish)
+
+    from .demo import add_parser as add_demo
+    add_demo(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.verbose)
+    try:
+        return args.func(args)
+    except ValidationError as e:
+        for err in e.errors():
+            loc = ".".join(str(x) for x in err["loc"])
+            print(f"rolloutd: invalid {loc}: {err['msg']}", file=sys.stderr)
+        return 2
+    except errors.RegistryError as e:
+        print(f"rolloutd: {e.code}: {e.message}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as e:
+        print(f"rolloutd: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

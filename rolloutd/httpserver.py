@@ -1,0 +1,95 @@
+"""Embedded HTTP servers: uvicorn that owns no signals, on a socket bound before it starts.
+
+Binding first means a caller learns the real port (``port=0`` picks a free one) and an
+address already in use fails at once, with a clear error, in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import threading
+import time
+from collections.abc import Iterator
+
+import uvicorn
+
+log = logging.getLogger("rolloutd")
+
+
+class QuietServer(uvicorn.Server):
+    """A uvicorn server that leaves signal handling to whoever embeds it."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.listen(backlog)
+    sock.set_inheritable(True)
+    return sock
+
+
+def server_config(app, **kwargs) -> uvicorn.Config:
+    """uvicorn settings shared by every embedded server (no access log: it is per request)."""
+    kwargs.setdefault("timeout_keep_alive", 75)
+    kwargs.setdefault("timeout_graceful_shutdown", 5)
+    return uvicorn.Config(app, access_log=False, log_config=None, lifespan="on", **kwargs)
+
+
+class ServerThread:
+    """Run an ASGI app in a thread with its own event loop; ``start`` returns once it accepts."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, **config):
+        self.sock = bind(host, port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = QuietServer(server_config(app, **config))
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name=f"http-{self.port}", daemon=True)
+        self._error: BaseException | None = None
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        except BaseException as e:  # surfaced to start()
+            self._error = e
+
+    async def _serve(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        await self.server.serve(sockets=[self.sock])
+
+    def start(self, timeout_s: float = 30.0) -> ServerThread:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive():
+                raise RuntimeError(f"HTTP server on port {self.port} failed to start: {self._error!r}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"HTTP server on port {self.port} not up after {timeout_s} s")
+            time.sleep(0.005)
+        return self
+
+    def call(self, coro, timeout_s: float | None = None):
+        """Run a coroutine on the server's loop and wait for its result."""
+        assert self.loop is not None, "server not started"
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+        self.sock.close()
+        if self._thread.is_alive():
+            raise TimeoutError(f"HTTP server on port {self.port} did not stop within {timeout_s} s")

@@ -1,0 +1,10 @@
+"""The weight registry: versions, their bytes, leases, the replica directory and demand.
+
+Trainer side::
+
+    from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
+"""
+
+from .publish import EmbeddedRegistry, RegistryHTTP
+
+__all__ = ["EmbeddedRegistry", "RegistryHTTP"]

@@ -1,0 +1,274 @@
+"""Where a registry keeps version bytes: in memory, or in a directory on disk.
+
+Both stores follow one rule: bytes are *staged* per version while they arrive, and only
+``commit`` makes them part of a version, in one atomic step. On disk::
+
+    <root>/staging/<v>/<name>          uploaded files (each written as <name>.<rand>.part, then renamed)
+    <root>/versions/<v>/<name>         committed files
+    <root>/versions/<v>/manifest.json  written before the rename, so a version dir is always complete
+    <root>/trash/                      versions being deleted (renamed away first, never half-visible)
+
+A disk store reloads its committed versions at start; staging and trash are cleared.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from .manifest import Manifest, bad_chunks, verify_file
+
+log = logging.getLogger("rolloutd.registry")
+
+READ_BYTES = 1 << 20  # one read per streamed piece of a response
+
+
+class Blob(Protocol):
+    size: int
+
+    def open_reader(self) -> BlobReader: ...
+
+
+class BlobReader(Protocol):
+    def read(self, offset: int, length: int) -> bytes | memoryview: ...
+    def close(self) -> None: ...
+
+
+class Upload(Protocol):
+    """One file arriving for a staged version; invisible until ``finish``."""
+
+    def write(self, data: bytes) -> None: ...
+    def finish(self) -> int: ...
+    def abort(self) -> None: ...
+
+
+def iter_range(blob: Blob, start: int, end: int, piece: int = READ_BYTES) -> Iterator[bytes | memoryview]:
+    """Bytes [start, end) of ``blob`` in pieces; the reader stays open for the whole range,
+    so a version reclaimed meanwhile still finishes streaming to this reader."""
+    reader = blob.open_reader()
+    try:
+        pos = start
+        while pos < end:
+            data = reader.read(pos, min(piece, end - pos))
+            if not data:
+                raise OSError(f"short read at offset {pos}")
+            pos += len(data)
+            yield data
+    finally:
+        reader.close()
+
+
+# -- memory ------------------------------------------------------------------------------------
+
+@dataclass
+class MemoryBlob:
+    data: bytes | bytearray
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    def open_reader(self) -> _MemoryReader:
+        return _MemoryReader(memoryview(self.data))
+
+
+class _MemoryReader:
+    def __init__(self, view: memoryview):
+        self._view = view
+
+    def read(self, offset: int, length: int) -> memoryview:
+        return self._view[offset:offset + length]
+
+    def close(self) -> None:
+        self._view.release()
+
+
+class _MemoryUpload:
+    def __init__(self, slot: dict[str, bytearray], name: str):
+        self._slot, self._name, self._buf = slot, name, bytearray()
+
+    def write(self, data: bytes) -> None:
+        self._buf += data
+
+    def finish(self) -> int:
+        self._slot[self._name] = self._buf
+        return len(self._buf)
+
+    def abort(self) -> None:
+        self._buf = bytearray()
+
+
+class MemoryStore:
+    """Bytes held in this process's memory (embedded registries, tests, small models)."""
+
+    def __init__(self) -> None:
+        self._staging: dict[int, dict[str, bytearray]] = {}
+
+    def describe(self) -> str:
+        return "memory"
+
+    def upload(self, version: int, name: str) -> Upload:
+        return _MemoryUpload(self._staging.setdefault(version, {}), name)
+
+    def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
+        self._staging.setdefault(version, {})[name] = bytearray(data) if isinstance(data, bytes) else data
+
+    def staged_sizes(self, version: int) -> dict[str, int]:
+        return {n: len(b) for n, b in self._staging.get(version, {}).items()}
+
+    def verify_staged(self, manifest: Manifest) -> dict[str, list[int]]:
+        staged = self._staging.get(manifest.version, {})
+        return {f.name: bad for f in manifest.files
+                if (bad := bad_chunks(memoryview(staged[f.name]), f, manifest))}
+
+    def commit(self, manifest: Manifest) -> dict[str, Blob]:
+        staged = self._staging.pop(manifest.version)
+        return {f.name: MemoryBlob(staged[f.name]) for f in manifest.files}
+
+    def discard_staging(self, version: int) -> None:
+        self._staging.pop(version, None)
+
+    def reclaim(self, version: int) -> None:
+        pass  # the blobs are dropped with the version; readers still streaming keep theirs
+
+    def load_committed(self) -> list[tuple[Manifest, dict[str, Blob]]]:
+        return []
+
+
+# -- disk --------------------------------------------------------------------------------------
+
+@dataclass
+class DiskBlob:
+    path: Path
+    size: int
+
+    def open_reader(self) -> _DiskReader:
+        return _DiskReader(os.open(self.path, os.O_RDONLY))
+
+
+class _DiskReader:
+    def __init__(self, fd: int):
+        self._fd = fd
+
+    def read(self, offset: int, length: int) -> bytes:
+        return os.pread(self._fd, length, offset)
+
+    def close(self) -> None:
+        os.close(self._fd)
+
+
+class _DiskUpload:
+    def __init__(self, final: Path):
+        self._final = final
+        self._part = final.with_name(f"{final.name}.{secrets.token_hex(4)}.part")
+        self._f = open(self._part, "wb")
+
+    def write(self, data: bytes) -> None:
+        self._f.write(data)
+
+    def finish(self) -> int:
+        self._f.close()
+        os.replace(self._part, self._final)
+        return self._final.stat().st_size
+
+    def abort(self) -> None:
+        self._f.close()
+        self._part.unlink(missing_ok=True)
+
+
+class DiskStore:
+    """Bytes in files under ``root``; committed versions survive a registry restart."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._staging, self._versions, self._trash = (self.root / d for d in ("staging", "versions", "trash"))
+        for d in (self._staging, self._trash):
+            shutil.rmtree(d, ignore_errors=True)  # leftovers of an earlier run were never published
+        for d in (self._staging, self._versions, self._trash):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def staging_dir(self, version: int) -> Path:
+        d = self._staging / str(version)
+        d.mkdir(parents=True, exist_ok=True)
+        return d
+
+    def upload(self, version: int, name: str) -> Upload:
+        return _DiskUpload(self.staging_dir(version) / name)
+
+    def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
+        up = self.upload(version, name)
+        try:
+            up.write(data)
+            up.finish()
+        except BaseException:
+            up.abort()
+            raise
+
+    def staged_sizes(self, version: int) -> dict[str, int]:
+        d = self._staging / str(version)
+        if not d.is_dir():
+            return {}
+        return {p.name: p.stat().st_size for p in d.iterdir() if not p.name.endswith(".part")}
+
+    def verify_staged(self, manifest: Manifest) -> dict[str, list[int]]:
+        d = self._staging / str(manifest.version)
+        return {f.name: bad for f in manifest.files if (bad := verify_file(d / f.name, f, manifest))}
+
+    def commit(self, manifest: Manifest) -> dict[str, Blob]:
+        src = self._staging / str(manifest.version)
+        keep = {f.name for f in manifest.files}
+        for p in src.iterdir():  # uploads the manifest does not list are not part of the version
+            if p.name not in keep:
+                p.unlink()
+        (src / "manifest.json").write_text(manifest.model_dump_json(indent=1))
+        _fsync_dir(src)
+        dst = self._versions / str(manifest.version)
+        os.rename(src, dst)
+        _fsync_dir(self._versions)
+        return {f.name: DiskBlob(dst / f.name, f.size) for f in manifest.files}
+
+    def discard_staging(self, version: int) -> None:
+        shutil.rmtree(self._staging / str(version), ignore_errors=True)
+
+    def reclaim(self, version: int) -> None:
+        src = self._versions / str(version)
+        if src.exists():
+            dst = self._trash / f"{version}.{secrets.token_hex(4)}"
+            os.rename(src, dst)  # gone from versions/ at once; deletion can take its time
+            shutil.rmtree(dst, ignore_errors=True)
+
+    def load_committed(self) -> list[tuple[Manifest, dict[str, Blob]]]:
+        found = []
+        for d in sorted(self._versions.iterdir(), key=lambda p: (len(p.name), p.name)):
+            try:
+                manifest = Manifest.model_validate_json((d / "manifest.json").read_bytes()).sealed()
+                if manifest.version != int(d.name):
+                    raise ValueError(f"manifest says version {manifest.version}")
+                blobs: dict[str, Blob] = {}
+                for f in manifest.files:
+                    size = (d / f.name).stat().st_size
+                    if size != f.size:
+                        raise ValueError(f"{f.name} has {size} bytes, manifest says {f.size}")
+                    blobs[f.name] = DiskBlob(d / f.name, f.size)
+            except (OSError, ValueError) as e:
+                log.warning("skip %s: not a complete version (%s)", d, e)
+                continue
+            found.append((manifest, blobs))
+        return found
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

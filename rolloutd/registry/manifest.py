@@ -1,0 +1,218 @@
+"""Manifests: what one weight version holds and how every byte of it is checked.
+
+Contract (design §3): a version is one or more safetensors files; the manifest lists each
+file with its size and one digest per fixed-size chunk, plus a digest of the manifest itself
+computed over its canonical JSON (sorted keys, no spaces, without the ``digest`` field).
+A reader checks the manifest digest first, then every chunk it receives.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import re
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Annotated, Literal
+
+import xxhash
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MiB = 1 << 20
+DEFAULT_CHUNK_BYTES = 64 * MiB
+MIN_CHUNK_BYTES = 4096
+MAX_CHUNK_BYTES = 1 << 30
+MAX_VERSION = (1 << 53) - 1  # survives a round trip through any JSON parser
+MAX_FILES = 10_000
+
+HashName = Literal["xxh3-128", "sha256"]
+_HEX_LEN = {"xxh3-128": 32, "sha256": 64}
+_HASHERS: dict[str, Callable[[bytes | memoryview], str]] = {
+    "xxh3-128": xxhash.xxh3_128_hexdigest,
+    "sha256": lambda data: hashlib.sha256(data).hexdigest(),
+}
+
+# One path component, no leading dot: ".." and "a/b" can never be a file name.
+FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+
+
+def valid_file_name(name: str) -> bool:
+    return bool(FILE_NAME_RE.fullmatch(name))
+
+
+def digest(hash_name: str, data: bytes | memoryview) -> str:
+    return _HASHERS[hash_name](data)
+
+
+VersionNumber = Annotated[int, Field(ge=1, le=MAX_VERSION)]
+
+
+class FileEntry(BaseModel):
+    """One file of a version: its name, size and per-chunk digests."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="file name inside the version directory (one path component)")
+    size: int = Field(ge=0, description="size in bytes")
+    chunks: list[str] = Field(description="hex digest of each chunk, in order")
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_safe(cls, name: str) -> str:
+        if not valid_file_name(name):
+            raise ValueError(f"invalid file name {name!r}: one path component of "
+                             "letters, digits, '.', '_', '-', not starting with '.'")
+        return name
+
+
+class Manifest(BaseModel):
+    """A version's table of contents; ``digest`` seals everything else."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    version: VersionNumber
+    hash: HashName = "xxh3-128"
+    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)
+    files: list[FileEntry] = Field(min_length=1, max_length=MAX_FILES)
+    metadata: dict[str, str] = Field(default_factory=dict, max_length=64,
+                                     description="free-form labels, e.g. the training step")
+    digest: str | None = Field(None, description="digest of the canonical JSON without this field")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate file names")
+        want_len = _HEX_LEN[self.hash]
+        for f in self.files:
+            expected = chunk_count(f.size, self.chunk_bytes)
+            if len(f.chunks) != expected:
+                raise ValueError(f"file {f.name!r}: {len(f.chunks)} chunk digests for "
+                                 f"{f.size} bytes, expected {expected}")
+            for d in f.chunks:
+                if len(d) != want_len or not _is_lower_hex(d):
+                    raise ValueError(f"file {f.name!r}: chunk digest {d[:80]!r} is not a "
+                                     f"{self.hash} hex digest")
+        if self.digest is not None and (len(self.digest) != want_len or not _is_lower_hex(self.digest)):
+            raise ValueError(f"manifest digest is not a {self.hash} hex digest")
+        return self
+
+    # -- sealing ---------------------------------------------------------------------------
+    def canonical_bytes(self) -> bytes:
+        body = self.model_dump(mode="json", exclude={"digest"})
+        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+    def compute_digest(self) -> str:
+        return digest(self.hash, self.canonical_bytes())
+
+    def sealed(self) -> Manifest:
+        """This manifest with its digest filled in (and checked if it was given)."""
+        actual = self.compute_digest()
+        if self.digest is not None and self.digest != actual:
+            raise ManifestError(f"manifest digest {self.digest} does not match its "
+                                f"contents ({actual})")
+        return self.model_copy(update={"digest": actual})
+
+    # -- queries -----------------------------------------------------------------------------
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def file(self, name: str) -> FileEntry | None:
+        for f in self.files:
+            if f.name == name:
+                return f
+        return None
+
+    def chunk_span(self, entry: FileEntry, index: int) -> tuple[int, int]:
+        """Byte range [start, end) of chunk ``index`` of ``entry``."""
+        start = index * self.chunk_bytes
+        return start, min(start + self.chunk_bytes, entry.size)
+
+
+class ManifestError(ValueError):
+    """A manifest or the bytes it describes do not agree."""
+
+
+def chunk_count(size: int, chunk_bytes: int) -> int:
+    return -(-size // chunk_bytes)
+
+
+def _is_lower_hex(s: str) -> bool:
+    return all(c in "0123456789abcdef" for c in s)
+
+
+# -- hashing files -------------------------------------------------------------------------
+
+def _map(path: Path) -> tuple[memoryview, Callable[[], None]]:
+    """Memory-map a file read-only (an empty file maps to an empty view)."""
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return memoryview(b""), lambda: None
+        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    view = memoryview(m)
+
+    def close() -> None:
+        view.release()
+        m.close()
+    return view, close
+
+
+def hash_chunks(data: memoryview | bytes, chunk_bytes: int, hash_name: str,
+                pool: ThreadPoolExecutor | None = None) -> list[str]:
+    """Digest of every ``chunk_bytes`` slice of ``data``."""
+    view = memoryview(data)
+    spans = [view[i:i + chunk_bytes] for i in range(0, len(view), chunk_bytes)]
+    fn = _HASHERS[hash_name]
+    if pool is None or len(spans) < 2:
+        return [fn(s) for s in spans]
+    return list(pool.map(fn, spans))
+
+
+def hash_file(path: Path, chunk_bytes: int, hash_name: str,
+              pool: ThreadPoolExecutor | None = None) -> FileEntry:
+    view, close = _map(path)
+    try:
+        return FileEntry(name=path.name, size=len(view),
+                         chunks=hash_chunks(view, chunk_bytes, hash_name, pool))
+    finally:
+        close()
+
+
+def build_manifest(version: int, paths: Iterable[Path], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                   hash_name: str = "xxh3-128", metadata: dict[str, str] | None = None) -> Manifest:
+    """Hash ``paths`` (in the given order) into a sealed manifest for ``version``."""
+    with ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2))) as pool:
+        files = [hash_file(Path(p), chunk_bytes, hash_name, pool) for p in paths]
+    return Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=files,
+                    metadata=metadata or {}).sealed()
+
+
+def bad_chunks(data: memoryview | bytes, entry: FileEntry, manifest: Manifest) -> list[int]:
+    """Indices of the chunks of ``data`` whose digest differs from ``entry`` (all, if the size differs)."""
+    if len(data) != entry.size:
+        return list(range(len(entry.chunks))) or [0]
+    got = hash_chunks(data, manifest.chunk_bytes, manifest.hash)
+    return [i for i, (a, b) in enumerate(zip(got, entry.chunks)) if a != b]
+
+
+def verify_file(path: Path, entry: FileEntry, manifest: Manifest) -> list[int]:
+    """Like :func:`bad_chunks`, for a file on disk."""
+    if not path.is_file():
+        return list(range(len(entry.chunks))) or [0]
+    view, close = _map(path)
+    try:
+        return bad_chunks(view, entry, manifest)
+    finally:
+        close()
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    """The ``*.safetensors`` files of a checkpoint directory, in name order (shard order)."""
+    files = sorted(p for p in Path(directory).iterdir() if p.suffix == ".safetensors" and p.is_file())
+    if not files:
+        raise ManifestError(f"no .safetensors files in {directory}")
+    return files

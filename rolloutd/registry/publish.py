@@ -1,0 +1,277 @@
+"""Trainer-side library: publish versions, demand them, and watch the replicas.
+
+``RegistryHTTP`` talks to any registry over HTTP (a non-Python trainer can do the same with
+the documented routes). ``EmbeddedRegistry`` runs the registry inside the trainer's process
+and publishes by writing straight into its store, without a round trip over HTTP.
+torch is imported only by :func:`save_shards`, when a state dict holds torch tensors.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from . import errors
+from .manifest import (DEFAULT_CHUNK_BYTES, FileEntry, Manifest, build_manifest, hash_chunks,
+                       safetensors_files)
+
+log = logging.getLogger("rolloutd.publish")
+
+DEFAULT_SHARD_BYTES = 5 << 30  # Hugging Face's usual shard size
+UPLOAD_PIECE_BYTES = 4 << 20
+Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+
+
+# -- state dicts to safetensors files, in layer order ---------------------------------------------
+
+_LAYER_RE = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
+
+
+def layer_key(name: str) -> tuple[int, int, str]:
+    """Sort key that puts embeddings first, then layers by index, then everything else."""
+    m = _LAYER_RE.search(name)
+    if m:
+        return (1, int(m.group(1)), name)
+    return (0, 0, name) if "embed" in name else (2, 0, name)
+
+
+def shard_plan(sizes: Mapping[str, int], shard_bytes: int) -> list[list[str]]:
+    """Group tensor names, in layer order, into shards of at most ``shard_bytes`` (a bigger
+    tensor gets a shard of its own)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name in sorted(sizes, key=layer_key):
+        if shards[-1] and used + sizes[name] > shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += sizes[name]
+    return shards
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return ["model.safetensors"]
+    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if hasattr(t, "element_size") else t.nbytes
+
+
+def _serialize(tensors: dict[str, Any]) -> bytes:
+    first = next(iter(tensors.values()))
+    if type(first).__module__.startswith("torch"):
+        from safetensors.torch import save  # the only place the trainer side touches torch
+        return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    from safetensors.numpy import save as np_save
+    return np_save(tensors)
+
+
+def serialize_shards(state_dict: Mapping[str, Any], shard_bytes: int = DEFAULT_SHARD_BYTES
+                     ) -> Iterator[tuple[str, bytes]]:
+    """(file name, safetensors bytes) per shard; torch tensors or numpy arrays."""
+    if not state_dict:
+        raise ValueError("state_dict is empty")
+    plan = shard_plan({k: _nbytes(v) for k, v in state_dict.items()}, shard_bytes)
+    for fname, names in zip(shard_names(len(plan)), plan):
+        yield fname, _serialize({n: state_dict[n] for n in names})
+
+
+def save_shards(state_dict: Mapping[str, Any], directory: Path,
+                shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for fname, data in serialize_shards(state_dict, shard_bytes):
+        (directory / fname).write_bytes(data)
+        paths.append(directory / fname)
+    return paths
+
+
+# -- over HTTP ----------------------------------------------------------------------------------------
+
+class RegistryHTTP:
+    """A synchronous client for the trainer (the daemon uses the async ``client``)."""
+
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0):
+        self.url = url.rstrip("/")
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        self._http = httpx.Client(base_url=self.url, headers=headers,
+                                  timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _call(self, method: str, path: str, **kw) -> Any:
+        try:
+            r = self._http.request(method, path, **kw)
+        except httpx.HTTPError as e:
+            raise errors.RegistryUnavailable(f"{method} {self.url}{path}: {e!r}") from None
+        if r.status_code >= 400:
+            try:
+                body = r.json()
+            except ValueError:
+                body = None
+            raise errors.from_json(r.status_code, body)
+        return r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+
+    # -- queries ---------------------------------------------------------------------------------
+    def latest(self) -> dict:
+        return self._call("GET", "/v1/versions/latest")
+
+    def manifest(self, version: int) -> Manifest:
+        return Manifest.model_validate(self._call("GET", f"/v1/versions/{version}"))
+
+    def versions(self) -> list[dict]:
+        return self._call("GET", "/v1/versions")["versions"]
+
+    def replicas(self) -> list[dict]:
+        return self._call("GET", "/v1/replicas")["replicas"]
+
+    def demand(self, min_version: int | None) -> None:
+        """Ask every replica for at least ``min_version`` (None clears it)."""
+        self._call("PUT", "/v1/demand", json={"min_version": min_version})
+
+    def retire(self, version: int) -> dict:
+        return self._call("DELETE", f"/v1/versions/{version}")
+
+    def wait_for_replicas(self, n: int, min_version: int, timeout_s: float = 600.0,
+                          poll_s: float = 0.5, state: str = "SERVING") -> list[dict]:
+        """Block until ``n`` replicas report ``state`` with at least ``min_version``."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            reps = self.replicas()
+            ready = [r for r in reps if r["state"] == state and (r["version"] or 0) >= min_version]
+            if len(ready) >= n:
+                return ready
+            if time.monotonic() >= deadline:
+                seen = ", ".join(f"{r['replica_id']}={r['state']}@{r['version']}" for r in reps) or "none"
+                raise TimeoutError(f"{len(ready)} of {n} replicas {state} at version >= "
+                                   f"{min_version} after {timeout_s} s (seen: {seen})")
+            time.sleep(poll_s)
+
+    # -- publishing --------------------------------------------------------------------------------
+    def publish(self, version: int, state_dict: Mapping[str, Any], *,
+                shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+        """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``."""
+        with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
+            save_shards(state_dict, Path(tmp), shard_bytes)
+            return self.publish_dir(version, Path(tmp), chunk_bytes=chunk_bytes,
+                                    metadata=metadata, progress=progress)
+
+    def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+        """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
+        Publishing the same bytes again is a no-op, so a retry after a lost reply is safe."""
+        files = safetensors_files(path)
+        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata)
+        try:
+            if self.manifest(version).digest == manifest.digest:
+                return manifest
+        except (errors.VersionUnknown, errors.VersionRetired):
+            pass
+        total, done = manifest.total_bytes, 0
+        for p in files:
+            def body(p=p) -> Iterator[bytes]:
+                nonlocal done
+                with open(p, "rb") as f:
+                    while piece := f.read(UPLOAD_PIECE_BYTES):
+                        done += len(piece)
+                        if progress:
+                            progress(done, total)
+                        yield piece
+            self._call("PUT", f"/v1/uploads/{version}/files/{p.name}", content=body(),
+                       headers={"content-length": str(p.stat().st_size)})
+        self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
+                   headers={"content-type": "application/json"})
+        return manifest
+
+
+# -- in the trainer's process ----------------------------------------------------------------------
+
+class EmbeddedRegistry(RegistryHTTP):
+    """A registry served from a thread of the trainer's process.
+
+    >>> with EmbeddedRegistry(host="0.0.0.0", port=8700) as reg:
+    ...     reg.publish(1, model.state_dict())
+    ...     reg.wait_for_replicas(4, min_version=1)
+    """
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8700, *,
+                 clock: Callable[[], float] | None = None, **settings: Any):
+        from ..httpserver import ServerThread
+        from .server import create_app
+        from .service import RegistryService
+        from .settings import RegistrySettings
+
+        self.settings = RegistrySettings(host=host, port=port, **settings)
+        self.service = RegistryService(self.settings, **({"clock": clock} if clock else {}))
+        self._thread = ServerThread(create_app(self.service), host, port,
+                                    timeout_keep_alive=self.settings.keep_alive_s)
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        super().__init__(f"http://{shown}:{self._thread.port}", self.service.token)
+
+    @property
+    def port(self) -> int:
+        return self._thread.port
+
+    def start(self) -> EmbeddedRegistry:
+        self._thread.start()
+        log.info("serve registry on %s:%d (bytes in %s)", self.settings.host, self.port,
+                 self.service.blobs.describe())
+        return self
+
+    def stop(self) -> None:
+        self.close()
+        self._thread.stop()
+
+    def __enter__(self) -> EmbeddedRegistry:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def publish(self, version: int, state_dict: Mapping[str, Any], *,
+                shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+        """Serialize and hash in the caller's thread, then publish on the registry's loop."""
+        shards = dict(serialize_shards(state_dict, shard_bytes))
+        entries = [FileEntry(name=n, size=len(b), chunks=hash_chunks(b, chunk_bytes, "xxh3-128"))
+                   for n, b in shards.items()]
+        manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
+                            metadata=metadata or {}).sealed()
+        self._commit(manifest, shards)
+        if progress:
+            progress(manifest.total_bytes, manifest.total_bytes)
+        return manifest
+
+    def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                    metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+        files = safetensors_files(path)
+        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata)
+        self._commit(manifest, {p.name: p.read_bytes() for p in files})
+        if progress:
+            progress(manifest.total_bytes, manifest.total_bytes)
+        return manifest
+
+    def _commit(self, manifest: Manifest, shards: dict[str, bytes]) -> None:
+        service = self.service
+
+        async def stage_and_publish() -> None:
+            if service.store.check_publishable(manifest):
+                return  # the same bytes are published already
+            for name, data in shards.items():  # large writes stay off the serving loop
+                await asyncio.to_thread(service.blobs.stage_bytes, manifest.version, name, data)
+            await service.publish(manifest, verify=False)  # hashed from these very bytes
+
+        self._thread.call(stage_and_publish())

@@ -1,0 +1,375 @@
+"""The registry's HTTP API v1 (design §4) over FastAPI.
+
+Every error is JSON ``{"error": {"code", "message"}}`` with a stable code (see ``errors``).
+A pure-ASGI guard in front of the app checks the bearer token, bounds request bodies and
+records metrics, cheaply enough for thousands of heartbeats a second.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import asynccontextmanager
+from typing import Literal
+
+from fastapi import FastAPI, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from . import errors
+from .blobs import Blob, iter_range
+from .manifest import MAX_VERSION, Manifest, valid_file_name
+from .service import RegistryService
+from .store import Heartbeat
+
+log = logging.getLogger("rolloutd.registry")
+
+UPLOAD_WRITE_BYTES = 4 << 20  # buffer an upload into writes of this size, off the event loop
+SWEEP_INTERVAL_S = 1.0
+
+VersionPath = Path(ge=1, le=MAX_VERSION, description="version number")
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    holder: str = Field(min_length=1, max_length=256, description="who holds it, e.g. node name")
+    version: int | Literal["latest"] = Field(description='a version number, or "latest" (atomic)')
+    ttl_s: float = Field(60.0, gt=0, description="seconds until it expires unless renewed")
+
+
+class RenewRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    ttl_s: float | None = Field(None, gt=0, description="new TTL; unset keeps the lease's TTL")
+
+
+class DemandRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    min_version: int | None = Field(ge=1, le=MAX_VERSION, description="every replica should "
+                                    "load at least this version; null clears the demand")
+
+
+# -- the guard: auth, body limits, metrics ---------------------------------------------------------
+
+class Guard:
+    """Pure ASGI middleware in front of every route."""
+
+    def __init__(self, app, service: RegistryService):
+        self.app, self.service = app, service
+        self.token = service.token.encode() if service.token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if self.token is not None and path != "/healthz" and not self._authorized(scope):
+            return await _send_error(send, errors.Unauthorized("missing or wrong bearer token"),
+                                     {"www-authenticate": "Bearer"})
+        limit = (self.service.settings.max_file_bytes if path.startswith("/v1/uploads/")
+                 else self.service.settings.max_json_bytes)
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _send_error(send, errors.BodyTooLarge(f"body over {limit} bytes")
+                                     if declared.isdigit() else errors.InvalidRequest("bad Content-Length"))
+        status = 500
+        received = 0
+
+        async def limited_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > limit:
+                raise errors.BodyTooLarge(f"body over {limit} bytes")
+            return message
+
+        async def send_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        start = time.perf_counter()
+        try:
+            await self.app(scope, limited_receive, send_status)
+        finally:
+            route = scope.get("route")
+            template = route.path if route is not None else "unmatched"
+            m = self.service.metrics
+            m.requests.labels(template, str(status)).inc()
+            m.latency.labels(template).observe(time.perf_counter() - start)
+
+    def _authorized(self, scope) -> bool:
+        value = _header(scope, b"authorization") or ""
+        scheme, _, token = value.partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.token)
+
+
+def _header(scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+async def _send_error(send, err: errors.RegistryError, headers: dict | None = None) -> None:
+    resp = error_response(err, headers)
+    await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
+    await send({"type": "http.response.body", "body": resp.body})
+
+
+def error_response(err: errors.RegistryError, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
+
+
+def parse(model: type[BaseModel], body: bytes):
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise errors.InvalidRequest(_describe(e.errors())) from None
+
+
+def _describe(problems) -> str:
+    parts = []
+    for p in problems[:10]:
+        loc = ".".join(str(x) for x in p.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{loc}: {p.get('msg')}")
+    return "; ".join(parts)
+
+
+# -- byte ranges ------------------------------------------------------------------------------------
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """A single ``bytes=`` range as [start, end); None for no header; 416 for anything else."""
+    if header is None:
+        return None
+    unsatisfiable = errors.RangeNotSatisfiable(
+        f"Range {header[:100]!r} is not one byte range within {size} bytes")
+    unsatisfiable.headers = {"content-range": f"bytes */{size}"}
+    unit, _, spec = header.partition("=")
+    first, dash, last = spec.strip().partition("-")
+    if unit.strip().lower() != "bytes" or not dash or "," in spec:
+        raise unsatisfiable
+    if not (first.isdigit() or first == "") or not (last.isdigit() or last == ""):
+        raise unsatisfiable
+    if first == "":
+        if not last or int(last) == 0:
+            raise unsatisfiable
+        start, end = max(0, size - int(last)), size
+    else:
+        start = int(first)
+        end = min(size, int(last) + 1) if last else size
+    if start >= size or start >= end:
+        raise unsatisfiable
+    return start, end
+
+
+# -- the app ------------------------------------------------------------------------------------------
+
+def create_app(service: RegistryService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        sweeper = asyncio.create_task(_sweep_forever(service), name="registry-sweep")
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            service.close()
+
+    app = FastAPI(title="rolloutd registry", version="1", lifespan=lifespan,
+                  docs_url=None, redoc_url=None)
+    app.state.service = service
+    _install_error_handlers(app)
+    _add_version_routes(app, service)
+    _add_lease_routes(app, service)
+    _add_replica_routes(app, service)
+
+    @app.get("/healthz")
+    async def healthz():
+        return {"status": "ok", "instance": service.store.instance}
+
+    @app.get("/metrics")
+    async def metrics():
+        service.metrics.refresh(service.store)
+        return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return Guard(app, service)
+
+
+async def _sweep_forever(service: RegistryService) -> None:
+    # Expiry also runs lazily on every lease and version call; this catches idle periods.
+    while True:
+        await asyncio.sleep(SWEEP_INTERVAL_S)
+        service.store.sweep()
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(errors.RegistryError)
+    async def registry_error(request: Request, exc: errors.RegistryError):
+        return error_response(exc, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return error_response(errors.InvalidRequest(_describe(exc.errors())))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 405:
+            return error_response(errors.MethodNotAllowed(f"{request.method} not allowed here"))
+        if exc.status_code == 404:
+            return error_response(errors.RouteNotFound(f"no route {request.url.path[:200]}"))
+        return error_response(errors.RegistryError(str(exc.detail), status=exc.status_code))
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception):
+        log.exception("internal error on %s %s", request.method, request.url.path)
+        return error_response(errors.Internal(f"{type(exc).__name__} (see the registry's log)"))
+
+
+def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
+    store = service.store
+
+    @app.get("/v1/versions")
+    async def list_versions():
+        return {"instance": store.instance, "versions": [v.summary() for v in store.versions()]}
+
+    @app.post("/v1/versions", status_code=201)
+    async def publish(manifest: Manifest):
+        version, created = await service.publish(manifest)
+        body = {"version": version.number, "digest": version.manifest.digest, "created": created}
+        return JSONResponse(body, status_code=201 if created else 200)
+
+    @app.get("/v1/versions/latest")
+    async def latest(after: int = Query(0, ge=0), instance: str | None = Query(None, max_length=64),
+                     wait_s: float = Query(0.0, ge=0)):
+        return await service.wait_latest(after, instance, wait_s)
+
+    @app.get("/v1/versions/{version}")
+    async def manifest(version: int = VersionPath):
+        v = store.get(version)
+        return Response(v.manifest.model_dump_json(), media_type="application/json",
+                        headers={"x-rolloutd-version-state": v.state.value})
+
+    @app.delete("/v1/versions/{version}")
+    async def retire(version: int = VersionPath):
+        return store.retire(version).summary()
+
+    @app.api_route("/v1/versions/{version}/files/{name}", methods=["GET", "HEAD"])
+    async def file_bytes(request: Request, name: str, version: int = VersionPath):
+        v = store.get(version)
+        entry = v.manifest.file(name) if valid_file_name(name) else None
+        if entry is None:
+            raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
+        blob = v.blobs[name]
+        span = parse_range(request.headers.get("range"), blob.size)
+        start, end = span or (0, blob.size)
+        headers = {"accept-ranges": "bytes", "content-length": str(end - start),
+                   "etag": f'"{v.manifest.digest}-{name}"'}
+        if span is not None:
+            headers["content-range"] = f"bytes {start}-{end - 1}/{blob.size}"
+        status = 206 if span is not None else 200
+        if request.method == "HEAD":
+            return Response(status_code=status, headers=headers)
+        return StreamingResponse(_counted(blob, start, end, service), status_code=status,
+                                 headers=headers, media_type="application/octet-stream")
+
+    @app.put("/v1/uploads/{version}/files/{name}", status_code=201)
+    async def upload(request: Request, name: str, version: int = VersionPath):
+        if not valid_file_name(name):
+            raise errors.InvalidRequest(f"invalid file name {name[:200]!r}")
+        service.check_upload(version)
+        size = await _receive_upload(request, service, version, name)
+        return JSONResponse({"version": version, "name": name, "size": size}, status_code=201)
+
+    @app.delete("/v1/uploads/{version}", status_code=204)
+    async def abort_upload(version: int = VersionPath):
+        service.abort_upload(version)
+        return Response(status_code=204)
+
+
+def _counted(blob: Blob, start: int, end: int, service: RegistryService) -> Iterator[bytes]:
+    for piece in iter_range(blob, start, end):
+        service.metrics.bytes_served.inc(len(piece))
+        yield bytes(piece) if isinstance(piece, memoryview) else piece
+
+
+async def _receive_upload(request: Request, service: RegistryService, version: int, name: str) -> int:
+    """Stream the body into a staged file; a cut-off or refused body leaves nothing behind."""
+    up = service.blobs.upload(version, name)
+    buf = bytearray()
+    try:
+        async for piece in request.stream():
+            buf += piece
+            if len(buf) >= UPLOAD_WRITE_BYTES:
+                data, buf = bytes(buf), bytearray()
+                await asyncio.to_thread(up.write, data)
+        await asyncio.to_thread(up.write, bytes(buf))
+        size = await asyncio.to_thread(up.finish)
+    except ClientDisconnect:
+        up.abort()
+        log.warning("abort upload of version %d file %s: the client disconnected", version, name)
+        return 0
+    except BaseException:
+        up.abort()
+        raise
+    service.metrics.bytes_uploaded.inc(size)
+    log.info("receive version %d file %s (%d bytes)", version, name, size)
+    return size
+
+
+def _add_lease_routes(app: FastAPI, service: RegistryService) -> None:
+    store = service.store
+
+    @app.post("/v1/leases", status_code=201)
+    async def lease(req: LeaseRequest):
+        lease = store.lease(req.holder, req.version, req.ttl_s)
+        body = lease.to_json(store.now())
+        body["digest"] = store.get(lease.version).manifest.digest
+        return JSONResponse(body, status_code=201)
+
+    @app.put("/v1/leases/{lease_id}")
+    async def renew(request: Request, lease_id: str = Path(max_length=64)):
+        body = await request.body()
+        req = parse(RenewRequest, body) if body.strip() else RenewRequest()
+        return store.renew(lease_id, req.ttl_s).to_json(store.now())
+
+    @app.delete("/v1/leases/{lease_id}", status_code=204)
+    async def release(lease_id: str = Path(max_length=64)):
+        store.release(lease_id)
+        return Response(status_code=204)
+
+
+def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
+    store = service.store
+    heartbeat_schema = {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": Heartbeat.model_json_schema()}}}}
+
+    # The hot route: raw body and one pydantic-core parse, no FastAPI body machinery.
+    @app.put("/v1/replicas/{replica_id}", openapi_extra=heartbeat_schema)
+    async def heartbeat(request: Request, replica_id: str = Path(max_length=128)):
+        hb = parse(Heartbeat, await request.body())
+        service.metrics.heartbeats.inc()
+        return JSONResponse(store.heartbeat(replica_id, hb))
+
+    @app.get("/v1/replicas")
+    async def replicas():
+        return JSONResponse({"instance": store.instance, "replicas": store.replicas()})
+
+    @app.delete("/v1/replicas/{replica_id}", status_code=204)
+    async def deregister(replica_id: str = Path(max_length=128)):
+        store.deregister(replica_id)  # idempotent: a node may deregister after a registry restart
+        return Response(status_code=204)
+
+    @app.put("/v1/demand")
+    async def set_demand(req: DemandRequest):
+        store.set_demand(req.min_version)
+        return {"min_version": store.demand}
+
+    @app.get("/v1/demand")
+    async def get_demand():
+        return {"min_version": store.demand}

@@ -1,0 +1,151 @@
+"""The registry service: the store, the bytes, publishing and long-poll, on one event loop.
+
+``RegistryService`` is what the HTTP routes call. It owns the only :class:`Store`, so all
+state changes happen on one loop; slow work (hashing uploaded bytes) runs in threads and
+its result is applied back on the loop under the publish lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from . import errors
+from .blobs import DiskStore, MemoryStore
+from .manifest import Manifest, ManifestError
+from .settings import RegistrySettings
+from .store import Store, Version, VersionState
+
+log = logging.getLogger("rolloutd.registry")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("rolloutd_registry_requests", "HTTP requests", ["route", "status"], registry=r)
+        self.latency = Histogram("rolloutd_registry_request_seconds", "HTTP request latency", ["route"],
+                                 buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5, 1, 5, 30, 120),
+                                 registry=r)
+        self.bytes_served = Counter("rolloutd_registry_served_bytes", "File bytes sent", registry=r)
+        self.bytes_uploaded = Counter("rolloutd_registry_uploaded_bytes", "File bytes received", registry=r)
+        self.publishes = Counter("rolloutd_registry_publishes", "Versions published", registry=r)
+        self.heartbeats = Counter("rolloutd_registry_heartbeats", "Heartbeats received", registry=r)
+        self.latest = Gauge("rolloutd_registry_latest_version", "Newest live version (0: none)", registry=r)
+        self.versions = Gauge("rolloutd_registry_versions", "Versions holding bytes", ["state"], registry=r)
+        self.leases = Gauge("rolloutd_registry_leases", "Live leases", registry=r)
+        self.replicas = Gauge("rolloutd_registry_replicas", "Replicas in the directory", registry=r)
+
+    def refresh(self, store: Store) -> None:
+        latest = store.latest
+        self.latest.set(latest.number if latest else 0)
+        for state in (VersionState.LIVE, VersionState.RETIRED):
+            self.versions.labels(state.value).set(sum(v.state is state for v in store.versions()))
+        self.leases.set(store.lease_count())
+        self.replicas.set(len(store.replicas()))
+
+
+class RegistryService:
+    def __init__(self, settings: RegistrySettings, clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        self.blobs = DiskStore(Path(settings.data_dir)) if settings.data_dir else MemoryStore()
+        self.store = Store(keep_versions=settings.keep_versions, clock=clock,
+                           max_lease_ttl_s=settings.max_lease_ttl_s,
+                           replica_forget_after_s=settings.replica_forget_after_s,
+                           reclaim=self.blobs.reclaim)
+        self.metrics = Metrics()
+        self.token = settings.read_token()
+        self._publish_lock: asyncio.Lock | None = None
+        self._changed: asyncio.Event | None = None
+        self._closing = False
+        self.store.listeners.append(self._wake_pollers)
+        for manifest, blobs in self.blobs.load_committed():
+            self.store.publish(manifest, blobs)
+
+    # Events are made on first use so they belong to the loop that serves.
+    def _event(self) -> asyncio.Event:
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def _wake_pollers(self) -> None:
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def close(self) -> None:
+        """Release every long-poll at once (the server is stopping)."""
+        self._closing = True
+        self._wake_pollers()
+
+    # -- long-poll -------------------------------------------------------------------------------
+    async def wait_latest(self, after: int, instance: str | None, wait_s: float) -> dict:
+        """The newest version; waits up to ``wait_s`` for one newer than ``after`` unless the
+        caller knew another registry instance (then its numbers mean nothing here)."""
+        deadline = time.monotonic() + min(wait_s, self.settings.max_wait_s)
+        while True:
+            latest = self.store.latest
+            newer = latest is not None and latest.number > after
+            remaining = deadline - time.monotonic()
+            if newer or remaining <= 0 or self._closing or (instance and instance != self.store.instance):
+                return self.latest_json(latest)
+            try:
+                await asyncio.wait_for(self._event().wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+
+    def latest_json(self, latest: Version | None) -> dict:
+        return {"instance": self.store.instance,
+                "version": latest.number if latest else None,
+                "digest": latest.manifest.digest if latest else None,
+                "total_bytes": latest.manifest.total_bytes if latest else None}
+
+    # -- publishing ------------------------------------------------------------------------------
+    def _lock(self) -> asyncio.Lock:
+        if self._publish_lock is None:
+            self._publish_lock = asyncio.Lock()
+        return self._publish_lock
+
+    def check_upload(self, version: int) -> None:
+        """Refuse uploads for a version that can never be published (fail fast, not after GBs)."""
+        self.store.check_new_number(version)
+
+    async def publish(self, manifest: Manifest, verify: bool = True) -> tuple[Version, bool]:
+        """Publish the staged bytes of ``manifest``; returns (version, created)."""
+        try:
+            manifest = manifest.sealed()
+        except ManifestError as e:
+            raise errors.ManifestDigestMismatch(str(e)) from None
+        async with self._lock():
+            if self.store.check_publishable(manifest):
+                return self.store.get(manifest.version), False
+            self._check_staged(manifest)
+            if verify:
+                bad = await asyncio.to_thread(self.blobs.verify_staged, manifest)
+                if bad:
+                    detail = "; ".join(f"{n}: chunks {c[:8]}" for n, c in sorted(bad.items()))
+                    raise errors.DigestMismatch(f"uploaded bytes differ from the manifest ({detail}); "
+                                                "upload those files again")
+            blobs = await asyncio.to_thread(self.blobs.commit, manifest)
+            version = self.store.publish(manifest, blobs)
+            self.metrics.publishes.inc()
+            return version, True
+
+    def _check_staged(self, manifest: Manifest) -> None:
+        sizes = self.blobs.staged_sizes(manifest.version)
+        problems = []
+        for f in manifest.files:
+            if f.name not in sizes:
+                problems.append(f"{f.name} not uploaded")
+            elif sizes[f.name] != f.size:
+                problems.append(f"{f.name} has {sizes[f.name]} bytes, manifest says {f.size}")
+        if problems:
+            raise errors.UploadIncomplete("; ".join(problems[:20]))
+
+    def abort_upload(self, version: int) -> None:
+        self.blobs.discard_staging(version)

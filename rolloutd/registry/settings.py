@@ -1,0 +1,39 @@
+"""Registry settings: typed, strict, immutable; units in the names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+MiB = 1 << 20
+
+
+class RegistrySettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on; 0.0.0.0 for every interface")
+    port: int = Field(8700, ge=0, le=65535, description="TCP port (0 picks a free one)")
+    data_dir: Path | None = Field(None, description="keep version bytes here (they survive a "
+                                  "restart); unset keeps them in memory")
+    keep_versions: int = Field(3, ge=2, description="newest versions kept live; older ones are "
+                               "retired (bytes kept until their last lease ends)")
+    token_file: Path | None = Field(None, description="file holding the bearer token every "
+                                    "route but /healthz requires; unset: no auth")
+    max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest lease a client may ask for")
+    max_wait_s: float = Field(60.0, gt=0, description="longest long-poll on /v1/versions/latest")
+    max_json_bytes: int = Field(16 * MiB, ge=4096, description="largest JSON request body "
+                                "(manifests are the largest)")
+    max_file_bytes: int = Field(1 << 40, ge=1, description="largest uploaded file")
+    replica_forget_after_s: float = Field(3600.0, gt=0, description="drop a replica from the "
+                                          "directory after this long without a heartbeat")
+    keep_alive_s: float = Field(75.0, gt=0, description="idle keep-alive of client connections")
+
+    def read_token(self) -> str | None:
+        """The token from ``token_file`` (surrounding whitespace stripped); never logged."""
+        if self.token_file is None:
+            return None
+        token = Path(self.token_file).read_text().strip()
+        if not token:
+            raise ValueError(f"token file {self.token_file} is empty")
+        return token

@@ -1,0 +1,326 @@
+"""The registry's state: versions, leases, the replica directory and demand.
+
+Pure logic with an injected clock. Every method is synchronous and is called from the
+server's event loop only, so each is atomic with respect to the others: leasing "latest"
+resolves and leases in one step, and no publish can slip in between.
+
+Version lifecycle (one place changes it, :meth:`Store._set_state`)::
+
+    LIVE --retire--> RETIRED --last lease ends--> RECLAIMED
+
+A RETIRED version takes no new leases but keeps its bytes for the leases it has.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from . import errors
+from .blobs import Blob
+from .manifest import Manifest
+
+log = logging.getLogger("rolloutd.registry")
+
+REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+_EXPIRED_MEMORY = 10_000  # how many expired lease ids are remembered, to say "expired" not "unknown"
+
+
+class VersionState(enum.Enum):
+    LIVE = "live"
+    RETIRED = "retired"
+    RECLAIMED = "reclaimed"
+
+
+_ARROWS = {
+    VersionState.LIVE: {VersionState.RETIRED},
+    VersionState.RETIRED: {VersionState.RECLAIMED},
+    VersionState.RECLAIMED: set(),
+}
+
+
+@dataclass
+class Version:
+    manifest: Manifest
+    blobs: dict[str, Blob]
+    published_at: float
+    state: VersionState = VersionState.LIVE
+    leases: set[str] = field(default_factory=set)
+
+    @property
+    def number(self) -> int:
+        return self.manifest.version
+
+    def summary(self) -> dict:
+        return {"version": self.number, "state": self.state.value, "digest": self.manifest.digest,
+                "total_bytes": self.manifest.total_bytes, "files": len(self.manifest.files),
+                "leases": len(self.leases)}
+
+
+@dataclass
+class Lease:
+    id: str
+    holder: str
+    version: int
+    ttl_s: float
+    expires_at: float
+
+    def to_json(self, now: float) -> dict:
+        return {"lease_id": self.id, "holder": self.holder, "version": self.version,
+                "ttl_s": self.ttl_s, "expires_in_s": round(max(0.0, self.expires_at - now), 3)}
+
+
+class Heartbeat(BaseModel):
+    """What a node reports for one server (contract with the daemon)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    node: str = Field(min_length=1, max_length=253)
+    server: str = Field(min_length=1, max_length=128)
+    endpoint: str | None = Field(None, max_length=512, description="where generation requests go")
+    state: str = Field(min_length=1, max_length=32)
+    version: int | None = Field(None, ge=1, description="version loaded now")
+    target: int | None = Field(None, ge=1, description="version it is moving to")
+    incarnation: int = Field(0, ge=0, description="how many times the server was (re)started")
+    registry_instance: str | None = Field(None, max_length=64, description="instance it synced with")
+    timings: dict[str, float] = Field(default_factory=dict, max_length=32,
+                                      description="last update's phase durations, seconds")
+
+
+@dataclass
+class Replica:
+    heartbeat: Heartbeat
+    first_seen: float
+    last_seen: float
+
+
+class Store:
+    def __init__(self, *, keep_versions: int = 3, clock: Callable[[], float] = time.monotonic,
+                 max_lease_ttl_s: float = 3600.0, replica_forget_after_s: float = 3600.0,
+                 reclaim: Callable[[int], None] = lambda v: None):
+        if keep_versions < 2:
+            raise ValueError("keep_versions must be at least 2")
+        self.instance = secrets.token_hex(8)
+        self.keep_versions = keep_versions
+        self.max_lease_ttl_s = max_lease_ttl_s
+        self.replica_forget_after_s = replica_forget_after_s
+        self._clock = clock
+        self._reclaim_bytes = reclaim
+        self._versions: dict[int, Version] = {}
+        self._highest = 0  # highest number ever published, retired or not
+        self._leases: dict[str, Lease] = {}
+        self._expiry: list[tuple[float, str]] = []  # heap; stale entries skipped on pop
+        self._expired: OrderedDict[str, None] = OrderedDict()
+        self._replicas: dict[str, Replica] = {}
+        self.demand: int | None = None
+        self.listeners: list[Callable[[], None]] = []  # called after every change of "latest"
+
+    def now(self) -> float:
+        return self._clock()
+
+    # -- versions ---------------------------------------------------------------------------
+    @property
+    def latest(self) -> Version | None:
+        """The newest LIVE version."""
+        live = [v for v in self._versions.values() if v.state is VersionState.LIVE]
+        return max(live, key=lambda v: v.number, default=None)
+
+    def versions(self) -> list[Version]:
+        return sorted(self._versions.values(), key=lambda v: v.number)
+
+    def check_publishable(self, manifest: Manifest) -> bool:
+        """True if ``manifest`` is already published identically (nothing to do); raise if it
+        can never be published; False if it may be."""
+        existing = self._versions.get(manifest.version)
+        if existing is not None:
+            if existing.manifest.digest == manifest.digest:
+                return True
+            raise errors.VersionConflict(f"version {manifest.version} exists with digest "
+                                         f"{existing.manifest.digest}, not {manifest.digest}")
+        if manifest.version <= self._highest:
+            raise errors.VersionNotNewer(f"version {manifest.version} is not newer than "
+                                         f"{self._highest}, the newest published here")
+        return False
+
+    def check_new_number(self, number: int) -> None:
+        """Raise unless ``number`` could still be published."""
+        if number in self._versions:
+            raise errors.VersionConflict(f"version {number} is already published")
+        if number <= self._highest:
+            raise errors.VersionNotNewer(f"version {number} is not newer than {self._highest}, "
+                                         "the newest published here")
+
+    def publish(self, manifest: Manifest, blobs: dict[str, Blob]) -> Version:
+        """Make a version visible (its bytes are already committed and verified)."""
+        if self.check_publishable(manifest):
+            return self._versions[manifest.version]
+        version = Version(manifest, blobs, self.now())
+        self._versions[manifest.version] = version
+        self._highest = manifest.version
+        log.info("publish version %d (%d files, %d bytes, digest %s)", manifest.version,
+                 len(manifest.files), manifest.total_bytes, manifest.digest)
+        for old in self.versions()[:-self.keep_versions]:
+            if old.state is VersionState.LIVE:
+                self._retire(old, "older than the newest %d" % self.keep_versions)
+        self._changed()
+        return version
+
+    def get(self, number: int) -> Version:
+        """A version whose bytes still exist (LIVE or RETIRED)."""
+        self.sweep()
+        version = self._versions.get(number)
+        if version is None:
+            if number <= self._highest:
+                raise errors.VersionRetired(f"version {number} was retired and its bytes reclaimed")
+            raise errors.VersionUnknown(f"version {number} was never published here")
+        if version.state is VersionState.RECLAIMED:
+            raise errors.VersionRetired(f"version {number} was retired and its bytes reclaimed")
+        return version
+
+    def retire(self, number: int) -> Version:
+        version = self.get(number)
+        if version.state is VersionState.LIVE:
+            self._retire(version, "asked")
+            self._changed()
+        return version
+
+    def _retire(self, version: Version, why: str) -> None:
+        self._set_state(version, VersionState.RETIRED, why)
+        if not version.leases:
+            self._reclaim(version)
+
+    def _reclaim(self, version: Version) -> None:
+        self._set_state(version, VersionState.RECLAIMED, "no lease left")
+        del self._versions[version.number]
+        version.blobs = {}
+        self._reclaim_bytes(version.number)
+
+    def _set_state(self, version: Version, new: VersionState, why: str) -> None:
+        if new not in _ARROWS[version.state]:
+            raise AssertionError(f"version {version.number}: {version.state.name} -> {new.name}")
+        log.info("version %d %s -> %s (%s)", version.number, version.state.name, new.name, why)
+        version.state = new
+
+    def _changed(self) -> None:
+        for fn in self.listeners:
+            fn()
+
+    # -- leases -----------------------------------------------------------------------------
+    def lease(self, holder: str, version: int | str, ttl_s: float) -> Lease:
+        """Lease a version, or the newest LIVE one when ``version == "latest"`` (atomically)."""
+        self._check_ttl(ttl_s)
+        self.sweep()
+        if version == "latest":
+            target = self.latest
+            if target is None:
+                raise errors.NoVersions("nothing has been published yet")
+        else:
+            target = self.get(int(version))
+            if target.state is not VersionState.LIVE:
+                raise errors.VersionRetired(f"version {target.number} is retired: no new leases")
+        lease = Lease(secrets.token_urlsafe(12), holder, target.number, ttl_s, self.now() + ttl_s)
+        self._leases[lease.id] = lease
+        target.leases.add(lease.id)
+        heapq.heappush(self._expiry, (lease.expires_at, lease.id))
+        return lease
+
+    def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
+        self.sweep()
+        lease = self._live_lease(lease_id)
+        if ttl_s is not None:
+            self._check_ttl(ttl_s)
+            lease.ttl_s = ttl_s
+        lease.expires_at = self.now() + lease.ttl_s
+        heapq.heappush(self._expiry, (lease.expires_at, lease.id))
+        return lease
+
+    def release(self, lease_id: str) -> None:
+        self.sweep()
+        self._end_lease(self._live_lease(lease_id))
+
+    def _live_lease(self, lease_id: str) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            if lease_id in self._expired:
+                raise errors.LeaseExpired(f"lease {lease_id} expired before it was renewed")
+            raise errors.LeaseUnknown(f"no lease {lease_id!r} (never granted, or released)")
+        return lease
+
+    def _check_ttl(self, ttl_s: float) -> None:
+        if not (0 < ttl_s <= self.max_lease_ttl_s):
+            raise errors.InvalidRequest(f"ttl_s must be in (0, {self.max_lease_ttl_s}], got {ttl_s}")
+
+    def _end_lease(self, lease: Lease) -> None:
+        del self._leases[lease.id]
+        version = self._versions.get(lease.version)
+        if version is not None:
+            version.leases.discard(lease.id)
+            if version.state is VersionState.RETIRED and not version.leases:
+                self._reclaim(version)
+
+    def sweep(self) -> None:
+        """End expired leases (reclaiming retired versions they held) and forget silent replicas."""
+        now = self.now()
+        while self._expiry and self._expiry[0][0] <= now:
+            expires_at, lease_id = heapq.heappop(self._expiry)
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.expires_at != expires_at:
+                continue  # released, or renewed since this entry was pushed
+            log.info("expire lease %s of %s on version %d", lease.id, lease.holder, lease.version)
+            self._end_lease(lease)
+            self._expired[lease.id] = None
+            if len(self._expired) > _EXPIRED_MEMORY:
+                self._expired.popitem(last=False)
+        for rid in [r for r, rep in self._replicas.items()
+                    if now - rep.last_seen > self.replica_forget_after_s]:
+            log.info("forget replica %s (silent for %.0f s)", rid, now - self._replicas[rid].last_seen)
+            del self._replicas[rid]
+
+    def lease_count(self) -> int:
+        return len(self._leases)
+
+    # -- replicas and demand ------------------------------------------------------------------
+    def heartbeat(self, replica_id: str, hb: Heartbeat) -> dict:
+        if not REPLICA_ID_RE.fullmatch(replica_id):
+            raise errors.InvalidRequest(f"invalid replica id {replica_id[:140]!r}")
+        now = self.now()
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            log.info("register replica %s (node %s, server %s)", replica_id, hb.node, hb.server)
+            self._replicas[replica_id] = Replica(hb, now, now)
+        else:
+            rep.heartbeat, rep.last_seen = hb, now
+        return self.heartbeat_reply()
+
+    def heartbeat_reply(self) -> dict:
+        latest = self.latest
+        return {"instance": self.instance, "latest": latest.number if latest else None,
+                "demand": {"min_version": self.demand}}
+
+    def deregister(self, replica_id: str) -> bool:
+        rep = self._replicas.pop(replica_id, None)
+        if rep is not None:
+            log.info("deregister replica %s", replica_id)
+        return rep is not None
+
+    def replicas(self) -> list[dict]:
+        now = self.now()
+        return [{"replica_id": rid, **rep.heartbeat.model_dump(mode="json"),
+                 "age_s": round(now - rep.last_seen, 3)}
+                for rid, rep in sorted(self._replicas.items())]
+
+    def set_demand(self, min_version: int | None) -> None:
+        if min_version is not None and min_version > self._highest:
+            raise errors.DemandAhead(f"min_version {min_version} is newer than the newest "
+                                     f"published version ({self._highest or 'none'})")
+        log.info("demand min_version %s", min_version)
+        self.demand = min_version
