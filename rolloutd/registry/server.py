@@ -127,6 +127,12 @@ def error_response(err: errors.RegistryError, headers: dict | None = None) -> JS
     return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
 
 
+def body_schema(model: type[BaseModel], required: bool = True) -> dict:
+    """OpenAPI for a JSON body the route parses itself (any Content-Type is accepted)."""
+    return {"requestBody": {"required": required, "content": {
+        "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+
+
 def parse(model: type[BaseModel], body: bytes):
     try:
         return model.model_validate_json(body)
@@ -238,8 +244,9 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
     async def list_versions():
         return {"instance": store.instance, "versions": [v.summary() for v in store.versions()]}
 
-    @app.post("/v1/versions", status_code=201)
-    async def publish(manifest: Manifest):
+    @app.post("/v1/versions", status_code=201, openapi_extra=body_schema(Manifest))
+    async def publish(request: Request):
+        manifest = parse(Manifest, await request.body())
         version, created = await service.publish(manifest)
         body = {"version": version.number, "digest": version.manifest.digest, "created": created}
         return JSONResponse(body, status_code=201 if created else 200)
@@ -325,14 +332,15 @@ async def _receive_upload(request: Request, service: RegistryService, version: i
 def _add_lease_routes(app: FastAPI, service: RegistryService) -> None:
     store = service.store
 
-    @app.post("/v1/leases", status_code=201)
-    async def lease(req: LeaseRequest):
+    @app.post("/v1/leases", status_code=201, openapi_extra=body_schema(LeaseRequest))
+    async def lease(request: Request):
+        req = parse(LeaseRequest, await request.body())
         lease = store.lease(req.holder, req.version, req.ttl_s)
         body = lease.to_json(store.now())
         body["digest"] = store.get(lease.version).manifest.digest
         return JSONResponse(body, status_code=201)
 
-    @app.put("/v1/leases/{lease_id}")
+    @app.put("/v1/leases/{lease_id}", openapi_extra=body_schema(RenewRequest, required=False))
     async def renew(request: Request, lease_id: str = Path(max_length=64)):
         body = await request.body()
         req = parse(RenewRequest, body) if body.strip() else RenewRequest()
@@ -346,11 +354,8 @@ def _add_lease_routes(app: FastAPI, service: RegistryService) -> None:
 
 def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
     store = service.store
-    heartbeat_schema = {"requestBody": {"required": True, "content": {
-        "application/json": {"schema": Heartbeat.model_json_schema()}}}}
-
-    # The hot route: raw body and one pydantic-core parse, no FastAPI body machinery.
-    @app.put("/v1/replicas/{replica_id}", openapi_extra=heartbeat_schema)
+    # The hot route: one pydantic-core parse of the raw body.
+    @app.put("/v1/replicas/{replica_id}", openapi_extra=body_schema(Heartbeat))
     async def heartbeat(request: Request, replica_id: str = Path(max_length=128)):
         hb = parse(Heartbeat, await request.body())
         service.metrics.heartbeats.inc()
@@ -365,8 +370,9 @@ def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
         store.deregister(replica_id)  # idempotent: a node may deregister after a registry restart
         return Response(status_code=204)
 
-    @app.put("/v1/demand")
-    async def set_demand(req: DemandRequest):
+    @app.put("/v1/demand", openapi_extra=body_schema(DemandRequest))
+    async def set_demand(request: Request):
+        req = parse(DemandRequest, await request.body())
         store.set_demand(req.min_version)
         return {"min_version": store.demand}
 

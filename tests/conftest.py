@@ -1,0 +1,91 @@
+"""Shared fixtures: registries served over real HTTP on loopback, and an injectable clock."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rolloutd.registry import EmbeddedRegistry
+
+
+class FakeClock:
+    """A monotonic clock the test moves by hand (lease expiry, replica age)."""
+
+    def __init__(self, start: float = 1000.0):
+        self.t = start
+
+    def __call__(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def registry(clock):
+    """An embedded registry (bytes in memory) on a free port, with the fake clock."""
+    with EmbeddedRegistry(port=0, clock=clock) as reg:
+        yield reg
+
+
+@pytest.fixture
+def http(registry):
+    with httpx.Client(base_url=registry.url, timeout=30) as client:
+        yield client
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} not healthy after {timeout_s} s")
+
+
+@pytest.fixture
+def standalone(tmp_path):
+    """Start ``rolloutd registry`` as its own process; yields a function (args) -> (url, proc)."""
+    procs: list[subprocess.Popen] = []
+
+    def start(*args: str) -> tuple[str, subprocess.Popen]:
+        port = free_port()
+        log = open(tmp_path / f"registry-{port}.log", "wb")
+        proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "registry", "--port", str(port),
+                                 *args], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+        return url, proc
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+
+def registry_log(tmp_path: Path) -> str:
+    return "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("registry-*.log"))

@@ -1,0 +1,82 @@
+"""Manifests: sealing, validation, chunk digests of files."""
+
+import json
+import os
+
+import pytest
+from pydantic import ValidationError
+
+from rolloutd.registry.manifest import (FileEntry, Manifest, ManifestError, bad_chunks, build_manifest,
+                                        digest, valid_file_name, verify_file)
+
+CHUNK = 4096
+
+
+def write(path, size, seed=0):
+    data = os.urandom(size) if seed == 0 else bytes((i * seed) % 251 for i in range(size))
+    path.write_bytes(data)
+    return path
+
+
+def test_build_manifest_digests_every_chunk_and_seals(tmp_path):
+    a = write(tmp_path / "a.safetensors", 3 * CHUNK + 17)
+    b = write(tmp_path / "b.safetensors", CHUNK)
+    m = build_manifest(7, [a, b], chunk_bytes=CHUNK)
+    assert [f.name for f in m.files] == ["a.safetensors", "b.safetensors"]
+    assert [len(f.chunks) for f in m.files] == [4, 1]
+    data = a.read_bytes()
+    assert m.files[0].chunks[3] == digest("xxh3-128", data[3 * CHUNK:])
+    assert m.digest == m.compute_digest() and len(m.digest) == 32
+    assert m.total_bytes == 4 * CHUNK + 17
+
+
+def test_digest_covers_everything_but_itself(tmp_path):
+    m = build_manifest(1, [write(tmp_path / "a.safetensors", 100)], chunk_bytes=CHUNK)
+    changed = m.model_copy(update={"metadata": {"step": "5"}, "digest": None}).sealed()
+    assert changed.digest != m.digest
+    body = json.loads(m.model_dump_json())
+    body["files"][0]["size"] = 99
+    with pytest.raises(ManifestError, match="does not match"):
+        Manifest.model_validate(body).sealed()
+
+
+def test_sha256_is_allowed(tmp_path):
+    m = build_manifest(1, [write(tmp_path / "a.safetensors", 10)], chunk_bytes=CHUNK, hash_name="sha256")
+    assert len(m.digest) == 64 and len(m.files[0].chunks[0]) == 64
+
+
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "..", "", "a b", "x" * 201, "é.bin"])
+def test_unsafe_file_names_are_refused(name):
+    assert not valid_file_name(name)
+    with pytest.raises(ValidationError, match="invalid file name"):
+        FileEntry(name=name, size=0, chunks=[])
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda b: b["files"].append(dict(b["files"][0])), "duplicate file names"),
+    (lambda b: b["files"][0]["chunks"].pop(), "chunk digests"),
+    (lambda b: b["files"][0]["chunks"].__setitem__(0, "zz" * 16), "not a xxh3-128 hex digest"),
+    (lambda b: b.update(version=0), "greater than or equal to 1"),
+    (lambda b: b.update(chunk_bytes=10), "greater than or equal to 4096"),
+    (lambda b: b.update(files=[]), "at least 1 item"),
+    (lambda b: b.update(extra=1), "Extra inputs are not permitted"),
+    (lambda b: b.update(hash="md5"), "Input should be"),
+])
+def test_inconsistent_manifests_are_refused(tmp_path, mutate, message):
+    body = json.loads(build_manifest(1, [write(tmp_path / "a.safetensors", 2 * CHUNK)],
+                                     chunk_bytes=CHUNK).model_dump_json())
+    mutate(body)
+    with pytest.raises(ValidationError, match=message):
+        Manifest.model_validate(body)
+
+
+def test_verify_file_names_the_bad_chunks(tmp_path):
+    p = write(tmp_path / "a.safetensors", 3 * CHUNK)
+    m = build_manifest(1, [p], chunk_bytes=CHUNK)
+    assert verify_file(p, m.files[0], m) == []
+    data = bytearray(p.read_bytes())
+    data[CHUNK + 5] ^= 0xFF
+    p.write_bytes(data)
+    assert verify_file(p, m.files[0], m) == [1]
+    assert bad_chunks(bytes(data[:-1]), m.files[0], m) == [0, 1, 2]  # truncated: all suspect
+    assert verify_file(tmp_path / "missing", m.files[0], m) == [0, 1, 2]

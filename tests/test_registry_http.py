@@ -1,0 +1,422 @@
+"""The registry over real HTTP on loopback: every route of API v1 and its error codes."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from rolloutd.demo import llama_state_dict
+from rolloutd.registry import EmbeddedRegistry
+from rolloutd.registry.manifest import build_manifest
+
+CHUNK = 4096
+
+
+def small(seed: int) -> dict:
+    return llama_state_dict(seed, hidden=64, layers=2, vocab=128, intermediate=96)
+
+
+def publish(reg, version, seed=None, **kw):
+    return reg.publish(version, small(seed if seed is not None else version), chunk_bytes=CHUNK, **kw)
+
+
+def code(r: httpx.Response) -> str:
+    return r.json()["error"]["code"]
+
+
+# -- publish, latest, long-poll ----------------------------------------------------------------
+
+def test_publish_then_latest_and_manifest(registry, http):
+    assert http.get("/v1/versions/latest").json()["version"] is None
+    m = publish(registry, 1)
+    latest = http.get("/v1/versions/latest").json()
+    assert latest == {"instance": registry.service.store.instance, "version": 1, "digest": m.digest,
+                      "total_bytes": m.total_bytes}
+    r = http.get("/v1/versions/1")
+    assert r.json() == json.loads(m.model_dump_json())
+    assert r.headers["x-rolloutd-version-state"] == "live"
+
+
+def test_long_poll_wakes_within_100ms_of_a_publish(registry, http):
+    publish(registry, 1)
+    result = {}
+
+    def poll():
+        t0 = time.monotonic()
+        body = http.get("/v1/versions/latest", params={"after": 1, "wait_s": 20}).json()
+        result.update(body=body, returned=time.monotonic(), waited=time.monotonic() - t0)
+
+    t = threading.Thread(target=poll)
+    t.start()
+    time.sleep(0.5)
+    assert t.is_alive(), "the long-poll returned before anything newer existed"
+    publish(registry, 2)
+    published = time.monotonic()
+    t.join(5)
+    assert result["body"]["version"] == 2
+    assert result["returned"] - published < 0.1, result
+    assert result["waited"] >= 0.5
+
+
+def test_long_poll_times_out_with_the_current_latest(registry, http):
+    publish(registry, 1)
+    t0 = time.monotonic()
+    body = http.get("/v1/versions/latest", params={"after": 1, "wait_s": 0.3}).json()
+    assert body["version"] == 1 and 0.3 <= time.monotonic() - t0 < 2
+
+
+def test_long_poll_returns_at_once_for_another_instance(registry, http):
+    publish(registry, 5)
+    t0 = time.monotonic()
+    body = http.get("/v1/versions/latest", params={"after": 9, "instance": "old", "wait_s": 20}).json()
+    assert body["version"] == 5 and time.monotonic() - t0 < 1
+
+
+def test_409_when_not_newer_and_idempotent_republish(registry, http):
+    m2 = publish(registry, 2)
+    # the same manifest again: 200, nothing changes
+    r = http.post("/v1/versions", content=m2.model_dump_json())
+    assert r.status_code == 200 and r.json()["created"] is False
+    assert publish(registry, 2).digest == m2.digest
+    with pytest.raises(Exception) as e:
+        publish(registry, 1)
+    assert getattr(e.value, "code", None) == "version_not_newer"
+    with pytest.raises(Exception) as e:
+        publish(registry, 2, seed=9)
+    assert getattr(e.value, "code", None) == "version_conflict"
+    r = http.put("/v1/uploads/2/files/model.safetensors", content=b"x")
+    assert r.status_code == 409 and code(r) == "version_conflict"
+
+
+def test_404_unknown_410_retired(registry, http):
+    publish(registry, 1)
+    assert code(http.get("/v1/versions/7")) == "version_unknown"
+    assert http.get("/v1/versions/7").status_code == 404
+    assert http.delete("/v1/versions/1").json()["state"] == "reclaimed"
+    r = http.get("/v1/versions/1")
+    assert r.status_code == 410 and code(r) == "version_retired"
+    assert http.get("/v1/versions/1/files/model.safetensors").status_code == 410
+    r = http.post("/v1/leases", json={"holder": "n", "version": 1})
+    assert r.status_code == 410
+
+
+def test_keep_newest_k(registry, http):
+    for v in (1, 2, 3, 4):
+        publish(registry, v)
+    assert [(v["version"], v["state"]) for v in http.get("/v1/versions").json()["versions"]] == \
+        [(2, "live"), (3, "live"), (4, "live")]
+
+
+# -- leases ------------------------------------------------------------------------------------
+
+def test_lease_renew_release_and_expiry_with_injected_clock(registry, http, clock):
+    publish(registry, 1)
+    lease = http.post("/v1/leases", json={"holder": "n1", "version": "latest", "ttl_s": 10}).json()
+    assert lease["version"] == 1 and lease["expires_in_s"] == 10 and lease["digest"]
+    clock.advance(8)
+    renewed = http.put(f"/v1/leases/{lease['lease_id']}", json={"ttl_s": 20}).json()
+    assert renewed["expires_in_s"] == 20
+    clock.advance(21)
+    r = http.put(f"/v1/leases/{lease['lease_id']}")
+    assert r.status_code == 410 and code(r) == "lease_expired"
+    r = http.delete("/v1/leases/nope")
+    assert r.status_code == 404 and code(r) == "lease_unknown"
+    other = http.post("/v1/leases", json={"holder": "n2", "version": 1}).json()
+    assert http.delete(f"/v1/leases/{other['lease_id']}").status_code == 204
+    assert code(http.put(f"/v1/leases/{other['lease_id']}")) == "lease_unknown"
+
+
+def test_retired_bytes_readable_by_lease_holder_then_reclaimed(registry, http, clock):
+    m = publish(registry, 1)
+    lease = http.post("/v1/leases", json={"holder": "n1", "version": 1, "ttl_s": 30}).json()
+    assert http.delete("/v1/versions/1").json()["state"] == "retired"
+    r = http.get("/v1/versions/1/files/model.safetensors")
+    assert r.status_code == 200 and len(r.content) == m.files[0].size
+    assert http.get("/v1/versions/1").headers["x-rolloutd-version-state"] == "retired"
+    assert code(http.post("/v1/leases", json={"holder": "n2", "version": 1})) == "version_retired"
+    http.delete(f"/v1/leases/{lease['lease_id']}")
+    assert http.get("/v1/versions/1/files/model.safetensors").status_code == 410
+
+
+def test_retired_version_reclaimed_when_its_lease_expires(registry, http, clock):
+    publish(registry, 1)
+    http.post("/v1/leases", json={"holder": "n1", "version": 1, "ttl_s": 5})
+    http.delete("/v1/versions/1")
+    assert http.get("/v1/versions/1").status_code == 200
+    clock.advance(6)
+    assert http.get("/v1/versions/1").status_code == 410
+
+
+@pytest.fixture
+def registry_k2(clock):
+    with EmbeddedRegistry(port=0, clock=clock, keep_versions=2) as reg:
+        yield reg
+
+
+def test_lease_on_latest_is_atomic_under_concurrent_publish(registry_k2):
+    """With keep_versions=2 each publish retires a version: a lease on "latest" must never
+    name a retired version, and the leased bytes must stay readable while it is held."""
+    reg = registry_k2
+    publish(reg, 1)
+    failures, leased = [], []
+    per_thread = 60
+
+    def leaser():
+        with httpx.Client(base_url=reg.url, timeout=10) as c:
+            for _ in range(per_thread):
+                r = c.post("/v1/leases", json={"holder": "n", "version": "latest", "ttl_s": 30})
+                if r.status_code != 201:
+                    failures.append(r.text)
+                    continue
+                lease = r.json()
+                leased.append(lease["version"])
+                got = c.get(f"/v1/versions/{lease['version']}/files/model.safetensors",
+                            headers={"range": "bytes=0-99"})
+                if got.status_code != 206:
+                    failures.append(f"v{lease['version']}: {got.status_code} {got.text[:200]}")
+                c.delete(f"/v1/leases/{lease['lease_id']}")
+
+    threads = [threading.Thread(target=leaser) for _ in range(3)]
+    for t in threads:
+        t.start()
+    v = 1
+    while any(t.is_alive() for t in threads) and v < 2000:
+        v += 1
+        publish(reg, v)
+    for t in threads:
+        t.join(30)
+    assert failures == []
+    assert len(leased) == 3 * per_thread
+    assert len(set(leased)) > 10, "publishes did not interleave with the leases"
+    assert [x["version"] for x in reg.versions()] == [v - 1, v]  # nothing left pinned
+
+
+# -- replicas and demand -----------------------------------------------------------------------
+
+HB = {"node": "n1", "server": "s0", "endpoint": "http://n1:8000", "state": "SERVING", "version": 1,
+      "target": 1, "incarnation": 2, "timings": {"pause_s": 0.4}}
+
+
+def test_replica_directory_age_on_registry_clock(registry, http, clock):
+    r = http.put("/v1/replicas/n1.s0", json=HB)
+    assert r.status_code == 200
+    clock.advance(3.25)
+    http.put("/v1/replicas/n2.s0", json={**HB, "node": "n2"})
+    reps = {r["replica_id"]: r for r in http.get("/v1/replicas").json()["replicas"]}
+    assert reps["n1.s0"]["age_s"] == 3.25 and reps["n2.s0"]["age_s"] == 0
+    assert reps["n1.s0"]["incarnation"] == 2 and reps["n1.s0"]["timings"] == {"pause_s": 0.4}
+    assert http.delete("/v1/replicas/n1.s0").status_code == 204
+    assert http.delete("/v1/replicas/n1.s0").status_code == 204  # idempotent
+    assert [r["replica_id"] for r in http.get("/v1/replicas").json()["replicas"]] == ["n2.s0"]
+
+
+def test_demand_in_heartbeat_replies(registry, http):
+    assert code(http.put("/v1/demand", json={"min_version": 1})) == "demand_ahead"
+    publish(registry, 1)
+    publish(registry, 2)
+    assert http.put("/v1/demand", json={"min_version": 2}).json() == {"min_version": 2}
+    reply = http.put("/v1/replicas/n1.s0", json=HB).json()
+    assert reply["demand"] == {"min_version": 2} and reply["latest"] == 2
+    http.put("/v1/demand", json={"min_version": None})
+    assert http.put("/v1/replicas/n1.s0", json=HB).json()["demand"] == {"min_version": None}
+
+
+@pytest.mark.parametrize("body", [{**HB, "state": ""}, {**HB, "extra": 1}, {**HB, "version": 0},
+                                  {"node": "n1"}, "not json"])
+def test_bad_heartbeats_are_422(http, body):
+    r = http.put("/v1/replicas/n1.s0", **({"content": body} if isinstance(body, str) else {"json": body}))
+    assert r.status_code == 422 and code(r) == "invalid_request"
+
+
+# -- bytes -------------------------------------------------------------------------------------
+
+def test_range_206_and_416(registry, http):
+    publish(registry, 1)
+    full = http.get("/v1/versions/1/files/model.safetensors")
+    data, size = full.content, len(full.content)
+    assert full.status_code == 200 and full.headers["accept-ranges"] == "bytes"
+    r = http.get("/v1/versions/1/files/model.safetensors", headers={"range": "bytes=10-19"})
+    assert r.status_code == 206 and r.content == data[10:20]
+    assert r.headers["content-range"] == f"bytes 10-19/{size}"
+    assert http.get("/v1/versions/1/files/model.safetensors", headers={"range": "bytes=-5"}).content == data[-5:]
+    assert http.get("/v1/versions/1/files/model.safetensors",
+                    headers={"range": f"bytes={size - 3}-"}).content == data[-3:]
+    assert len(http.get("/v1/versions/1/files/model.safetensors",
+                        headers={"range": f"bytes=0-{size + 100}"}).content) == size
+    for bad in (f"bytes={size}-", "bytes=5-2", "bytes=0-1,5-6", "items=0-1", "bytes=x-1", "bytes=-0"):
+        r = http.get("/v1/versions/1/files/model.safetensors", headers={"range": bad})
+        assert r.status_code == 416 and code(r) == "range_not_satisfiable", bad
+        assert r.headers["content-range"] == f"bytes */{size}"
+    head = http.head("/v1/versions/1/files/model.safetensors", headers={"range": "bytes=0-9"})
+    assert head.status_code == 206 and head.headers["content-length"] == "10" and head.content == b""
+
+
+def raw_get(port: int, target: str) -> bytes:
+    """An HTTP request with the path sent exactly as given (clients normalise '..')."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(f"GET {target} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+    return out
+
+
+@pytest.mark.parametrize("target", [
+    "/v1/versions/1/files/../../../../etc/passwd",
+    "/v1/versions/1/files/..%2F..%2F..%2Fetc%2Fpasswd",
+    "/v1/versions/1/files/%2e%2e",
+    "/v1/versions/1/files/manifest.json",
+    "/v1/versions/1/files/.%2Fmodel.safetensors",
+])
+def test_file_names_cannot_escape_the_version(tmp_path, target):
+    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data") as reg:
+        publish(reg, 1)
+        head, _, body = raw_get(reg.port, target).partition(b"\r\n\r\n")
+        status = int(head.split()[1])
+        assert status in (400, 404), head
+        assert b"root:" not in body and b'"files"' not in body
+
+
+def test_upload_names_cannot_escape_either(registry, http):
+    r = http.put("/v1/uploads/1/files/..%2Fevil", content=b"x")
+    assert r.status_code in (404, 422)
+    r = http.put("/v1/uploads/1/files/.evil", content=b"x")
+    assert r.status_code == 422 and code(r) == "invalid_request"
+
+
+# -- publishing over HTTP only (a non-Python trainer) -----------------------------------------
+
+def test_publish_over_http_alone(registry, http, tmp_path):
+    from rolloutd.registry.publish import save_shards
+    paths = save_shards(small(3), tmp_path, shard_bytes=20_000)
+    assert len(paths) > 1
+    m = build_manifest(1, paths, chunk_bytes=CHUNK)
+    body = json.loads(m.model_dump_json())
+    del body["digest"]  # optional: the registry seals it
+    r = http.post("/v1/versions", json=body)
+    assert r.status_code == 409 and code(r) == "upload_incomplete"
+    for p in paths:
+        r = http.put(f"/v1/uploads/1/files/{p.name}", content=p.read_bytes())
+        assert r.status_code == 201 and r.json()["size"] == p.stat().st_size
+    r = http.post("/v1/versions", json=body)
+    assert r.status_code == 201 and r.json()["digest"] == m.digest
+    for p in paths:
+        assert http.get(f"/v1/versions/1/files/{p.name}").content == p.read_bytes()
+
+
+def test_corrupt_upload_is_refused_and_can_be_redone(registry, http, tmp_path):
+    from rolloutd.registry.publish import save_shards
+    (p,) = save_shards(small(1), tmp_path)
+    m = build_manifest(1, [p], chunk_bytes=CHUNK)
+    bad = bytearray(p.read_bytes())
+    bad[CHUNK * 2 + 1] ^= 1
+    http.put(f"/v1/uploads/1/files/{p.name}", content=bytes(bad))
+    r = http.post("/v1/versions", content=m.model_dump_json())
+    assert r.status_code == 422 and code(r) == "digest_mismatch" and "chunks [2]" in r.json()["error"]["message"]
+    assert http.get("/v1/versions/latest").json()["version"] is None
+    http.put(f"/v1/uploads/1/files/{p.name}", content=p.read_bytes())
+    assert http.post("/v1/versions", content=m.model_dump_json()).status_code == 201
+
+
+def test_wrong_manifest_digest_is_refused(registry, http, tmp_path):
+    from rolloutd.registry.publish import save_shards
+    (p,) = save_shards(small(1), tmp_path)
+    body = json.loads(build_manifest(1, [p], chunk_bytes=CHUNK).model_dump_json())
+    body["digest"] = "0" * 32
+    r = http.post("/v1/versions", json=body)
+    assert r.status_code == 422 and code(r) == "manifest_digest_mismatch"
+
+
+def test_upload_cut_off_halfway_leaves_nothing(tmp_path):
+    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data") as reg:
+        with socket.create_connection(("127.0.0.1", reg.port)) as s:
+            s.sendall(b"PUT /v1/uploads/1/files/model.safetensors HTTP/1.1\r\nHost: x\r\n"
+                      b"Content-Length: 1000000\r\n\r\n" + b"x" * 300_000)
+            time.sleep(0.3)
+        deadline = time.monotonic() + 5
+        staging = tmp_path / "data" / "staging" / "1"
+        while any(staging.glob("*")) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert list(staging.glob("*")) == []
+        assert reg.service.blobs.staged_sizes(1) == {}
+
+
+# -- auth, limits, errors ------------------------------------------------------------------------
+
+def test_bearer_token_required_everywhere_but_healthz(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    with EmbeddedRegistry(port=0, token_file=token_file) as reg:
+        plain = httpx.Client(base_url=reg.url)
+        assert plain.get("/healthz").status_code == 200
+        for method, path in [("GET", "/v1/versions/latest"), ("GET", "/metrics"), ("GET", "/v1/replicas"),
+                             ("PUT", "/v1/replicas/a"), ("POST", "/v1/leases"), ("GET", "/nope")]:
+            r = plain.request(method, path)
+            assert r.status_code == 401 and code(r) == "unauthorized", path
+            assert r.headers["www-authenticate"] == "Bearer"
+        wrong = plain.get("/v1/versions/latest", headers={"authorization": "Bearer s3cret-toke"})
+        assert wrong.status_code == 401
+        publish(reg, 1)  # the library sends the token
+        assert reg.latest()["version"] == 1
+        ok = plain.get("/v1/versions/latest", headers={"authorization": "Bearer s3cret-token"})
+        assert ok.status_code == 200
+        plain.close()
+
+
+def test_oversized_bodies_are_refused(tmp_path):
+    with EmbeddedRegistry(port=0, max_json_bytes=8192, max_file_bytes=10_000) as reg:
+        http = httpx.Client(base_url=reg.url)
+        r = http.put("/v1/replicas/a", content=b"{" + b" " * 9000 + b"}")
+        assert r.status_code == 413 and code(r) == "body_too_large"
+        r = http.put("/v1/uploads/1/files/a.safetensors", content=b"x" * 10_001)
+        assert r.status_code == 413
+        # a chunked body with no Content-Length is counted as it arrives
+        r = http.put("/v1/uploads/1/files/a.safetensors", content=iter([b"x" * 6000, b"x" * 6000]))
+        assert r.status_code == 413 and code(r) == "body_too_large"
+        assert reg.service.blobs.staged_sizes(1) == {}
+        http.close()
+
+
+def test_unknown_routes_and_methods_are_json_errors(http):
+    r = http.get("/v2/anything")
+    assert r.status_code == 404 and code(r) == "not_found"
+    r = http.patch("/v1/versions/latest")
+    assert r.status_code == 405 and code(r) == "method_not_allowed"
+    r = http.get("/v1/versions/abc")
+    assert r.status_code == 422 and code(r) == "invalid_request"
+    r = http.post("/v1/leases", content=b"{bad json")
+    assert r.status_code == 422
+
+
+def test_metrics_count_requests_and_state(registry, http):
+    publish(registry, 1)
+    http.put("/v1/replicas/n1.s0", json=HB)
+    text = http.get("/metrics").text
+    assert "rolloutd_registry_latest_version 1.0" in text
+    assert "rolloutd_registry_heartbeats_total 1.0" in text
+    assert 'rolloutd_registry_requests_total{route="/v1/replicas/{replica_id}",status="200"} 1.0' in text
+
+
+# -- persistence ---------------------------------------------------------------------------------
+
+def test_disk_registry_keeps_versions_across_restart_with_a_new_instance(tmp_path):
+    data = tmp_path / "data"
+    with EmbeddedRegistry(port=0, data_dir=data) as reg:
+        m = publish(reg, 1)
+        publish(reg, 2)
+        first_instance = reg.latest()["instance"]
+        content = httpx.get(reg.url + "/v1/versions/1/files/model.safetensors").content
+    (data / "staging" / "9").mkdir(parents=True)  # a publish cut off by the restart
+    (data / "versions" / "7").mkdir()               # a version dir without its manifest
+    with EmbeddedRegistry(port=0, data_dir=data) as reg:
+        latest = reg.latest()
+        assert latest["version"] == 2 and latest["instance"] != first_instance
+        assert reg.manifest(1).digest == m.digest
+        assert httpx.get(reg.url + "/v1/versions/1/files/model.safetensors").content == content
+        assert not (data / "staging" / "9").exists()
+        assert [v["version"] for v in reg.versions()] == [1, 2]
