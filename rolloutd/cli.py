@@ -47,7 +47,8 @@ async def serve_registry(settings) -> int:
 
     service = RegistryService(settings)
     sock = bind(settings.host, settings.port)
-    server = QuietServer(server_config(create_app(service), timeout_keep_alive=settings.keep_alive_s))
+    server = QuietServer(server_config(create_app(service), timeout_keep_alive=settings.keep_alive_s),
+                         before_shutdown=[service.close])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # handlers only ask the server to stop
         loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))

@@ -12,7 +12,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -20,11 +20,24 @@ log = logging.getLogger("rolloutd")
 
 
 class QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to whoever embeds it."""
+    """A uvicorn server that leaves signal handling to whoever embeds it.
+
+    ``before_shutdown`` callbacks run on the server's loop as shutdown begins, before uvicorn
+    waits for open requests: that is where long-polls are told to return at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, before_shutdown: list[Callable[[], None]] | None = None):
+        super().__init__(config)
+        self.before_shutdown = before_shutdown or []
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
+
+    async def shutdown(self, sockets=None) -> None:
+        for fn in self.before_shutdown:
+            fn()
+        await super().shutdown(sockets)
 
 
 def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -51,10 +64,11 @@ def server_config(app, **kwargs) -> uvicorn.Config:
 class ServerThread:
     """Run an ASGI app in a thread with its own event loop; ``start`` returns once it accepts."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, **config):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0,
+                 before_shutdown: list[Callable[[], None]] | None = None, **config):
         self.sock = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
-        self.server = QuietServer(server_config(app, **config))
+        self.server = QuietServer(server_config(app, **config), before_shutdown)
         self.loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name=f"http-{self.port}", daemon=True)
         self._error: BaseException | None = None

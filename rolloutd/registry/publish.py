@@ -217,6 +217,7 @@ class EmbeddedRegistry(RegistryHTTP):
         self.settings = RegistrySettings(host=host, port=port, **settings)
         self.service = RegistryService(self.settings, **({"clock": clock} if clock else {}))
         self._thread = ServerThread(create_app(self.service), host, port,
+                                    before_shutdown=[self.service.close],
                                     timeout_keep_alive=self.settings.keep_alive_s)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         super().__init__(f"http://{shown}:{self._thread.port}", self.service.token)

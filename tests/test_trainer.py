@@ -1,0 +1,178 @@
+"""The trainer side: embedded registry, publish(state_dict) with torch, publish_dir over HTTP,
+replicas and demand, and the standalone registry and publish commands."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from safetensors import safe_open
+
+from rolloutd.registry import EmbeddedRegistry, RegistryHTTP, errors
+from rolloutd.registry.publish import layer_key, save_shards, shard_plan
+
+from .conftest import registry_log
+
+
+def torch_state_dict(seed: int) -> dict:
+    import torch
+    g = torch.Generator().manual_seed(seed)
+    sd = {"model.embed_tokens.weight": torch.randn(256, 64, generator=g),
+          "lm_head.weight": torch.randn(256, 64, generator=g),
+          "model.norm.weight": torch.ones(64)}
+    for i in range(12):
+        sd[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(64, 64, generator=g)
+        sd[f"model.layers.{i}.mlp.down_proj.weight"] = torch.randn(64, 128, generator=g).to(torch.bfloat16)
+    return sd
+
+
+def test_layer_order_and_shard_plan():
+    names = ["lm_head.weight", "model.layers.10.x", "model.norm.weight", "model.layers.2.x",
+             "model.embed_tokens.weight", "model.layers.2.a"]
+    assert sorted(names, key=layer_key) == ["model.embed_tokens.weight", "model.layers.2.a",
+                                            "model.layers.2.x", "model.layers.10.x",
+                                            "lm_head.weight", "model.norm.weight"]
+    plan = shard_plan({"model.layers.0.a": 60, "model.layers.1.a": 60, "model.layers.2.a": 200,
+                       "model.layers.3.a": 10}, shard_bytes=100)
+    assert plan == [["model.layers.0.a"], ["model.layers.1.a"], ["model.layers.2.a"], ["model.layers.3.a"]]
+
+
+def read_version(url: str, manifest, headers=None) -> dict:
+    """Download every file of a version and open it as safetensors (the bytes a node sees)."""
+    from safetensors.torch import load
+    out = {}
+    with httpx.Client(base_url=url, headers=headers or {}) as c:
+        for f in manifest.files:
+            out.update(load(c.get(f"/v1/versions/{manifest.version}/files/{f.name}").content))
+    return out
+
+
+def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path):
+    import torch
+    sd = torch_state_dict(1)
+    m = registry.publish(1, sd, shard_bytes=40_000, chunk_bytes=4096, metadata={"step": "100"})
+    assert len(m.files) > 2 and m.metadata == {"step": "100"}
+    got = read_version(registry.url, m)
+    assert got.keys() == sd.keys()
+    for k in sd:
+        assert got[k].dtype == sd[k].dtype and torch.equal(got[k], sd[k]), k
+    # shards follow layer order: every layer of shard i comes before every layer of shard i+1
+    layers = []
+    with httpx.Client(base_url=registry.url) as c:
+        for f in m.files:
+            (p := tmp_path / f.name).write_bytes(c.get(f"/v1/versions/1/files/{f.name}").content)
+            with safe_open(p, "pt") as st:
+                layers.append(sorted(layer_key(k)[:2] for k in st.keys()))
+    flat = [x for shard in layers for x in shard]
+    assert flat == sorted(flat)
+
+
+def test_publish_a_gpu_free_numpy_state_dict_and_a_directory(registry, tmp_path):
+    import numpy as np
+    sd = {"model.layers.0.w": np.arange(1000, dtype=np.float32)}
+    registry.publish(1, sd)
+    save_shards({"model.layers.0.w": np.ones(10, np.float16)}, tmp_path)
+    m = registry.publish_dir(2, tmp_path)
+    assert [f.name for f in m.files] == ["model.safetensors"]
+    assert registry.latest()["version"] == 2
+
+
+def test_wait_for_replicas_and_demand(registry):
+    registry.publish(1, torch_state_dict(1))
+    registry.publish(2, torch_state_dict(2))
+    registry.demand(2)
+
+    def node():
+        with httpx.Client(base_url=registry.url) as c:
+            for i in range(3):
+                time.sleep(0.2)
+                reply = c.put(f"/v1/replicas/n{i}.s0", json={"node": f"n{i}", "server": "s0",
+                              "state": "SERVING", "version": 2}).json()
+                assert reply["demand"]["min_version"] == 2
+
+    t = threading.Thread(target=node)
+    t.start()
+    ready = registry.wait_for_replicas(3, min_version=2, timeout_s=10, poll_s=0.05)
+    t.join()
+    assert sorted(r["replica_id"] for r in ready) == ["n0.s0", "n1.s0", "n2.s0"]
+    with pytest.raises(TimeoutError, match="3 of 4 replicas SERVING"):
+        registry.wait_for_replicas(4, min_version=2, timeout_s=0.3, poll_s=0.05)
+    with pytest.raises(errors.DemandAhead):
+        registry.demand(3)
+
+
+def test_embedded_registry_starts_accepting_and_stops_cleanly():
+    reg = EmbeddedRegistry(port=0).start()
+    assert httpx.get(reg.url + "/healthz").status_code == 200  # no wait needed after start()
+    port = reg.port
+    reg.stop()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"http://127.0.0.1:{port}/healthz")
+    assert not [t for t in threading.enumerate() if t.name == f"http-{port}"]
+
+
+def test_embedded_registry_stops_while_a_long_poll_waits():
+    reg = EmbeddedRegistry(port=0).start()
+    t = threading.Thread(target=lambda: httpx.get(reg.url + "/v1/versions/latest?after=5&wait_s=60",
+                                                   timeout=70))
+    t.start()
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    reg.stop()
+    assert time.monotonic() - t0 < 3
+    t.join(5)
+
+
+def test_port_in_use_is_a_clear_error():
+    with EmbeddedRegistry(port=0) as reg:
+        with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{reg.port}"):
+            EmbeddedRegistry(port=reg.port)
+
+
+# -- standalone: rolloutd registry / rolloutd publish --------------------------------------------
+
+def test_cli_publish_to_a_standalone_registry_with_a_token(standalone, tmp_path):
+    import torch
+    (tmp_path / "token").write_text("tok-Never-Logged\n")
+    url, proc = standalone("--token-file", str(tmp_path / "token"), "--data-dir", str(tmp_path / "data"))
+    ckpt = tmp_path / "ckpt"
+    sd = torch_state_dict(7)
+    save_shards(sd, ckpt, shard_bytes=50_000)
+    cmd = [sys.executable, "-m", "rolloutd.cli", "publish", "--registry", url,
+           "--token-file", str(tmp_path / "token"), "--chunk-bytes", "4096", "--metadata", "step=7",
+           "3", str(ckpt)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+    assert "published version 3" in run.stdout and "upload v3:" in run.stderr and "100%" in run.stderr
+    again = subprocess.run(cmd, capture_output=True, text=True, timeout=60)  # idempotent retry
+    assert again.returncode == 0, again.stderr
+    older = subprocess.run(cmd[:-2] + ["2", str(ckpt)], capture_output=True, text=True, timeout=60)
+    assert older.returncode == 1 and "version_not_newer" in older.stderr and "Traceback" not in older.stderr
+    reg = RegistryHTTP(url, "tok-Never-Logged")
+    m = reg.manifest(3)
+    assert m.metadata == {"step": "7"}
+    got = read_version(url, m, {"authorization": "Bearer tok-Never-Logged"})
+    assert all(torch.equal(got[k], sd[k]) for k in sd)
+    assert "Never-Logged" not in registry_log(tmp_path)  # the token never reaches the log
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0
+
+
+def test_cli_publish_errors_are_one_line(tmp_path, standalone):
+    url, _ = standalone()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "publish", "--registry", url, "1",
+                          str(empty)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "no .safetensors files" in run.stderr and "Traceback" not in run.stderr
+    run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "publish", "--registry",
+                          "http://127.0.0.1:9", "1", str(empty)], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1 and "Traceback" not in run.stderr
+    run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "registry", "--keep-versions", "1"],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "keep_versions" in run.stderr and "Traceback" not in run.stderr
