@@ -6,8 +6,16 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from rolloutd.registry.manifest import (FileEntry, Manifest, ManifestError, bad_chunks, build_manifest,
-                                        digest, valid_file_name, verify_file)
+from rolloutd.registry.manifest import (
+    FileEntry,
+    Manifest,
+    ManifestError,
+    bad_chunks,
+    build_manifest,
+    digest,
+    valid_file_name,
+    verify_file,
+)
 
 CHUNK = 4096
 

@@ -119,6 +119,9 @@ class MemoryStore:
     def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
         self._staging.setdefault(version, {})[name] = bytearray(data) if isinstance(data, bytes) else data
 
+    def stage_file(self, version: int, path: Path) -> None:
+        self.stage_bytes(version, path.name, path.read_bytes())
+
     def staged_sizes(self, version: int) -> dict[str, int]:
         return {n: len(b) for n, b in self._staging.get(version, {}).items()}
 
@@ -173,6 +176,8 @@ class _DiskUpload:
         self._f.write(data)
 
     def finish(self) -> int:
+        self._f.flush()
+        os.fsync(self._f.fileno())  # a committed version must survive a crash of the host
         self._f.close()
         os.replace(self._part, self._final)
         return self._final.stat().st_size
@@ -212,6 +217,13 @@ class DiskStore:
         except BaseException:
             up.abort()
             raise
+
+    def stage_file(self, version: int, path: Path) -> None:
+        """Stage a copy (a hard link would change with the trainer's file if it were rewritten)."""
+        final = self.staging_dir(version) / path.name
+        part = final.with_name(f"{final.name}.{secrets.token_hex(4)}.part")
+        shutil.copyfile(path, part)
+        os.replace(part, final)
 
     def staged_sizes(self, version: int) -> dict[str, int]:
         d = self._staging / str(version)

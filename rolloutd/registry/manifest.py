@@ -196,7 +196,7 @@ def bad_chunks(data: memoryview | bytes, entry: FileEntry, manifest: Manifest) -
     if len(data) != entry.size:
         return list(range(len(entry.chunks))) or [0]
     got = hash_chunks(data, manifest.chunk_bytes, manifest.hash)
-    return [i for i, (a, b) in enumerate(zip(got, entry.chunks)) if a != b]
+    return [i for i, (a, b) in enumerate(zip(got, entry.chunks, strict=True)) if a != b]
 
 
 def verify_file(path: Path, entry: FileEntry, manifest: Manifest) -> list[int]:

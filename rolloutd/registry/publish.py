@@ -8,7 +8,6 @@ torch is imported only by :func:`save_shards`, when a state dict holds torch ten
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import tempfile
@@ -20,8 +19,7 @@ from typing import Any
 import httpx
 
 from . import errors
-from .manifest import (DEFAULT_CHUNK_BYTES, FileEntry, Manifest, build_manifest, hash_chunks,
-                       safetensors_files)
+from .manifest import DEFAULT_CHUNK_BYTES, FileEntry, Manifest, build_manifest, hash_chunks, safetensors_files
 
 log = logging.getLogger("rolloutd.publish")
 
@@ -82,7 +80,7 @@ def serialize_shards(state_dict: Mapping[str, Any], shard_bytes: int = DEFAULT_S
     if not state_dict:
         raise ValueError("state_dict is empty")
     plan = shard_plan({k: _nbytes(v) for k, v in state_dict.items()}, shard_bytes)
-    for fname, names in zip(shard_names(len(plan)), plan):
+    for fname, names in zip(shard_names(len(plan)), plan, strict=True):
         yield fname, _serialize({n: state_dict[n] for n in names})
 
 
@@ -245,34 +243,56 @@ class EmbeddedRegistry(RegistryHTTP):
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
-        """Serialize and hash in the caller's thread, then publish on the registry's loop."""
-        shards = dict(serialize_shards(state_dict, shard_bytes))
-        entries = [FileEntry(name=n, size=len(b), chunks=hash_chunks(b, chunk_bytes, "xxh3-128"))
-                   for n, b in shards.items()]
-        manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
-                            metadata=metadata or {}).sealed()
-        self._commit(manifest, shards)
+        """Serialize, hash and stage shard by shard in the caller's thread (one shard in
+        memory at a time), then publish on the registry's loop."""
+        self._check_new(version)
+        entries = []
+        try:
+            for name, data in serialize_shards(state_dict, shard_bytes):
+                entries.append(FileEntry(name=name, size=len(data),
+                                         chunks=hash_chunks(data, chunk_bytes, "xxh3-128")))
+                self.service.blobs.stage_bytes(version, name, data)
+            manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
+                                metadata=metadata or {}).sealed()
+            self._commit(manifest)  # hashed from these very bytes
+        except BaseException:
+            self.service.blobs.discard_staging(version)
+            raise
         if progress:
             progress(manifest.total_bytes, manifest.total_bytes)
         return manifest
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+        self._check_new(version)
         files = safetensors_files(path)
         manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata)
-        self._commit(manifest, {p.name: p.read_bytes() for p in files})
+        try:
+            for p in files:
+                self.service.blobs.stage_file(version, p)
+            self._commit(manifest, verify=True)  # the copies are checked, not trusted
+        except BaseException:
+            self.service.blobs.discard_staging(version)
+            raise
         if progress:
             progress(manifest.total_bytes, manifest.total_bytes)
         return manifest
 
-    def _commit(self, manifest: Manifest, shards: dict[str, bytes]) -> None:
+    def _check_new(self, version: int) -> None:
+        """Fail before any work for a number that can never be published (an existing
+        number may still be an identical, no-op re-publish: that is decided on commit)."""
+        try:
+            self.service.store.check_new_number(version)
+        except errors.VersionConflict:
+            pass
+
+    def _commit(self, manifest: Manifest, verify: bool = False) -> None:
         service = self.service
 
-        async def stage_and_publish() -> None:
+        async def publish_staged() -> None:
             if service.store.check_publishable(manifest):
-                return  # the same bytes are published already
-            for name, data in shards.items():  # large writes stay off the serving loop
-                await asyncio.to_thread(service.blobs.stage_bytes, manifest.version, name, data)
-            await service.publish(manifest, verify=False)  # hashed from these very bytes
+                service.blobs.discard_staging(manifest.version)  # the same bytes are published already
+                return
+            await service.publish(manifest, verify=verify)
 
-        self._thread.call(stage_and_publish())
+        self._thread.call(publish_staged())

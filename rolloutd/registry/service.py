@@ -96,7 +96,7 @@ class RegistryService:
                 return self.latest_json(latest)
             try:
                 await asyncio.wait_for(self._event().wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def latest_json(self, latest: Version | None) -> dict:

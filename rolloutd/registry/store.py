@@ -170,7 +170,7 @@ class Store:
                  len(manifest.files), manifest.total_bytes, manifest.digest)
         for old in self.versions()[:-self.keep_versions]:
             if old.state is VersionState.LIVE:
-                self._retire(old, "older than the newest %d" % self.keep_versions)
+                self._retire(old, f"older than the newest {self.keep_versions}")
         self._changed()
         return version
 
