@@ -235,7 +235,17 @@ def test_bad_heartbeats_are_422(http, body):
 
 # -- bytes -------------------------------------------------------------------------------------
 
-def test_range_206_and_416(registry, http):
+@pytest.fixture(params=["memory", "disk"])
+def any_registry(request, tmp_path, clock):
+    """The same registry with its bytes in memory, then on disk."""
+    data_dir = tmp_path / "data" if request.param == "disk" else None
+    with EmbeddedRegistry(port=0, clock=clock, data_dir=data_dir) as reg:
+        yield reg
+
+
+def test_range_206_and_416(any_registry):
+    registry = any_registry
+    http = httpx.Client(base_url=registry.url)
     publish(registry, 1)
     full = http.get("/v1/versions/1/files/model.safetensors")
     data, size = full.content, len(full.content)
