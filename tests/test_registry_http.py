@@ -401,6 +401,10 @@ def test_unknown_routes_and_methods_are_json_errors(http):
     assert r.status_code == 422 and code(r) == "invalid_request"
     r = http.post("/v1/leases", content=b"{bad json")
     assert r.status_code == 422
+    for bad in ({"holder": "n", "version": 0}, {"holder": "n", "version": "newest"},
+                {"holder": "", "version": 1}, {"holder": "n", "version": 1, "ttl_s": -1}):
+        r = http.post("/v1/leases", json=bad)
+        assert r.status_code == 422 and code(r) == "invalid_request", bad
 
 
 def test_metrics_count_requests_and_state(registry, http):

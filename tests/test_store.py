@@ -131,3 +131,13 @@ def test_demand_rides_heartbeat_replies(store):
     reply = store.heartbeat("n1.s0", hb)
     assert reply["demand"] == {"min_version": 1} and reply["latest"] == 1
     assert reply["instance"] == store.instance
+
+
+def test_a_skipped_number_is_unknown_not_retired(store):
+    publish(store, 1)
+    publish(store, 5)
+    with pytest.raises(errors.VersionUnknown):
+        store.get(3)
+    store.retire(1)
+    with pytest.raises(errors.VersionRetired):
+        store.get(1)

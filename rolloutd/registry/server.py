@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from . import errors
 from .blobs import Blob, iter_range
-from .manifest import MAX_VERSION, Manifest, valid_file_name
+from .manifest import MAX_VERSION, Manifest, VersionNumber, valid_file_name
 from .service import RegistryService
 from .store import Heartbeat
 
@@ -40,7 +40,7 @@ VersionPath = Path(ge=1, le=MAX_VERSION, description="version number")
 class LeaseRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     holder: str = Field(min_length=1, max_length=256, description="who holds it, e.g. node name")
-    version: int | Literal["latest"] = Field(description='a version number, or "latest" (atomic)')
+    version: VersionNumber | Literal["latest"] = Field(description='a version number, or "latest" (atomic)')
     ttl_s: float = Field(60.0, gt=0, description="seconds until it expires unless renewed")
 
 

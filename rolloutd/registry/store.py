@@ -117,6 +117,7 @@ class Store:
         self._reclaim_bytes = reclaim
         self._versions: dict[int, Version] = {}
         self._highest = 0  # highest number ever published, retired or not
+        self._reclaimed: set[int] = set()  # to answer "retired" rather than "unknown" for them
         self._leases: dict[str, Lease] = {}
         self._expiry: list[tuple[float, str]] = []  # heap; stale entries skipped on pop
         self._expired: OrderedDict[str, None] = OrderedDict()
@@ -179,11 +180,9 @@ class Store:
         self.sweep()
         version = self._versions.get(number)
         if version is None:
-            if number <= self._highest:
+            if number in self._reclaimed:
                 raise errors.VersionRetired(f"version {number} was retired and its bytes reclaimed")
             raise errors.VersionUnknown(f"version {number} was never published here")
-        if version.state is VersionState.RECLAIMED:
-            raise errors.VersionRetired(f"version {number} was retired and its bytes reclaimed")
         return version
 
     def retire(self, number: int) -> Version:
@@ -201,6 +200,7 @@ class Store:
     def _reclaim(self, version: Version) -> None:
         self._set_state(version, VersionState.RECLAIMED, "no lease left")
         del self._versions[version.number]
+        self._reclaimed.add(version.number)
         version.blobs = {}
         self._reclaim_bytes(version.number)
 
