@@ -206,7 +206,8 @@ def summarize(run: Run, first: int, window_s: float, cpu_s: float, wall_s: float
 
 
 async def main_async(args: argparse.Namespace) -> dict:
-    body = open(args.body_file, "rb").read()
+    with open(args.body_file, "rb") as f:
+        body = f.read()
     requests = build_requests(args.host, args.port, args.replicas, body)
     total = min(MAX_REQUESTS, int(args.rate * (args.warmup_s + args.duration_s)))
     first = min(total, int(args.rate * args.warmup_s))
@@ -222,6 +223,7 @@ async def main_async(args: argparse.Namespace) -> dict:
             c.transport.close()
     cpu_s = (usage1.ru_utime + usage1.ru_stime) - (usage0.ru_utime + usage0.ru_stime)
     result = summarize(run, first, args.duration_s, cpu_s, wall_s)
+    result["answered_total"] = sum(1 for d in run.done if d != UNSET)  # warm-up included
     result.update(connections=args.connections, replicas=args.replicas,
                   warmup_s=args.warmup_s, duration_s=args.duration_s)
     return result

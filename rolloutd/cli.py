@@ -37,7 +37,8 @@ def cmd_registry(args: argparse.Namespace) -> int:
     from .registry.settings import RegistrySettings
     values = {k: v for k, v in vars(args).items() if k in RegistrySettings.model_fields}
     settings = RegistrySettings.model_validate(values, strict=False)
-    return asyncio.run(serve_registry(settings))
+    from .httpserver import run
+    return run(serve_registry(settings))
 
 
 async def serve_registry(settings) -> int:

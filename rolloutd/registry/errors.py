@@ -7,6 +7,8 @@ class's HTTP status. Clients turn the code back into the same class, so callers 
 
 from __future__ import annotations
 
+from pydantic import BaseModel, ValidationError
+
 
 class RegistryError(Exception):
     code = "registry_error"
@@ -160,3 +162,19 @@ def from_json(status: int, body: object) -> RegistryError:
         message = str(body["error"].get("message", message))
     cls = BY_CODE.get(code, RegistryError)
     return cls(message, status=status)
+
+
+def parse(model: type[BaseModel], body: bytes) -> BaseModel:
+    """Validate a JSON body against ``model``; any problem is an ``InvalidRequest`` naming the fields."""
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise InvalidRequest(describe(e.errors())) from None
+
+
+def describe(problems) -> str:
+    parts = []
+    for p in problems[:10]:
+        loc = ".".join(str(x) for x in p.get("loc", ()) if x != "body") or "body"
+        parts.append(f"{loc}: {p.get('msg')}")
+    return "; ".join(parts)

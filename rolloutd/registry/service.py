@@ -19,7 +19,7 @@ from . import errors
 from .blobs import DiskStore, MemoryStore
 from .manifest import Manifest, ManifestError
 from .settings import RegistrySettings
-from .store import Store, Version, VersionState
+from .store import Heartbeat, Store, Version, VersionState
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -77,6 +77,12 @@ class RegistryService:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def heartbeat(self, replica_id: str, body: bytes) -> dict:
+        """One replica's heartbeat (raw JSON body) -> the reply with latest and demand."""
+        reply = self.store.heartbeat(replica_id, errors.parse(Heartbeat, body))
+        self.metrics.heartbeats.inc()
+        return reply
 
     def close(self) -> None:
         """Release every long-poll at once (the server is stopping)."""

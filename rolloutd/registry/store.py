@@ -122,6 +122,7 @@ class Store:
         self._expiry: list[tuple[float, str]] = []  # heap; stale entries skipped on pop
         self._expired: OrderedDict[str, None] = OrderedDict()
         self._replicas: dict[str, Replica] = {}
+        self._latest: Version | None = None
         self.demand: int | None = None
         self.listeners: list[Callable[[], None]] = []  # called after every change of "latest"
 
@@ -131,9 +132,8 @@ class Store:
     # -- versions ---------------------------------------------------------------------------
     @property
     def latest(self) -> Version | None:
-        """The newest LIVE version."""
-        live = [v for v in self._versions.values() if v.state is VersionState.LIVE]
-        return max(live, key=lambda v: v.number, default=None)
+        """The newest LIVE version (kept up to date by :meth:`_changed`: heartbeats read it)."""
+        return self._latest
 
     def versions(self) -> list[Version]:
         return sorted(self._versions.values(), key=lambda v: v.number)
@@ -211,6 +211,8 @@ class Store:
         version.state = new
 
     def _changed(self) -> None:
+        live = [v for v in self._versions.values() if v.state is VersionState.LIVE]
+        self._latest = max(live, key=lambda v: v.number, default=None)
         for fn in self.listeners:
             fn()
 
