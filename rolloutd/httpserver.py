@@ -67,6 +67,7 @@ def server_config(app, **kwargs) -> uvicorn.Config:
     """uvicorn settings shared by every embedded server (no access log: it is per request)."""
     kwargs.setdefault("timeout_keep_alive", 75)
     kwargs.setdefault("timeout_graceful_shutdown", 5)
+    kwargs.setdefault("proxy_headers", False)  # no proxy is trusted: the peer is who connected
     return uvicorn.Config(app, access_log=False, log_config=None, lifespan="on", **kwargs)
 
 
