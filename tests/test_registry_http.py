@@ -375,6 +375,8 @@ def test_bearer_token_required_everywhere_but_healthz(tmp_path):
         assert reg.latest()["version"] == 1
         ok = plain.get("/v1/versions/latest", headers={"authorization": "Bearer s3cret-token"})
         assert ok.status_code == 200
+        metrics = plain.get("/metrics", headers={"authorization": "Bearer s3cret-token"}).text
+        assert 'route="unmatched",status="401"} 7.0' in metrics  # refusals are counted too
         plain.close()
 
 

@@ -74,15 +74,9 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if self.token is not None and path != "/healthz" and not self._authorized(scope):
-            return await _send_error(send, errors.Unauthorized("missing or wrong bearer token"),
-                                     {"www-authenticate": "Bearer"})
         limit = (self.service.settings.max_file_bytes if path.startswith("/v1/uploads/")
                  else self.service.settings.max_json_bytes)
-        declared = _header(scope, b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return await _send_error(send, errors.BodyTooLarge(f"body over {limit} bytes")
-                                     if declared.isdigit() else errors.InvalidRequest("bad Content-Length"))
+        refusal = self._refusal(scope, limit)
         status = 500
         received = 0
 
@@ -100,7 +94,11 @@ class Guard:
                 status = message["status"]
             await send(message)
 
-        handler = self._heartbeat if _is_heartbeat(scope) else self.app
+        if refusal is not None:
+            async def handler(scope, receive, send):
+                await _send_error(send, refusal)
+        else:
+            handler = self._heartbeat if _is_heartbeat(scope) else self.app
         start = time.perf_counter()
         try:
             await handler(scope, limited_receive, send_status)
@@ -128,6 +126,19 @@ class Guard:
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
+
+    def _refusal(self, scope, limit: int) -> errors.RegistryError | None:
+        """Why a request is refused before any route sees it (token, declared body size)."""
+        if self.token is not None and scope["path"] != "/healthz" and not self._authorized(scope):
+            err = errors.Unauthorized("missing or wrong bearer token")
+            err.headers = {"www-authenticate": "Bearer"}
+            return err
+        declared = _header(scope, b"content-length")
+        if declared is not None and not declared.isdigit():
+            return errors.InvalidRequest("bad Content-Length")
+        if declared is not None and int(declared) > limit:
+            return errors.BodyTooLarge(f"body over {limit} bytes")
+        return None
 
     def _authorized(self, scope) -> bool:
         value = _header(scope, b"authorization") or ""
@@ -159,14 +170,14 @@ def _header(scope, name: bytes) -> str | None:
     return None
 
 
-async def _send_error(send, err: errors.RegistryError, headers: dict | None = None) -> None:
-    resp = error_response(err, headers)
+async def _send_error(send, err: errors.RegistryError) -> None:
+    resp = error_response(err)
     await send({"type": "http.response.start", "status": resp.status_code, "headers": resp.raw_headers})
     await send({"type": "http.response.body", "body": resp.body})
 
 
-def error_response(err: errors.RegistryError, headers: dict | None = None) -> JSONResponse:
-    return JSONResponse(err.to_json(), status_code=err.status, headers=headers)
+def error_response(err: errors.RegistryError) -> JSONResponse:
+    return JSONResponse(err.to_json(), status_code=err.status, headers=err.headers)
 
 
 def body_schema(model: type[BaseModel], required: bool = True) -> dict:
@@ -244,7 +255,7 @@ async def _sweep_forever(service: RegistryService) -> None:
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(errors.RegistryError)
     async def registry_error(request: Request, exc: errors.RegistryError):
-        return error_response(exc, exc.headers)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
