@@ -176,3 +176,16 @@ def test_cli_publish_errors_are_one_line(tmp_path, standalone):
     run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "registry", "--keep-versions", "1"],
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "keep_versions" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_registry_and_client_never_import_torch():
+    code = ("import sys, numpy as np\n"
+            "from rolloutd.registry import EmbeddedRegistry\n"
+            "from rolloutd.registry.client import RegistryClient\n"
+            "import rolloutd.cli\n"
+            "with EmbeddedRegistry(port=0) as reg:\n"
+            "    reg.publish(1, {'model.layers.0.w': np.zeros(4, np.float32)})\n"
+            "print('torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False"
