@@ -189,3 +189,22 @@ def test_registry_and_client_never_import_torch():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
+
+
+def test_embedded_publish_shows_progress_and_a_failure_leaves_nothing(tmp_path):
+    import numpy as np
+    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data") as reg:
+        seen = []
+        sd = {f"model.layers.{i}.w": np.zeros(1000, np.float32) for i in range(4)}
+        reg.publish(1, sd, shard_bytes=4000, progress=lambda done, total: seen.append((done, total)))
+        assert len(seen) == 4 and seen[-1] == (16000, 16000)
+        # the first shard is staged, the second cannot be serialized
+        bad = {"model.layers.0.w": np.zeros(10, np.float32), "model.layers.1.w": np.array([None], object)}
+        staged = []
+        real_stage = reg.service.blobs.stage_bytes
+        reg.service.blobs.stage_bytes = lambda *a: (staged.append(a[1]), real_stage(*a))
+        with pytest.raises(Exception, match='Unknown dtype "object"'):
+            reg.publish(2, bad, shard_bytes=10)
+        assert staged == ["model-00001-of-00002.safetensors"]
+        assert not any((tmp_path / "data" / "staging").iterdir())
+        assert reg.latest()["version"] == 1

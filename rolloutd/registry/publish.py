@@ -8,6 +8,7 @@ torch is imported only by :func:`save_shards`, when a state dict holds torch ten
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import tempfile
@@ -245,38 +246,43 @@ class EmbeddedRegistry(RegistryHTTP):
                 metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
         """Serialize, hash and stage shard by shard in the caller's thread (one shard in
         memory at a time), then publish on the registry's loop."""
-        self._check_new(version)
-        entries = []
-        try:
+        total = sum(_nbytes(t) for t in state_dict.values())  # tensor bytes; headers come on top
+        entries: list[FileEntry] = []
+        with self._staging(version):
             for name, data in serialize_shards(state_dict, shard_bytes):
                 entries.append(FileEntry(name=name, size=len(data),
                                          chunks=hash_chunks(data, chunk_bytes, "xxh3-128")))
                 self.service.blobs.stage_bytes(version, name, data)
+                if progress:
+                    progress(min(total, sum(e.size for e in entries)), total)
             manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
                                 metadata=metadata or {}).sealed()
             self._commit(manifest)  # hashed from these very bytes
-        except BaseException:
-            self.service.blobs.discard_staging(version)
-            raise
-        if progress:
-            progress(manifest.total_bytes, manifest.total_bytes)
         return manifest
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
-        self._check_new(version)
         files = safetensors_files(path)
-        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata)
-        try:
+        with self._staging(version):
+            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata)
+            done = 0
             for p in files:
                 self.service.blobs.stage_file(version, p)
+                done += p.stat().st_size
+                if progress:
+                    progress(done, manifest.total_bytes)
             self._commit(manifest, verify=True)  # the copies are checked, not trusted
+        return manifest
+
+    @contextlib.contextmanager
+    def _staging(self, version: int) -> Iterator[None]:
+        """Stage a version's bytes; on any failure nothing of it is left behind."""
+        self._check_new(version)
+        try:
+            yield
         except BaseException:
             self.service.blobs.discard_staging(version)
             raise
-        if progress:
-            progress(manifest.total_bytes, manifest.total_bytes)
-        return manifest
 
     def _check_new(self, version: int) -> None:
         """Fail before any work for a number that can never be published (an existing
