@@ -215,6 +215,25 @@ def test_replica_directory_age_on_registry_clock(registry, http, clock):
     assert [r["replica_id"] for r in http.get("/v1/replicas").json()["replicas"]] == ["n2.s0"]
 
 
+def test_replica_counts_fold_the_directory_and_skip_silent_replicas(registry, http, clock):
+    http.put("/v1/replicas/n1.s0", json=HB)
+    http.put("/v1/replicas/n1.s1", json={**HB, "server": "s1", "state": "UPDATING"})
+    clock.advance(40)
+    http.put("/v1/replicas/n2.s0", json={**HB, "node": "n2"})
+    http.put("/v1/replicas/n3.s0", json={**HB, "node": "n3", "version": None, "state": "STARTING"})
+    body = http.get("/v1/replica-counts").json()
+    assert body["total"] == 4
+    assert body["counts"] == [{"state": "SERVING", "version": 1, "count": 2},
+                              {"state": "STARTING", "version": None, "count": 1},
+                              {"state": "UPDATING", "version": 1, "count": 1}]
+    recent = http.get("/v1/replica-counts", params={"max_age_s": 30}).json()["counts"]
+    assert recent == [{"state": "SERVING", "version": 1, "count": 1},
+                      {"state": "STARTING", "version": None, "count": 1}]
+    assert registry.wait_for_replicas(1, min_version=1, timeout_s=1)[0]["replica_id"] == "n2.s0"
+    with pytest.raises(TimeoutError, match="1 of 2 replicas SERVING"):
+        registry.wait_for_replicas(2, min_version=1, timeout_s=0.2, poll_s=0.05)  # n1.s0 is silent
+
+
 def test_demand_in_heartbeat_replies(registry, http):
     assert code(http.put("/v1/demand", json={"min_version": 1})) == "demand_ahead"
     publish(registry, 1)

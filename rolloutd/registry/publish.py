@@ -143,19 +143,27 @@ class RegistryHTTP:
     def retire(self, version: int) -> dict:
         return self._call("DELETE", f"/v1/versions/{version}")
 
-    def wait_for_replicas(self, n: int, min_version: int, timeout_s: float = 600.0,
-                          poll_s: float = 0.5, state: str = "SERVING") -> list[dict]:
-        """Block until ``n`` replicas report ``state`` with at least ``min_version``."""
+    def replica_counts(self, max_age_s: float | None = None) -> list[dict]:
+        """``[{"state", "version", "count"}]``; with ``max_age_s``, only replicas heard from lately."""
+        params = {"max_age_s": max_age_s} if max_age_s is not None else {}
+        return self._call("GET", "/v1/replica-counts", params=params)["counts"]
+
+    def wait_for_replicas(self, n: int, min_version: int, timeout_s: float = 600.0, *,
+                          poll_s: float = 0.5, state: str = "SERVING", max_age_s: float = 30.0) -> list[dict]:
+        """Block until ``n`` replicas heard from within ``max_age_s`` report ``state`` at
+        ``min_version`` or newer; returns them. Polls the counts, not the whole directory,
+        so a large fleet costs the registry next to nothing while the trainer waits."""
         deadline = time.monotonic() + timeout_s
         while True:
-            reps = self.replicas()
-            ready = [r for r in reps if r["state"] == state and (r["version"] or 0) >= min_version]
-            if len(ready) >= n:
-                return ready
+            counts = self.replica_counts(max_age_s)
+            ready = sum(c["count"] for c in counts if c["state"] == state and (c["version"] or 0) >= min_version)
+            if ready >= n:
+                return [r for r in self.replicas() if r["state"] == state and (r["version"] or 0) >= min_version
+                        and r["age_s"] <= max_age_s]
             if time.monotonic() >= deadline:
-                seen = ", ".join(f"{r['replica_id']}={r['state']}@{r['version']}" for r in reps) or "none"
-                raise TimeoutError(f"{len(ready)} of {n} replicas {state} at version >= "
-                                   f"{min_version} after {timeout_s} s (seen: {seen})")
+                seen = ", ".join(f"{c['count']} {c['state']}@{c['version']}" for c in counts) or "none"
+                raise TimeoutError(f"{ready} of {n} replicas {state} at version >= {min_version} "
+                                   f"after {timeout_s} s (seen: {seen})")
             time.sleep(poll_s)
 
     # -- publishing --------------------------------------------------------------------------------

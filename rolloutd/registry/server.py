@@ -401,6 +401,12 @@ def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
     async def replicas():
         return JSONResponse({"instance": store.instance, "replicas": store.replicas()})
 
+    @app.get("/v1/replica-counts")
+    async def replica_counts(max_age_s: float | None = Query(None, gt=0, description="count only "
+                             "replicas heard from within this many seconds")):
+        return {"instance": store.instance, "total": store.replica_count(),
+                "counts": store.replica_counts(max_age_s)}
+
     @app.delete("/v1/replicas/{replica_id}", status_code=204)
     async def deregister(replica_id: str = Path(max_length=128)):
         store.deregister(replica_id)  # idempotent: a node may deregister after a registry restart

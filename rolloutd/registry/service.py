@@ -47,7 +47,7 @@ class Metrics:
         for state in (VersionState.LIVE, VersionState.RETIRED):
             self.versions.labels(state.value).set(sum(v.state is state for v in store.versions()))
         self.leases.set(store.lease_count())
-        self.replicas.set(len(store.replicas()))
+        self.replicas.set(store.replica_count())
 
 
 class RegistryService:

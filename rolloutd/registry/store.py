@@ -19,7 +19,7 @@ import logging
 import re
 import secrets
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -319,6 +319,18 @@ class Store:
         return [{"replica_id": rid, **rep.heartbeat.model_dump(mode="json"),
                  "age_s": round(now - rep.last_seen, 3)}
                 for rid, rep in sorted(self._replicas.items())]
+
+    def replica_count(self) -> int:
+        return len(self._replicas)
+
+    def replica_counts(self, max_age_s: float | None = None) -> list[dict]:
+        """How many replicas are in each (state, version), counting only those heard from
+        within ``max_age_s``: cheap to poll at any fleet size, unlike the full directory."""
+        now = self.now()
+        counts = Counter((r.heartbeat.state, r.heartbeat.version) for r in self._replicas.values()
+                         if max_age_s is None or now - r.last_seen <= max_age_s)
+        return [{"state": state, "version": version, "count": n}
+                for (state, version), n in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))]
 
     def set_demand(self, min_version: int | None) -> None:
         if min_version is not None and min_version > self._highest:
