@@ -95,8 +95,10 @@ def test_lease_latest_without_versions_and_bad_ttl(store):
     with pytest.raises(errors.NoVersions):
         store.lease("n1", "latest", ttl_s=10)
     publish(store, 1)
-    with pytest.raises(errors.InvalidRequest, match="ttl_s"):
-        store.lease("n1", "latest", ttl_s=10_000)
+    assert store.lease("n1", "latest", ttl_s=10_000).ttl_s == 3600  # capped at max_lease_ttl_s
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(errors.InvalidRequest, match="ttl_s"):
+            store.lease("n1", "latest", ttl_s=bad)
     with pytest.raises(errors.VersionUnknown):
         store.lease("n1", 9, ttl_s=10)
 

@@ -28,7 +28,7 @@ from . import errors
 from .blobs import Blob, iter_range
 from .manifest import MAX_VERSION, Manifest, VersionNumber, valid_file_name
 from .service import RegistryService
-from .store import Heartbeat
+from .store import REPLICA_ID_RE, Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -36,22 +36,24 @@ UPLOAD_WRITE_BYTES = 4 << 20  # buffer an upload into writes of this size, off t
 SWEEP_INTERVAL_S = 1.0
 
 VersionPath = Path(ge=1, le=MAX_VERSION, description="version number")
+ReplicaIdPath = Path(pattern=REPLICA_ID_RE.pattern, description="node-unique server id, e.g. node7.gpu0-3")
 
 
 class LeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     holder: str = Field(min_length=1, max_length=256, description="who holds it, e.g. node name")
     version: VersionNumber | Literal["latest"] = Field(description='a version number, or "latest" (atomic)')
-    ttl_s: float = Field(60.0, gt=0, description="seconds until it expires unless renewed")
+    ttl_s: float = Field(60.0, gt=0, description="seconds until it expires unless renewed "
+                         "(capped at the registry's max_lease_ttl_s; the reply has the TTL granted)")
 
 
 class RenewRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     ttl_s: float | None = Field(None, gt=0, description="new TTL; unset keeps the lease's TTL")
 
 
 class DemandRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     min_version: int | None = Field(ge=1, le=MAX_VERSION, description="every replica should "
                                     "load at least this version; null clears the demand")
 
@@ -180,10 +182,36 @@ def error_response(err: errors.RegistryError) -> JSONResponse:
     return JSONResponse(err.to_json(), status_code=err.status, headers=err.headers)
 
 
+_REF = "#/components/schemas/{model}"
+_BODY_DEFS: dict[str, dict] = {}  # nested models of the bodies below, for the OpenAPI components
+
+
 def body_schema(model: type[BaseModel], required: bool = True) -> dict:
     """OpenAPI for a JSON body the route parses itself (any Content-Type is accepted)."""
-    return {"requestBody": {"required": required, "content": {
-        "application/json": {"schema": model.model_json_schema(ref_template="#/components/schemas/{model}")}}}}
+    schema = model.model_json_schema(ref_template=_REF)
+    _BODY_DEFS.update(schema.pop("$defs", {}))
+    return {"requestBody": {"required": required, "content": {"application/json": {"schema": schema}}}}
+
+
+class ErrorBody(BaseModel):
+    class Detail(BaseModel):
+        code: str = Field(description="stable error code, see errors.py")
+        message: str
+    error: Detail
+
+
+ERROR_RESPONSES = {"4XX": {"model": ErrorBody, "description": "refused; the code says why"},
+                   "5XX": {"model": ErrorBody, "description": "a bug in the registry"}}
+
+
+def _with_body_defs(app: FastAPI) -> None:
+    generate = app.openapi
+
+    def openapi() -> dict:
+        schema = generate()
+        schema.setdefault("components", {}).setdefault("schemas", {}).update(_BODY_DEFS)
+        return schema
+    app.openapi = openapi
 
 
 # -- byte ranges ------------------------------------------------------------------------------------
@@ -226,18 +254,20 @@ def create_app(service: RegistryService) -> FastAPI:
             service.close()
 
     app = FastAPI(title="rolloutd registry", version="1", lifespan=lifespan,
-                  docs_url=None, redoc_url=None)
+                  docs_url=None, redoc_url=None, responses=ERROR_RESPONSES)
     app.state.service = service
     _install_error_handlers(app)
     _add_version_routes(app, service)
     _add_lease_routes(app, service)
     _add_replica_routes(app, service)
+    _with_body_defs(app)
 
     @app.get("/healthz")
     async def healthz():
         return {"status": "ok", "instance": service.store.instance}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}})
     async def metrics():
         service.metrics.refresh(service.store)
         return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -264,7 +294,9 @@ def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 405:
-            return error_response(errors.MethodNotAllowed(f"{request.method} not allowed here"))
+            err = errors.MethodNotAllowed(f"{request.method} not allowed here")
+            err.headers = exc.headers  # Allow: the methods that are
+            return error_response(err)
         if exc.status_code == 404:
             return error_response(errors.RouteNotFound(f"no route {request.url.path[:200]}"))
         return error_response(errors.RegistryError(str(exc.detail), status=exc.status_code))
@@ -294,7 +326,7 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
                      wait_s: float = Query(0.0, ge=0)):
         return await service.wait_latest(after, instance, wait_s)
 
-    @app.get("/v1/versions/{version}")
+    @app.get("/v1/versions/{version}", responses={200: {"model": Manifest, "description": "the manifest"}})
     async def manifest(version: int = VersionPath):
         v = store.get(version)
         return Response(v.manifest.model_dump_json(), media_type="application/json",
@@ -304,7 +336,9 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
     async def retire(version: int = VersionPath):
         return store.retire(version).summary()
 
-    @app.api_route("/v1/versions/{version}/files/{name}", methods=["GET", "HEAD"])
+    @app.api_route("/v1/versions/{version}/files/{name}", methods=["GET", "HEAD"], response_class=Response,
+                   responses={200: {"content": {"application/octet-stream": {}}, "description": "the file"},
+                              206: {"content": {"application/octet-stream": {}}, "description": "one range"}})
     async def file_bytes(request: Request, name: str, version: int = VersionPath):
         v = store.get(version)
         entry = v.manifest.file(name) if valid_file_name(name) else None
@@ -394,7 +428,7 @@ def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
     store = service.store
     # Served by Guard's fast path; declared here for the OpenAPI document.
     @app.put(HEARTBEAT_ROUTE, openapi_extra=body_schema(Heartbeat))
-    async def heartbeat(request: Request, replica_id: str = Path(max_length=128)):
+    async def heartbeat(request: Request, replica_id: str = ReplicaIdPath):
         return JSONResponse(service.heartbeat(replica_id, await request.body()))
 
     @app.get("/v1/replicas")
@@ -408,7 +442,7 @@ def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
                 "counts": store.replica_counts(max_age_s)}
 
     @app.delete("/v1/replicas/{replica_id}", status_code=204)
-    async def deregister(replica_id: str = Path(max_length=128)):
+    async def deregister(replica_id: str = ReplicaIdPath):
         store.deregister(replica_id)  # idempotent: a node may deregister after a registry restart
         return Response(status_code=204)
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import heapq
 import logging
+import math
 import re
 import secrets
 import time
@@ -82,7 +83,7 @@ class Lease:
 class Heartbeat(BaseModel):
     """What a node reports for one server (contract with the daemon)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
     node: str = Field(min_length=1, max_length=253)
     server: str = Field(min_length=1, max_length=128)
@@ -219,7 +220,7 @@ class Store:
     # -- leases -----------------------------------------------------------------------------
     def lease(self, holder: str, version: int | str, ttl_s: float) -> Lease:
         """Lease a version, or the newest LIVE one when ``version == "latest"`` (atomically)."""
-        self._check_ttl(ttl_s)
+        ttl_s = self._grant_ttl(ttl_s)
         self.sweep()
         if version == "latest":
             target = self.latest
@@ -239,8 +240,7 @@ class Store:
         self.sweep()
         lease = self._live_lease(lease_id)
         if ttl_s is not None:
-            self._check_ttl(ttl_s)
-            lease.ttl_s = ttl_s
+            lease.ttl_s = self._grant_ttl(ttl_s)
         lease.expires_at = self.now() + lease.ttl_s
         heapq.heappush(self._expiry, (lease.expires_at, lease.id))
         return lease
@@ -257,9 +257,11 @@ class Store:
             raise errors.LeaseUnknown(f"no lease {lease_id!r} (never granted, or released)")
         return lease
 
-    def _check_ttl(self, ttl_s: float) -> None:
-        if not (0 < ttl_s <= self.max_lease_ttl_s):
-            raise errors.InvalidRequest(f"ttl_s must be in (0, {self.max_lease_ttl_s}], got {ttl_s}")
+    def _grant_ttl(self, ttl_s: float) -> float:
+        """The TTL granted: as asked, capped at ``max_lease_ttl_s`` (the reply says which)."""
+        if not (0 < ttl_s < math.inf):
+            raise errors.InvalidRequest(f"ttl_s must be a positive number of seconds, got {ttl_s}")
+        return min(ttl_s, self.max_lease_ttl_s)
 
     def _end_lease(self, lease: Lease) -> None:
         del self._leases[lease.id]
