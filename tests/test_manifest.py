@@ -63,7 +63,10 @@ def test_unsafe_file_names_are_refused(name):
 @pytest.mark.parametrize("mutate, message", [
     (lambda b: b["files"].append(dict(b["files"][0])), "duplicate file names"),
     (lambda b: b["files"][0]["chunks"].pop(), "chunk digests"),
-    (lambda b: b["files"][0]["chunks"].__setitem__(0, "zz" * 16), "not a xxh3-128 hex digest"),
+    (lambda b: b["files"][0]["chunks"].__setitem__(0, "zz" * 16), "should match pattern"),
+    (lambda b: b["files"][0]["chunks"].__setitem__(0, "ab" * 32), "not a xxh3-128 hex digest"),
+    (lambda b: b.update(version=True), "expected an integer, got a boolean"),
+    (lambda b: b.update(version="3"), "Input should be a valid integer"),
     (lambda b: b.update(version=0), "greater than or equal to 1"),
     (lambda b: b.update(chunk_bytes=10), "greater than or equal to 4096"),
     (lambda b: b.update(files=[]), "at least 1 item"),

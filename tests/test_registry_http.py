@@ -419,7 +419,13 @@ def test_unknown_routes_and_methods_are_json_errors(http):
     r = http.patch("/v1/versions/latest")
     assert r.status_code == 405 and code(r) == "method_not_allowed"
     r = http.get("/v1/versions/abc")
-    assert r.status_code == 422 and code(r) == "invalid_request"
+    assert r.status_code == 404 and code(r) == "not_found"
+    r = http.delete("/v1/versions/latest")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    r = http.request("OPTIONS", "/v1/versions")
+    assert r.status_code == 405 and r.headers["allow"] == "GET, POST"
+    r = http.put("/v1/demand", json={"min_version": True})
+    assert r.status_code == 422 and "boolean" in r.json()["error"]["message"]
     r = http.post("/v1/leases", content=b"{bad json")
     assert r.status_code == 422
     for bad in ({"holder": "n", "version": 0}, {"holder": "n", "version": "newest"},

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import xxhash
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 64 * MiB
@@ -47,17 +47,36 @@ def digest(hash_name: str, data: bytes | memoryview) -> str:
     return _HASHERS[hash_name](data)
 
 
-VersionNumber = Annotated[int, Field(ge=1, le=MAX_VERSION)]
+def _json_int(value: object) -> object:
+    """JSON integers: 3 and 3.0 (JSON Schema's "integer"), never true/false or "3"."""
+    if isinstance(value, bool):
+        raise ValueError("expected an integer, got a boolean")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def json_int(**constraints: int) -> object:
+    """An integer field of a strict model that also takes 3.0; constraints go before the
+    validator so that the JSON schema states them (minimum/maximum)."""
+    return Annotated[int, Field(**constraints), BeforeValidator(_json_int)]
+
+
+VersionNumber = json_int(ge=1, le=MAX_VERSION)
+Count = json_int(ge=0)
+ChunkBytes = json_int(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)
+HexDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{32}([0-9a-f]{32})?$", description="lowercase hex")]
 
 
 class FileEntry(BaseModel):
     """One file of a version: its name, size and per-chunk digests."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    name: str = Field(description="file name inside the version directory (one path component)")
-    size: int = Field(ge=0, description="size in bytes")
-    chunks: list[str] = Field(description="hex digest of each chunk, in order")
+    name: str = Field(description="file name inside the version directory (one path component)",
+                      json_schema_extra={"pattern": FILE_NAME_RE.pattern})
+    size: Count = Field(description="size in bytes")
+    chunks: list[HexDigest] = Field(description="hex digest of each chunk, in order")
 
     @field_validator("name")
     @classmethod
@@ -71,15 +90,15 @@ class FileEntry(BaseModel):
 class Manifest(BaseModel):
     """A version's table of contents; ``digest`` seals everything else."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     version: VersionNumber
     hash: HashName = "xxh3-128"
-    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)
+    chunk_bytes: ChunkBytes = DEFAULT_CHUNK_BYTES
     files: list[FileEntry] = Field(min_length=1, max_length=MAX_FILES)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64,
                                      description="free-form labels, e.g. the training step")
-    digest: str | None = Field(None, description="digest of the canonical JSON without this field")
+    digest: HexDigest | None = Field(None, description="digest of the canonical JSON without this field")
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:

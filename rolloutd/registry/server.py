@@ -23,10 +23,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
+from starlette.routing import Match
 
 from . import errors
 from .blobs import Blob, iter_range
-from .manifest import MAX_VERSION, Manifest, VersionNumber, valid_file_name
+from .manifest import FILE_NAME_RE, MAX_VERSION, Manifest, VersionNumber, valid_file_name
 from .service import RegistryService
 from .store import REPLICA_ID_RE, Heartbeat
 
@@ -40,7 +41,7 @@ ReplicaIdPath = Path(pattern=REPLICA_ID_RE.pattern, description="node-unique ser
 
 
 class LeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     holder: str = Field(min_length=1, max_length=256, description="who holds it, e.g. node name")
     version: VersionNumber | Literal["latest"] = Field(description='a version number, or "latest" (atomic)')
     ttl_s: float = Field(60.0, gt=0, description="seconds until it expires unless renewed "
@@ -48,13 +49,13 @@ class LeaseRequest(BaseModel):
 
 
 class RenewRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     ttl_s: float | None = Field(None, gt=0, description="new TTL; unset keeps the lease's TTL")
 
 
 class DemandRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    min_version: int | None = Field(ge=1, le=MAX_VERSION, description="every replica should "
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    min_version: VersionNumber | None = Field(description="every replica should "
                                     "load at least this version; null clears the demand")
 
 
@@ -295,7 +296,7 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 405:
             err = errors.MethodNotAllowed(f"{request.method} not allowed here")
-            err.headers = exc.headers  # Allow: the methods that are
+            err.headers = {"allow": ", ".join(_allowed_methods(app, request))}
             return error_response(err)
         if exc.status_code == 404:
             return error_response(errors.RouteNotFound(f"no route {request.url.path[:200]}"))
@@ -305,6 +306,16 @@ def _install_error_handlers(app: FastAPI) -> None:
     async def crash(request: Request, exc: Exception):
         log.exception("internal error on %s %s", request.method, request.url.path)
         return error_response(errors.Internal(f"{type(exc).__name__} (see the registry's log)"))
+
+
+def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route serves at this path (Starlette's 405 names only one route's)."""
+    methods: set[str] = set()
+    for route in app.routes:
+        match, _ = route.matches({**request.scope, "method": "GET"})
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", set())
+    return sorted(methods)
 
 
 def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
@@ -326,19 +337,23 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
                      wait_s: float = Query(0.0, ge=0)):
         return await service.wait_latest(after, instance, wait_s)
 
-    @app.get("/v1/versions/{version}", responses={200: {"model": Manifest, "description": "the manifest"}})
+    @app.get("/v1/versions/{version:int}", responses={200: {"model": Manifest, "description": "the manifest"}})
     async def manifest(version: int = VersionPath):
         v = store.get(version)
         return Response(v.manifest.model_dump_json(), media_type="application/json",
                         headers={"x-rolloutd-version-state": v.state.value})
 
-    @app.delete("/v1/versions/{version}")
+    @app.delete("/v1/versions/{version:int}")
     async def retire(version: int = VersionPath):
         return store.retire(version).summary()
 
-    @app.api_route("/v1/versions/{version}/files/{name}", methods=["GET", "HEAD"], response_class=Response,
-                   responses={200: {"content": {"application/octet-stream": {}}, "description": "the file"},
-                              206: {"content": {"application/octet-stream": {}}, "description": "one range"}})
+    bytes_responses = {200: {"content": {"application/octet-stream": {}}, "description": "the file"},
+                       206: {"content": {"application/octet-stream": {}}, "description": "one range"}}
+
+    @app.head("/v1/versions/{version:int}/files/{name}", response_class=Response, responses=bytes_responses,
+              operation_id="file_head")
+    @app.get("/v1/versions/{version:int}/files/{name}", response_class=Response, responses=bytes_responses,
+             operation_id="file_get")
     async def file_bytes(request: Request, name: str, version: int = VersionPath):
         v = store.get(version)
         entry = v.manifest.file(name) if valid_file_name(name) else None
@@ -353,19 +368,19 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
             headers["content-range"] = f"bytes {start}-{end - 1}/{blob.size}"
         status = 206 if span is not None else 200
         if request.method == "HEAD":
-            return Response(status_code=status, headers=headers)
+            return Response(status_code=status, headers=headers, media_type="application/octet-stream")
         return StreamingResponse(_counted(blob, start, end, service), status_code=status,
                                  headers=headers, media_type="application/octet-stream")
 
-    @app.put("/v1/uploads/{version}/files/{name}", status_code=201)
-    async def upload(request: Request, name: str, version: int = VersionPath):
+    @app.put("/v1/uploads/{version:int}/files/{name}", status_code=201)
+    async def upload(request: Request, name: str = Path(pattern=FILE_NAME_RE.pattern), version: int = VersionPath):
         if not valid_file_name(name):
             raise errors.InvalidRequest(f"invalid file name {name[:200]!r}")
         service.check_upload(version)
         size = await _receive_upload(request, service, version, name)
         return JSONResponse({"version": version, "name": name, "size": size}, status_code=201)
 
-    @app.delete("/v1/uploads/{version}", status_code=204)
+    @app.delete("/v1/uploads/{version:int}", status_code=204)
     async def abort_upload(version: int = VersionPath):
         service.abort_upload(version)
         return Response(status_code=204)

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from . import errors
 from .blobs import Blob
-from .manifest import Manifest
+from .manifest import Count, Manifest, VersionNumber
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -83,15 +83,15 @@ class Lease:
 class Heartbeat(BaseModel):
     """What a node reports for one server (contract with the daemon)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
 
     node: str = Field(min_length=1, max_length=253)
     server: str = Field(min_length=1, max_length=128)
     endpoint: str | None = Field(None, max_length=512, description="where generation requests go")
     state: str = Field(min_length=1, max_length=32)
-    version: int | None = Field(None, ge=1, description="version loaded now")
-    target: int | None = Field(None, ge=1, description="version it is moving to")
-    incarnation: int = Field(0, ge=0, description="how many times the server was (re)started")
+    version: VersionNumber | None = Field(None, description="version loaded now")
+    target: VersionNumber | None = Field(None, description="version it is moving to")
+    incarnation: Count = Field(0, description="how many times the server was (re)started")
     registry_instance: str | None = Field(None, max_length=64, description="instance it synced with")
     timings: dict[str, float] = Field(default_factory=dict, max_length=32,
                                       description="last update's phase durations, seconds")
