@@ -61,6 +61,14 @@ def test_keep_newest_k_retires_older(store, reclaimed):
     assert reclaimed == [1] and store.latest.number == 3
 
 
+def test_keep_counts_live_versions_only(store):
+    for v in (1, 2, 3):
+        publish(store, v)
+    store.retire(3)                  # retired by hand: 2 is the only live one
+    publish(store, 4)
+    assert [(v.number, v.state) for v in store.versions()] == [(2, VersionState.LIVE), (4, VersionState.LIVE)]
+
+
 def test_versions_strictly_increase_and_republish_is_idempotent(store):
     publish(store, 5)
     assert publish(store, 5).number == 5  # identical: no-op

@@ -170,15 +170,15 @@ class Store:
         self._highest = manifest.version
         log.info("publish version %d (%d files, %d bytes, digest %s)", manifest.version,
                  len(manifest.files), manifest.total_bytes, manifest.digest)
-        for old in self.versions()[:-self.keep_versions]:
-            if old.state is VersionState.LIVE:
-                self._retire(old, f"older than the newest {self.keep_versions}")
+        live = [v for v in self.versions() if v.state is VersionState.LIVE]
+        for old in live[:-self.keep_versions]:
+            self._retire(old, f"older than the newest {self.keep_versions} live")
         self._changed()
         return version
 
     def get(self, number: int) -> Version:
         """A version whose bytes still exist (LIVE or RETIRED)."""
-        self.sweep()
+        self._expire_leases()
         version = self._versions.get(number)
         if version is None:
             if number in self._reclaimed:
@@ -221,7 +221,7 @@ class Store:
     def lease(self, holder: str, version: int | str, ttl_s: float) -> Lease:
         """Lease a version, or the newest LIVE one when ``version == "latest"`` (atomically)."""
         ttl_s = self._grant_ttl(ttl_s)
-        self.sweep()
+        self._expire_leases()
         if version == "latest":
             target = self.latest
             if target is None:
@@ -237,7 +237,7 @@ class Store:
         return lease
 
     def renew(self, lease_id: str, ttl_s: float | None = None) -> Lease:
-        self.sweep()
+        self._expire_leases()
         lease = self._live_lease(lease_id)
         if ttl_s is not None:
             lease.ttl_s = self._grant_ttl(ttl_s)
@@ -246,7 +246,7 @@ class Store:
         return lease
 
     def release(self, lease_id: str) -> None:
-        self.sweep()
+        self._expire_leases()
         self._end_lease(self._live_lease(lease_id))
 
     def _live_lease(self, lease_id: str) -> Lease:
@@ -272,7 +272,16 @@ class Store:
                 self._reclaim(version)
 
     def sweep(self) -> None:
-        """End expired leases (reclaiming retired versions they held) and forget silent replicas."""
+        """Periodic upkeep: end expired leases and forget replicas silent for too long."""
+        self._expire_leases()
+        now = self.now()
+        for rid in [r for r, rep in self._replicas.items() if now - rep.last_seen > self.replica_forget_after_s]:
+            log.info("forget replica %s (silent for %.0f s)", rid, now - self._replicas[rid].last_seen)
+            del self._replicas[rid]
+
+    def _expire_leases(self) -> None:
+        """End expired leases, reclaiming retired versions they held. Cheap (a heap), so every
+        version and lease call runs it first: expiry never waits for the periodic sweep."""
         now = self.now()
         while self._expiry and self._expiry[0][0] <= now:
             expires_at, lease_id = heapq.heappop(self._expiry)
@@ -284,10 +293,6 @@ class Store:
             self._expired[lease.id] = None
             if len(self._expired) > _EXPIRED_MEMORY:
                 self._expired.popitem(last=False)
-        for rid in [r for r, rep in self._replicas.items()
-                    if now - rep.last_seen > self.replica_forget_after_s]:
-            log.info("forget replica %s (silent for %.0f s)", rid, now - self._replicas[rid].last_seen)
-            del self._replicas[rid]
 
     def lease_count(self) -> int:
         return len(self._leases)
