@@ -63,6 +63,7 @@ class RegistryService:
         self._publish_lock: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None
         self._closing = False
+        self._publishing: set[int] = set()  # versions between "verify" and "commit": no uploads
         self.store.listeners.append(self._wake_pollers)
         for manifest, blobs in self.blobs.load_committed():
             self.store.publish(manifest, blobs)
@@ -118,8 +119,11 @@ class RegistryService:
         return self._publish_lock
 
     def check_upload(self, version: int) -> None:
-        """Refuse uploads for a version that can never be published (fail fast, not after GBs)."""
+        """Refuse uploads for a version that can never be published (fail fast, not after GBs),
+        or whose bytes are being checked and committed right now."""
         self.store.check_new_number(version)
+        if version in self._publishing:
+            raise errors.VersionConflict(f"version {version} is being published; its files are final")
 
     async def publish(self, manifest: Manifest, verify: bool = True) -> tuple[Version, bool]:
         """Publish the staged bytes of ``manifest``; returns (version, created)."""
@@ -131,13 +135,17 @@ class RegistryService:
             if self.store.check_publishable(manifest):
                 return self.store.get(manifest.version), False
             self._check_staged(manifest)
-            if verify:
-                bad = await asyncio.to_thread(self.blobs.verify_staged, manifest)
-                if bad:
-                    detail = "; ".join(f"{n}: chunks {c[:8]}" for n, c in sorted(bad.items()))
-                    raise errors.DigestMismatch(f"uploaded bytes differ from the manifest ({detail}); "
-                                                "upload those files again")
-            blobs = await asyncio.to_thread(self.blobs.commit, manifest)
+            self._publishing.add(manifest.version)
+            try:
+                if verify:
+                    bad = await asyncio.to_thread(self.blobs.verify_staged, manifest)
+                    if bad:
+                        detail = "; ".join(f"{n}: chunks {c[:8]}" for n, c in sorted(bad.items()))
+                        raise errors.DigestMismatch(f"uploaded bytes differ from the manifest ({detail}); "
+                                                    "upload those files again")
+                blobs = await asyncio.to_thread(self.blobs.commit, manifest)
+            finally:
+                self._publishing.discard(manifest.version)
             version = self.store.publish(manifest, blobs)
             self.metrics.publishes.inc()
             return version, True
