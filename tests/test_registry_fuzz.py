@@ -39,7 +39,7 @@ def test_registry_api_survives_fuzzing(tmp_path):
              "--exclude-checks", EXCLUDED,
              "-H", "Authorization: Bearer fuzz-token", "--max-examples", "40", "--seed", str(SEED),
              "--request-timeout", "10", "--no-color"],
-            capture_output=True, text=True, timeout=900)
+            capture_output=True, text=True, timeout=900, cwd=tmp_path)  # its cache stays out of the tree
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-6000:]
     cases = re.search(r"(\d+) generated", out)
