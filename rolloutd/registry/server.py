@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Literal
 
@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from . import errors
-from .blobs import Blob, iter_range
+from .blobs import Blob, stream_range
 from .guard import HEARTBEAT_ROUTE, Guard, error_response
 from .manifest import FILE_NAME_RE, MAX_VERSION, Manifest, VersionNumber, valid_file_name
 from .service import RegistryService
@@ -260,10 +260,11 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
         return Response(status_code=204)
 
 
-def _counted(blob: Blob, start: int, end: int, service: RegistryService) -> Iterator[bytes]:
-    for piece in iter_range(blob, start, end):
+async def _counted(blob: Blob, start: int, end: int, service: RegistryService) -> AsyncIterator[bytes | memoryview]:
+    # An async generator: a sync one would make Starlette hop every piece through a thread.
+    async for piece in stream_range(blob, start, end):
         service.metrics.bytes_served.inc(len(piece))
-        yield bytes(piece) if isinstance(piece, memoryview) else piece
+        yield piece
 
 
 async def _receive_upload(request: Request, service: RegistryService, version: int, name: str) -> int:
