@@ -41,7 +41,7 @@ import tempfile
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -354,29 +354,44 @@ SYSCALLS = {"read", "write", "writev", "send", "sendto", "sendmsg", "recv", "rec
 FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")
 
 
-def profile(pid: int, port: int, args: argparse.Namespace, body_file: Path) -> dict:
-    """Sample the registry (Python and native frames) while the open loop runs at ``--rate``."""
-    raw = Path(tempfile.mkstemp(prefix="registry_profile.", suffix=".txt")[1])
-    spy = subprocess.Popen(pinned(args.load_cpu, [
-        find_tool("py-spy"), "record", "--pid", str(pid), "--duration", f"{args.profile_s:g}",
-        "--rate", str(PROFILE_HZ), "--native", "--format", "raw", "--output", str(raw)]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    try:
-        meter = CpuMeter(pid, args.server_cpu)
-        load = open_loop(port, args, body_file, args.rate, args.profile_s + 1.0, warmup_s=0.5)
-        cpu = meter.read(load["answered_total"])
-        _, err = spy.communicate(timeout=60)
+@contextlib.contextmanager
+def py_spy(pid: int, cpu: int | None, duration_s: float, threads: bool = False) -> Iterator[Callable[[float], str]]:
+    """Record ``pid`` with py-spy (native frames, raw format) on ``cpu`` for ``duration_s``;
+    yields ``collect(timeout_s) -> raw text``, which raises RuntimeError if py-spy failed.
+    py-spy is always stopped and its output file removed."""
+    raw = Path(tempfile.mkstemp(prefix="py_spy.", suffix=".txt")[1])
+    argv = [find_tool("py-spy"), "record", "--pid", str(pid), "--duration", f"{duration_s:g}",
+            "--rate", str(PROFILE_HZ), "--native", *(["--threads"] if threads else []),
+            "--format", "raw", "--output", str(raw)]
+    spy = subprocess.Popen(pinned(cpu, argv), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def collect(timeout_s: float) -> str:
+        _, err = spy.communicate(timeout=timeout_s)
         if spy.returncode != 0:
-            return {"error": f"py-spy failed ({spy.returncode}): {err.strip()[-500:]}"}
-        summary = summarize_profile(raw.read_text())
-        summary.update(server_cpu_share=cpu["server_cpu_share"], achieved_rps=load["achieved_rps"],
-                       sampled_busy_share=round(summary["samples"] / (PROFILE_HZ * args.profile_s), 3))
-        return summary
+            raise RuntimeError(f"py-spy failed ({spy.returncode}): {err.strip()[-500:]}")
+        return raw.read_text()
+    try:
+        yield collect
     finally:
         if spy.poll() is None:
             spy.kill()
             spy.wait()
         raw.unlink(missing_ok=True)
+
+
+def profile(pid: int, port: int, args: argparse.Namespace, body_file: Path) -> dict:
+    """Sample the registry (Python and native frames) while the open loop runs at ``--rate``."""
+    try:
+        with py_spy(pid, args.load_cpu, args.profile_s) as collect:
+            meter = CpuMeter(pid, args.server_cpu)
+            load = open_loop(port, args, body_file, args.rate, args.profile_s + 1.0, warmup_s=0.5)
+            cpu = meter.read(load["answered_total"])
+            summary = summarize_profile(collect(timeout_s=60))
+    except RuntimeError as e:
+        return {"error": str(e)}
+    summary.update(server_cpu_share=cpu["server_cpu_share"], achieved_rps=load["achieved_rps"],
+                   sampled_busy_share=round(summary["samples"] / (PROFILE_HZ * args.profile_s), 3))
+    return summary
 
 
 def parse_frame(frame: str) -> tuple[str, str]:
@@ -583,13 +598,35 @@ def setup_pinning(args: argparse.Namespace) -> None:
         args.server_cpu = args.load_cpu = None
 
 
+def missing_tools_message(name: str, missing: list[str], hints: dict[str, str]) -> str:
+    return f"{name}: missing tools:\n" + "\n".join(f"  {t}: {hints[t]}" for t in missing)
+
+
+def write_report(args: argparse.Namespace, env: dict, body: dict, print_report: Callable[[dict], None]) -> None:
+    """Add the config and the environment, write ``--out`` as JSON, print the table."""
+    env["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
+    config = {k: (display_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    report = {"config": config, "environment": env, **body}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1))
+    print_report(report)
+    print(f"\nWrote {display_path(args.out)}")
+
+
+def run_main(main: Callable[[], int]) -> None:
+    """Exit with ``main()``'s code; Ctrl-C and SIGTERM unwind (so servers are stopped) to 130/143."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if missing := missing_tools(args.profile):
-        print("registry_load: missing tools:\n" + "\n".join(f"  {t}: {INSTALL_HINTS[t]}" for t in missing),
-              file=sys.stderr)
+        print(missing_tools_message("registry_load", missing, INSTALL_HINTS), file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
     setup_pinning(args)
     env = environment(args)
     print(f"Pinning: {env['pinning']}", flush=True)
@@ -599,18 +636,9 @@ def main(argv: list[str] | None = None) -> int:
     targets = {}
     for target in args.targets:
         targets[target] = bench_target(target, args, body_file)
-    env["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
-    config = {k: (display_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"config": config, "environment": env, "targets": targets, "verdict": verdict(targets, args)}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print_report(report)
-    print(f"\nWrote {display_path(args.out)}")
+    write_report(args, env, {"targets": targets, "verdict": verdict(targets, args)}, print_report)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_main(main)

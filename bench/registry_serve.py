@@ -51,12 +51,16 @@ from registry_load import (
     environment,
     find_tool,
     free_port,
+    missing_tools_message,
     parse_frame,
     pinned,
     process_cpu_s,
+    py_spy,
     python_frame,
+    run_main,
     setup_pinning,
     stop,
+    write_report,
 )
 
 BENCH = Path(__file__).resolve().parent
@@ -526,29 +530,19 @@ def profile(server: Server, args: argparse.Namespace, gb_per_s: float) -> dict:
     """Sample the registry (all threads, native frames) while the ranges client pulls the file
     again and again for about ``--profile-s``."""
     rounds = max(1, min(100, math.ceil((args.profile_s + 1) * gb_per_s * 1e9 / args.size)))
-    raw = Path(tempfile.mkstemp(prefix="registry_serve_profile.", suffix=".txt")[1])
-    spy = subprocess.Popen(pinned(args.load_cpu, [
-        find_tool("py-spy"), "record", "--pid", str(server.proc.pid), "--duration", f"{args.profile_s:g}",
-        "--rate", str(PROFILE_HZ), "--native", "--threads", "--format", "raw", "--output", str(raw)]),
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        pids = server.pids()
-        srv0, main0, t0 = cpu_of(pids), thread_cpu_s(server.proc.pid), time.perf_counter()
-        load = ranges(server.url, args, Path(), rounds=rounds)
-        wall = time.perf_counter() - t0
-        used, main = cpu_of(pids) - srv0, thread_cpu_s(server.proc.pid) - main0
-        _, err = spy.communicate(timeout=args.profile_s + 60)
-        if spy.returncode != 0:
-            return {"error": f"py-spy failed ({spy.returncode}): {err.strip()[-500:]}"}
-        summary = summarize_threads(raw.read_text(), server.proc.pid)
-        summary.update(rounds=rounds, gb_per_s=load["gb_per_s"], server_cpu_share=round(used / wall, 3),
-                       main_thread_cpu_share=round(main / wall, 3))
-        return summary
-    finally:
-        if spy.poll() is None:
-            spy.kill()
-            spy.wait()
-        raw.unlink(missing_ok=True)
+        with py_spy(server.proc.pid, args.load_cpu, args.profile_s, threads=True) as collect:
+            pids = server.pids()
+            srv0, main0, t0 = cpu_of(pids), thread_cpu_s(server.proc.pid), time.perf_counter()
+            load = ranges(server.url, args, Path(), rounds=rounds)
+            wall = time.perf_counter() - t0
+            used, main = cpu_of(pids) - srv0, thread_cpu_s(server.proc.pid) - main0
+            summary = summarize_threads(collect(timeout_s=args.profile_s + 60), server.proc.pid)
+    except RuntimeError as e:
+        return {"error": str(e)}
+    summary.update(rounds=rounds, gb_per_s=load["gb_per_s"], server_cpu_share=round(used / wall, 3),
+                   main_thread_cpu_share=round(main / wall, 3))
+    return summary
 
 
 # -- summary and report ---------------------------------------------------------------------------------
@@ -666,13 +660,11 @@ def run_all(tmp: Path, args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if missing := missing_tools(args):
-        print("registry_serve: missing tools:\n" + "\n".join(f"  {t}: {INSTALL_HINTS[t]}" for t in missing),
-              file=sys.stderr)
+        print(missing_tools_message("registry_serve", missing, INSTALL_HINTS), file=sys.stderr)
         return 2
     if problem := check_room(args):
         print(f"registry_serve: {problem}; try a smaller --size-mib", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind, so the servers are stopped
     setup_pinning(args)
     env = environment(args)
     print(f"Pinning: {env['pinning']}", flush=True)
@@ -682,19 +674,10 @@ def main(argv: list[str] | None = None) -> int:
         report = run_all(tmp, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    env["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]
-    config = {k: (display_path(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
-    report = {"config": config, "environment": env,
-              "client_labels": {c: client_label(c, args) for c in args.clients}, **report}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1))
-    print_report(report)
-    print(f"\nWrote {display_path(args.out)}")
+    write_report(args, env, {"client_labels": {c: client_label(c, args) for c in args.clients}, **report},
+                 print_report)
     return 0
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KeyboardInterrupt:
-        sys.exit(130)
+    run_main(main)
