@@ -356,7 +356,7 @@ def test_wrong_manifest_digest_is_refused(registry, http, tmp_path):
     from rolloutd.registry.publish import save_shards
     (p,) = save_shards(small(1), tmp_path)
     body = json.loads(build_manifest(1, [p], chunk_bytes=CHUNK).model_dump_json())
-    body["digest"] = "0" * 32
+    body["digest"] = "0" * 64
     r = http.post("/v1/versions", json=body)
     assert r.status_code == 422 and code(r) == "manifest_digest_mismatch"
 
