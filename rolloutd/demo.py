@@ -18,29 +18,7 @@ from .registry.client import RegistryClient
 from .registry.manifest import Manifest, bad_chunks
 from .registry.publish import EmbeddedRegistry
 from .registry.store import Heartbeat
-
-
-def llama_state_dict(seed: int, hidden: int = 256, layers: int = 4, vocab: int = 4096,
-                     intermediate: int = 688) -> dict:
-    """A Llama-shaped checkpoint with HF tensor names; same shapes for every seed."""
-    import numpy as np
-    rng = np.random.default_rng(seed)
-
-    def w(*shape: int):
-        return rng.standard_normal(shape, dtype=np.float32) * 0.05
-
-    sd = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": np.ones(hidden, np.float32),
-          "lm_head.weight": w(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            sd[p + f"self_attn.{proj}.weight"] = w(hidden, hidden)
-        sd[p + "mlp.gate_proj.weight"] = w(intermediate, hidden)
-        sd[p + "mlp.up_proj.weight"] = w(intermediate, hidden)
-        sd[p + "mlp.down_proj.weight"] = w(hidden, intermediate)
-        sd[p + "input_layernorm.weight"] = np.ones(hidden, np.float32)
-        sd[p + "post_attention_layernorm.weight"] = np.ones(hidden, np.float32)
-    return sd
+from .tinymodel import llama_state_dict
 
 
 async def pull(client: RegistryClient, manifest: Manifest, streams: int = 4) -> dict[str, bytes]:

@@ -1,0 +1,120 @@
+"""What the plugin checks in a mirror directory before it touches a single layer.
+
+Standard library only, so it runs in any vLLM environment and is tested without vLLM.
+Contract (design §5): ``<mirror>/<version>/`` holds ``manifest.json`` and the version's
+safetensors files; the daemon passes the directory and the manifest's digest. A directory is
+loaded only if its manifest has exactly that digest and every file has exactly the size the
+manifest gives; the puller already checked every chunk's digest on the way in, and a
+half-written (hidden ``.partial``) directory is refused by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+_FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+_LAYER_RE = re.compile(r"\.(\d+)\.")
+_MAX_HEADER_BYTES = 100 << 20
+
+
+class MirrorError(ValueError):
+    """The mirror directory is not the complete version that was asked for."""
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of the manifest's canonical JSON without its ``digest`` (the registry's rule)."""
+    body = {k: v for k, v in manifest.items() if k != "digest"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Tensor:
+    file: Path
+    name: str
+
+
+def check_version(path: str | Path, digest: str) -> list[Path]:
+    """The version's files, in manifest order, once the directory is proven to be the complete
+    version with manifest ``digest``; otherwise :class:`MirrorError` saying what is wrong."""
+    d = Path(path)
+    if d.name.startswith("."):
+        raise MirrorError(f"{d}: a hidden directory is a pull in progress, never loaded")
+    if not d.is_dir():
+        raise MirrorError(f"{d}: no such mirror directory")
+    manifest = _read_manifest(d)
+    actual = manifest_digest(manifest)
+    if actual != digest:
+        raise MirrorError(f"{d}: manifest digest is {actual}, not the requested {digest}: "
+                          "refusing to load a different version")
+    return [_check_file(d, entry) for entry in manifest.get("files", [])]
+
+
+def _read_manifest(d: Path) -> dict:
+    try:
+        manifest = json.loads((d / MANIFEST).read_bytes())
+    except FileNotFoundError:
+        raise MirrorError(f"{d}: no {MANIFEST}: not a complete mirror of a version") from None
+    except (OSError, ValueError) as e:
+        raise MirrorError(f"{d / MANIFEST}: unreadable: {e}") from None
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list) or not manifest["files"]:
+        raise MirrorError(f"{d / MANIFEST}: not a manifest (no list of files)")
+    return manifest
+
+
+def _check_file(d: Path, entry: object) -> Path:
+    name = entry.get("name") if isinstance(entry, dict) else None
+    size = entry.get("size") if isinstance(entry, dict) else None
+    if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or not isinstance(size, int):
+        raise MirrorError(f"{d / MANIFEST}: bad file entry {str(entry)[:200]}")
+    p = d / name
+    try:
+        actual = p.stat().st_size
+    except FileNotFoundError:
+        raise MirrorError(f"{p}: missing (the manifest lists it with {size} bytes)") from None
+    if actual != size:
+        raise MirrorError(f"{p}: {actual} bytes, the manifest says {size}: "
+                          f"{'truncated' if actual < size else 'longer than published'}")
+    _check_safetensors_header(p, size)
+    return p
+
+
+def _check_safetensors_header(p: Path, size: int) -> None:
+    """The header parses and every tensor lies inside the file: cheap, and it catches a file
+    that is not safetensors before the first layer is cleared."""
+    with open(p, "rb") as f:
+        raw = f.read(8)
+        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
+        if not 0 < n <= min(_MAX_HEADER_BYTES, size - 8):
+            raise MirrorError(f"{p}: not a safetensors file (header length {n})")
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            raise MirrorError(f"{p}: safetensors header is not JSON: {e}") from None
+    data_bytes = size - 8 - n
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data_bytes):
+            raise MirrorError(f"{p}: tensor {name!r} lies outside the file ({offsets})")
+
+
+def layer_rank(name: str) -> tuple[int, int]:
+    """Embeddings first, then decoder layers by index, then the rest (final norm, head):
+    the order layerwise reload wants, so each layer is completed and processed in turn."""
+    m = _LAYER_RE.search(name)
+    if m:
+        return (1, int(m.group(1)))
+    return (0, 0) if "embed" in name else (2, 0)
+
+
+def in_layer_order(tensors: list[Tensor]) -> list[Tensor]:
+    """Stable: tensors keep their file order within a layer."""
+    return sorted(tensors, key=lambda t: layer_rank(t.name))
