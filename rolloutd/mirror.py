@@ -1,0 +1,284 @@
+"""The node mirror: complete weight versions in a local directory (tmpfs), one pull per node.
+
+Layout (contract, design §5)::
+
+    <dir>/<version>/                 the version's files and manifest.json; exists only when complete
+    <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)
+    <dir>/.<version>.partial/        a pull in progress: files preallocated at full size
+    <dir>/.<version>.<rand>.trash/   a version being removed (renamed away first)
+
+A pull writes into the hidden ``.partial`` directory; :meth:`Mirror.commit` fsyncs every file,
+writes ``manifest.json``, fsyncs the directory and renames it into place with one
+``os.rename``, then fsyncs ``<dir>``. Removal renames a version away before deleting it. So a
+directory under a version's name is complete, never half-written nor half-deleted; one whose
+manifest is unreadable or disagrees with the files beside it is treated as not there.
+The mirror does no I/O over the network and never imports torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from .registry.manifest import Manifest, ManifestError
+
+log = logging.getLogger("rolloutd.mirror")
+
+MANIFEST_NAME = "manifest.json"
+_VERSION_RE = re.compile(r"^[1-9][0-9]{0,15}$")
+_PARTIAL_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.partial$")
+_TRASH_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.[0-9a-f]+\.trash$")
+
+
+class MirrorFull(Exception):
+    """A version does not fit in ``max_bytes`` even after removing every version not kept."""
+
+
+@dataclass
+class Partial:
+    """A version being written: its hidden directory and one open, preallocated file per
+    manifest entry. Write with ``os.pwrite(partial.fds[name], data, offset)``."""
+
+    manifest: Manifest
+    dir: Path
+    fds: dict[str, int] = field(default_factory=dict)
+
+    def path(self, name: str) -> Path:
+        return self.dir / name
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds.clear()
+
+
+class Mirror:
+    def __init__(self, directory: Path, max_bytes: int):
+        if max_bytes <= 0:
+            raise ValueError("max_bytes must be positive")
+        self.dir = Path(directory)
+        self.max_bytes = max_bytes
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._reported: set[tuple[str, int]] = set()  # broken version dirs already logged
+
+    # -- reading ----------------------------------------------------------------------------------
+    def path(self, version: int) -> Path:
+        return self.dir / str(version)
+
+    def versions(self) -> list[int]:
+        """Complete versions, oldest first (anything else in the directory is ignored)."""
+        return [v for v in self._named_versions() if self.manifest(v) is not None]
+
+    def newest(self) -> int | None:
+        complete = self.versions()
+        return complete[-1] if complete else None
+
+    def manifest(self, version: int) -> Manifest | None:
+        """The manifest of a complete version; None if there is none, or if its directory does
+        not hold what its manifest says (logged once: someone tampered with the mirror)."""
+        vdir = self.path(version)
+        if not vdir.is_dir():
+            return None
+        try:
+            manifest = Manifest.model_validate_json((vdir / MANIFEST_NAME).read_bytes()).sealed()
+            problem = _mismatch(vdir, version, manifest)
+        except (OSError, ValidationError, ManifestError) as e:
+            manifest, problem = None, f"{MANIFEST_NAME} unreadable: {_short(e)}"
+        if problem is None:
+            return manifest
+        key = (problem, version)
+        if key not in self._reported:
+            self._reported.add(key)
+            log.warning("ignore mirror directory %s: %s", vdir, problem)
+        return None
+
+    def has(self, version: int, digest: str | None) -> bool:
+        """True if ``version`` is complete here with manifest ``digest``."""
+        manifest = self.manifest(version)
+        return manifest is not None and manifest.digest == digest
+
+    def usage_bytes(self) -> int:
+        """Apparent size of everything under the mirror (partials and leftovers included)."""
+        return _tree_bytes(self.dir)
+
+    # -- writing ----------------------------------------------------------------------------------
+    def begin(self, manifest: Manifest) -> Partial:
+        """Create ``.<v>.partial`` with every file preallocated at full size and open for writing
+        (a leftover partial of the same version is removed first)."""
+        manifest = manifest.sealed()
+        pdir = self.dir / f".{manifest.version}.partial"
+        _remove_tree(pdir)
+        pdir.mkdir()
+        partial = Partial(manifest, pdir)
+        try:
+            for entry in manifest.files:
+                fd = os.open(pdir / entry.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                partial.fds[entry.name] = fd
+                if entry.size:
+                    # Allocate now: a full tmpfs fails here, with a clear error, and not halfway
+                    # through a pull with some chunks written.
+                    os.posix_fallocate(fd, 0, entry.size)
+        except BaseException:
+            self.discard(partial)
+            raise
+        log.info("begin version %d in %s (%d files, %d bytes)", manifest.version, pdir,
+                 len(manifest.files), manifest.total_bytes)
+        return partial
+
+    def commit(self, partial: Partial) -> Path:
+        """Make the partial version complete: fsync, write the manifest, rename into place."""
+        version = partial.manifest.version
+        for fd in partial.fds.values():
+            os.fsync(fd)
+        partial.close()
+        _write_synced(partial.dir / MANIFEST_NAME, partial.manifest.model_dump_json().encode())
+        _fsync_dir(partial.dir)
+        final = self.path(version)
+        if final.exists():
+            # Only a broken directory can be in the way (the puller returns early for a
+            # complete one): move it away so the rename below stays one atomic step.
+            self._remove(version, "replaced by a fresh pull")
+        os.rename(partial.dir, final)
+        _fsync_dir(self.dir)
+        log.info("commit version %d to %s (digest %s)", version, final, partial.manifest.digest)
+        return final
+
+    def discard(self, partial: Partial) -> None:
+        partial.close()
+        _remove_tree(partial.dir)
+        log.info("discard partial version %d", partial.manifest.version)
+
+    def clean_partials(self) -> list[Path]:
+        """Remove what a crashed run left: ``.*.partial`` and ``.*.trash`` directories.
+        Call at start, before any pull."""
+        removed = []
+        for entry in os.scandir(self.dir):
+            if _PARTIAL_RE.match(entry.name) or _TRASH_RE.match(entry.name):
+                _remove_tree(Path(entry.path))
+                removed.append(Path(entry.path))
+                log.info("remove leftover %s", entry.path)
+        return removed
+
+    # -- room -------------------------------------------------------------------------------------
+    def gc(self, in_use: set[int]) -> list[int]:
+        """Remove every version not in ``in_use`` except the newest complete one (a fallback
+        for servers that start before the next pull ends), oldest first. Directories under a
+        version name that are not complete go too, unless in use. Returns what was removed."""
+        keep = set(in_use)
+        if (newest := self.newest()) is not None:
+            keep.add(newest)
+        removed = []
+        for version in self._named_versions():
+            if version not in keep:
+                self._remove(version, "not in use and not the newest")
+                removed.append(version)
+        return removed
+
+    def ensure_room(self, needed_bytes: int, in_use: set[int]) -> list[int]:
+        """Make room for ``needed_bytes`` more within ``max_bytes``, removing versions with
+        :meth:`gc` only if it must. Returns the versions removed; raises ``MirrorFull`` with the
+        figures when even that is not enough (nothing is removed then)."""
+        usage = self.usage_bytes()
+        if usage + needed_bytes <= self.max_bytes:
+            return []
+        keep = set(in_use) | ({self.newest()} - {None})
+        sizes = {v: _tree_bytes(self.path(v)) for v in self._named_versions()}
+        after = usage - sum(b for v, b in sizes.items() if v not in keep)  # once gc has run
+        if after + needed_bytes > self.max_bytes:
+            kept = {v: b for v, b in sizes.items() if v in keep}
+            held = ", ".join(f"v{v} {_size(b)}" for v, b in sorted(kept.items())) or "none"
+            raise MirrorFull(
+                f"mirror {self.dir} cannot take {_size(needed_bytes)} more: max_bytes is "
+                f"{_size(self.max_bytes)} and {_size(after)} stays after removing every version "
+                f"not kept (kept: {held}; in use: {sorted(in_use) or 'none'}; other files: "
+                f"{_size(after - sum(kept.values()))})")
+        return self.gc(in_use)
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _named_versions(self) -> list[int]:
+        """Every directory named like a version, complete or not, oldest first."""
+        found = []
+        for entry in os.scandir(self.dir):
+            if _VERSION_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
+                found.append(int(entry.name))
+        return sorted(found)
+
+    def _remove(self, version: int, why: str) -> None:
+        """Rename away first, then delete: a half-deleted version is never visible."""
+        trash = self.dir / f".{version}.{secrets.token_hex(4)}.trash"
+        os.rename(self.path(version), trash)
+        _fsync_dir(self.dir)
+        _remove_tree(trash)
+        log.info("remove version %d from the mirror (%s)", version, why)
+
+
+def _mismatch(vdir: Path, version: int, manifest: Manifest) -> str | None:
+    """Why a version directory does not hold what its manifest says (None: it does). Sizes
+    only: digests were checked chunk by chunk while pulling."""
+    if manifest.version != version:
+        return f"{MANIFEST_NAME} is for version {manifest.version}"
+    for entry in manifest.files:
+        try:
+            size = os.stat(vdir / entry.name).st_size
+        except OSError:
+            return f"file {entry.name} is missing"
+        if size != entry.size:
+            return f"file {entry.name} has {size} bytes, the manifest says {entry.size}"
+    return None
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(root):
+            with contextlib.suppress(FileNotFoundError):
+                if entry.is_dir(follow_symlinks=False):
+                    total += _tree_bytes(Path(entry.path))
+                else:
+                    total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
+def _remove_tree(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if path.exists():
+        raise OSError(f"could not remove {path}")
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _short(e: Exception) -> str:
+    return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+
+
+def _size(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,407 @@
+"""The puller: brings one version from the registry into the node mirror, once per node.
+
+Contract:
+
+- ``await Puller.pull(version or "latest")`` leases the version, fetches its manifest (its
+  digest checked), and returns at once if the mirror already holds it with that digest.
+  Otherwise it makes room (``Mirror.ensure_room``), writes every chunk into a hidden partial
+  directory with ``streams`` concurrent workers (each chunk in ``Range`` requests of at most
+  ``request_bytes``), checks every chunk against the manifest as it completes, and commits
+  the directory into place. It returns a :class:`PullResult`, or raises :class:`PullError`
+  naming what failed.
+- A chunk that arrives corrupt or whose transfer fails is fetched again, up to
+  ``max_chunk_retries`` times per chunk; then the pull fails.
+- The lease is renewed every ``renew_every_s`` while pulling. A lease that expired anyway is
+  taken again on the same version if the registry still has it (a retired version keeps its
+  bytes only while leased: if they are gone, the pull fails).
+- On any failure or cancellation the partial directory is discarded and the lease released
+  (best effort): nothing is ever visible under the version's name unless complete.
+- ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
+
+The event loop is never blocked for long: writes are ``pwrite`` of one received piece (a few
+MiB at most) and hashing is incremental per piece; allocating and committing the partial
+directory run in a thread. No torch here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import hashlib
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from .mirror import Mirror, Partial
+from .registry import errors
+from .registry.client import LeaseInfo, RegistryClient
+from .registry.manifest import FileEntry, Manifest, ManifestError
+
+log = logging.getLogger("rolloutd.puller")
+
+MiB = 1 << 20
+RATE_WINDOW_S = 5.0      # progress rate: bytes over this recent window
+RATE_SAMPLE_S = 0.1      # at most one rate sample this often
+PIECE_BYTES = 1 * MiB     # largest piece read from a response body at once
+RELEASE_TIMEOUT_S = 5.0  # a release is best effort: never hold a failing pull for long
+
+# A version that is gone, a file it lacks, a bad token: fetching again cannot help.
+_FATAL = (errors.VersionRetired, errors.VersionUnknown, errors.FileUnknown, errors.Unauthorized,
+          errors.RangeNotSatisfiable, errors.InvalidRequest, errors.RouteNotFound)
+
+
+class PullError(Exception):
+    """A pull failed; the message says which version, and which file and chunk if one."""
+
+
+class PullState(enum.Enum):
+    LEASING = "leasing"        # taking the lease and reading the manifest
+    PULLING = "pulling"        # chunks being fetched into the partial directory
+    COMMITTING = "committing"  # fsync and rename into place
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+_ARROWS = {
+    PullState.LEASING: {PullState.PULLING, PullState.DONE, PullState.FAILED, PullState.CANCELLED},
+    PullState.PULLING: {PullState.COMMITTING, PullState.FAILED, PullState.CANCELLED},
+    PullState.COMMITTING: {PullState.DONE, PullState.FAILED, PullState.CANCELLED},
+    PullState.DONE: set(), PullState.FAILED: set(), PullState.CANCELLED: set(),
+}
+
+
+@dataclass
+class PullProgress:
+    """One pull as it goes; read it at any time (all fields are plain values)."""
+
+    target: int | str
+    version: int | None = None  # None until "latest" is resolved
+    bytes_total: int = 0
+    bytes_done: int = 0         # bytes written for chunks not (yet) failed
+    retries: int = 0
+    state: PullState = PullState.LEASING
+    error: str | None = None
+    clock: Callable[[], float] = field(default=time.monotonic, repr=False)
+    started_at: float = 0.0
+    ended_at: float | None = None
+    _samples: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
+
+    def __post_init__(self) -> None:
+        self.started_at = self.clock()
+        self._samples.append((self.started_at, 0))
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended_at if self.ended_at is not None else self.clock()) - self.started_at
+
+    @property
+    def rate_bytes_per_s(self) -> float:
+        """Over the last ``RATE_WINDOW_S`` while pulling; the average once it ended."""
+        if self.ended_at is not None:
+            return self.bytes_done / self.seconds if self.seconds > 0 else 0.0
+        now = self.clock()
+        t0, b0 = self._samples[0]
+        return (self.bytes_done - b0) / (now - t0) if now > t0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.state is not PullState.PULLING:
+            return 0.0 if self.state is PullState.DONE else None
+        rate = self.rate_bytes_per_s
+        return (self.bytes_total - self.bytes_done) / rate if rate > 0 else None
+
+    def add(self, n: int) -> None:
+        self.bytes_done += n
+        now = self.clock()
+        if now - self._samples[-1][0] >= RATE_SAMPLE_S:
+            self._samples.append((now, self.bytes_done))
+            while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+                self._samples.popleft()
+
+    def as_dict(self) -> dict:
+        eta = self.eta_s
+        return {"target": self.target, "version": self.version, "state": self.state.value,
+                "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
+                "rate_bytes_per_s": round(self.rate_bytes_per_s, 1),
+                "eta_s": None if eta is None else round(eta, 2), "retries": self.retries,
+                "seconds": round(self.seconds, 3), "error": self.error}
+
+
+@dataclass(frozen=True)
+class PullResult:
+    version: int
+    path: Path
+    digest: str
+    bytes: int       # bytes fetched (0 when the mirror already had the version)
+    seconds: float
+    retries: int
+    reused: bool = False
+
+
+class _ChunkCorrupt(Exception):
+    """A chunk's bytes do not match the manifest digest (or came short)."""
+
+
+class Puller:
+    def __init__(self, client: RegistryClient, mirror: Mirror, *, holder: str, streams: int = 4,
+                 request_bytes: int = 16 * MiB, max_chunk_retries: int = 3, lease_ttl_s: float = 60.0,
+                 renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES, retry_delay_s: float = 0.1,
+                 in_use: Callable[[], set[int]] = set, clock: Callable[[], float] = time.monotonic):
+        if streams < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
+            raise ValueError("streams and request_bytes must be positive, max_chunk_retries >= 0, "
+                             "lease_ttl_s > 0")
+        self.client, self.mirror, self.holder = client, mirror, holder
+        self.streams, self.request_bytes = streams, request_bytes
+        self.max_chunk_retries = max_chunk_retries
+        self.lease_ttl_s = lease_ttl_s
+        self.renew_every_s = renew_every_s if renew_every_s is not None else lease_ttl_s / 3
+        self.piece_bytes = piece_bytes
+        self.retry_delay_s = retry_delay_s
+        self.in_use = in_use  # versions the node's servers hold: never removed to make room
+        self.clock = clock
+        self.progress: PullProgress | None = None
+        self._lease: LeaseInfo | None = None
+
+    @property
+    def lease(self) -> LeaseInfo | None:
+        """The lease held for the pull in progress, if any."""
+        return self._lease
+
+    # -- the pull ---------------------------------------------------------------------------------
+    async def pull(self, version: int | str = "latest") -> PullResult:
+        progress = self.progress = PullProgress(target=version, clock=self.clock)
+        partial: Partial | None = None
+        try:
+            lease = await self._take_lease(version)
+            progress.version = lease.version
+            manifest = await self._manifest(lease)
+            progress.bytes_total = manifest.total_bytes
+            if self.mirror.has(manifest.version, manifest.digest):
+                log.info("have version %d already in %s", manifest.version, self.mirror.path(manifest.version))
+                self._set_state(PullState.DONE)
+                return self._result(manifest, reused=True)
+            await asyncio.to_thread(self.mirror.ensure_room, manifest.total_bytes, self.in_use())
+            partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
+            self._set_state(PullState.PULLING)
+            log.info("pull version %d: %d files, %d bytes, %d streams of %d-byte requests", manifest.version,
+                     len(manifest.files), manifest.total_bytes, self.streams, self.request_bytes)
+            await self._fetch_all(manifest, partial)
+            self._set_state(PullState.COMMITTING)
+            await _settle(asyncio.to_thread(self.mirror.commit, partial))
+            partial = None
+            self._set_state(PullState.DONE)
+            result = self._result(manifest)
+            log.info("pulled version %d: %d bytes in %.2f s (%.0f MB/s), %d retries", result.version,
+                     result.bytes, result.seconds, result.bytes / max(result.seconds, 1e-9) / 1e6, result.retries)
+            return result
+        except asyncio.CancelledError:
+            self._end(PullState.CANCELLED, "cancelled")
+            raise
+        except PullError as e:
+            self._end(PullState.FAILED, str(e))
+            raise
+        except Exception as e:
+            what = f"pull of version {progress.version or version} failed: {_describe(e)}"
+            self._end(PullState.FAILED, what)
+            raise PullError(what) from e
+        finally:
+            if partial is not None:
+                await _settle(asyncio.to_thread(self.mirror.discard, partial))
+            await self._release()
+
+    def _result(self, manifest: Manifest, reused: bool = False) -> PullResult:
+        p = self.progress
+        return PullResult(version=manifest.version, path=self.mirror.path(manifest.version),
+                          digest=manifest.digest, bytes=0 if reused else p.bytes_done,
+                          seconds=p.seconds, retries=p.retries, reused=reused)
+
+    def _set_state(self, new: PullState) -> None:
+        p = self.progress
+        if new not in _ARROWS[p.state]:
+            raise AssertionError(f"pull {p.target}: {p.state.name} -> {new.name}")
+        log.debug("pull %s: %s -> %s", p.version or p.target, p.state.name, new.name)
+        p.state = new
+        if new in (PullState.DONE, PullState.FAILED, PullState.CANCELLED):
+            p.ended_at = self.clock()
+
+    def _end(self, state: PullState, error: str) -> None:
+        self.progress.error = error
+        if self.progress.state not in (PullState.DONE, PullState.FAILED, PullState.CANCELLED):
+            self._set_state(state)
+        log.warning("abandon pull of %s: %s", self.progress.version or self.progress.target, error)
+
+    async def _manifest(self, lease: LeaseInfo) -> Manifest:
+        manifest = await self.client.manifest(lease.version)
+        try:
+            manifest = manifest.sealed()  # checks the digest it came with
+        except ManifestError as e:
+            raise PullError(f"version {lease.version}: {e}") from None
+        if manifest.version != lease.version or (lease.digest and lease.digest != manifest.digest):
+            raise PullError(f"version {lease.version}: manifest (version {manifest.version}, digest "
+                            f"{manifest.digest}) is not the one leased (digest {lease.digest})")
+        return manifest
+
+    # -- chunks -----------------------------------------------------------------------------------
+    async def _fetch_all(self, manifest: Manifest, partial: Partial) -> None:
+        """``streams`` workers take chunks in file order; the lease is renewed meanwhile. The
+        first failure cancels the rest."""
+        work = _chunks(manifest)
+        try:
+            async with asyncio.TaskGroup() as tg:
+                keeper = tg.create_task(self._keep_lease(manifest.version))
+                async with asyncio.TaskGroup() as workers:
+                    for _ in range(min(self.streams, sum(len(f.chunks) for f in manifest.files))):
+                        workers.create_task(self._worker(work, manifest, partial))
+                keeper.cancel()
+        except BaseExceptionGroup as group:
+            raise _first(group) from None
+
+    async def _worker(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial) -> None:
+        for entry, index in work:  # one shared iterator: each chunk goes to one worker
+            await self._fetch_chunk(manifest, entry, index, partial.fds[entry.name])
+
+    async def _fetch_chunk(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
+        """Fetch one chunk into ``fd`` and check it; again on failure, up to the retry limit."""
+        where = f"version {manifest.version} file {entry.name} chunk {index}"
+        last = ""
+        for attempt in range(self.max_chunk_retries + 1):
+            if attempt:
+                self.progress.retries += 1
+                await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
+            try:
+                await self._transfer(manifest, entry, index, fd)
+                return
+            except _FATAL as e:
+                raise PullError(f"{where}: {_describe(e)}") from None
+            except OSError as e:  # the client turns network errors into RegistryUnavailable
+                raise PullError(f"{where}: cannot write to the mirror: {e}") from None
+            except (_ChunkCorrupt, errors.RegistryError) as e:
+                last = _describe(e)
+                log.warning("retry %s (attempt %d of %d failed): %s", where, attempt + 1,
+                            self.max_chunk_retries + 1, last)
+        raise PullError(f"{where}: failed {self.max_chunk_retries + 1} times; last: {last}")
+
+    async def _transfer(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
+        """One attempt: the chunk's bytes in requests of at most ``request_bytes``, each piece
+        hashed and written at its offset as it arrives. A failed attempt takes back the bytes
+        it had added to the progress."""
+        start, end = manifest.chunk_span(entry, index)
+        hasher = _hasher(manifest.hash)
+        offset = start
+        try:
+            for req_start in range(start, end, self.request_bytes):
+                req_end = min(end, req_start + self.request_bytes)
+                pieces = self.client.stream_range(manifest.version, entry.name, req_start, req_end,
+                                                  piece_bytes=self.piece_bytes)
+                async with contextlib.aclosing(pieces):  # a failed write must close the response too
+                    async for piece in pieces:
+                        hasher.update(piece)
+                        os.pwrite(fd, piece, offset)
+                        offset += len(piece)
+                        self.progress.add(len(piece))
+                if offset != req_end:
+                    raise _ChunkCorrupt(f"got {offset - req_start} bytes of {req_end - req_start}")
+            if (got := hasher.hexdigest()) != entry.chunks[index]:
+                raise _ChunkCorrupt(f"digest {got} does not match the manifest's {entry.chunks[index]}")
+        except BaseException:
+            self.progress.bytes_done -= offset - start
+            raise
+
+    # -- the lease --------------------------------------------------------------------------------
+    async def _take_lease(self, version: int | str) -> LeaseInfo:
+        try:
+            self._lease = await self.client.lease(self.holder, version, self.lease_ttl_s)
+        except (errors.NoVersions, errors.VersionUnknown, errors.VersionRetired) as e:
+            raise PullError(f"cannot lease version {version}: {_describe(e)}") from None
+        log.info("lease version %d as %s (lease %s, ttl %.0f s)", self._lease.version, self.holder,
+                 self._lease.lease_id, self._lease.ttl_s)
+        return self._lease
+
+    async def _keep_lease(self, version: int) -> None:
+        """Renew until cancelled. A lease that is gone anyway (expired, e.g. after a long stall)
+        is taken again on the same version; if the version cannot be leased any more its bytes
+        may be reclaimed at any moment, so the pull fails."""
+        while True:
+            await asyncio.sleep(min(self.renew_every_s, self._lease.ttl_s / 3))
+            try:
+                self._lease = await self.client.renew(self._lease.lease_id, self.lease_ttl_s)
+            except (errors.LeaseExpired, errors.LeaseUnknown) as e:
+                log.warning("lost lease %s on version %d (%s): lease it again", self._lease.lease_id,
+                            version, _describe(e))
+                await self._lease_again(version)
+            except errors.RegistryError as e:  # unreachable for a moment: the lease may still hold
+                log.warning("cannot renew lease %s on version %d: %s; try again in %.0f s",
+                            self._lease.lease_id, version, _describe(e), self.renew_every_s)
+
+    async def _lease_again(self, version: int) -> None:
+        try:
+            self._lease = await self.client.lease(self.holder, version, self.lease_ttl_s)
+        except (errors.VersionRetired, errors.VersionUnknown) as e:
+            self._lease = None
+            raise PullError(f"version {version}: the lease expired mid-pull and the version cannot "
+                            f"be leased again ({_describe(e)})") from None
+        log.info("lease version %d again as %s (lease %s)", version, self.holder, self._lease.lease_id)
+
+    async def _release(self) -> None:
+        """Best effort: a lease not released expires on its own."""
+        lease, self._lease = self._lease, None
+        if lease is None:
+            return
+        try:
+            await asyncio.wait_for(self.client.release(lease.lease_id), RELEASE_TIMEOUT_S)
+            log.info("release lease %s on version %d", lease.lease_id, lease.version)
+        except (errors.LeaseExpired, errors.LeaseUnknown):
+            pass
+        except Exception as e:
+            log.warning("cannot release lease %s on version %d: %s", lease.lease_id, lease.version, _describe(e))
+
+
+def _chunks(manifest: Manifest) -> Iterator[tuple[FileEntry, int]]:
+    for entry in manifest.files:
+        for index in range(len(entry.chunks)):
+            yield entry, index
+
+
+def _hasher(name: str):
+    return xxhash.xxh3_128() if name == "xxh3-128" else hashlib.sha256()
+
+
+def _first(group: BaseExceptionGroup) -> BaseException:
+    """The error to report from a task group: a PullError if there is one."""
+    leaves = list(_leaves(group))
+    return next((e for e in leaves if isinstance(e, PullError)), leaves[0])
+
+
+def _leaves(e: BaseException) -> Iterator[BaseException]:
+    if isinstance(e, BaseExceptionGroup):
+        for sub in e.exceptions:
+            yield from _leaves(sub)
+    else:
+        yield e
+
+
+async def _settle(awaitable, undo: Callable | None = None):
+    """Await work that runs in a thread and cannot be stopped halfway. If cancelled meanwhile,
+    let it finish, hand its result to ``undo``, then re-raise the cancellation."""
+    fut = asyncio.ensure_future(awaitable)
+    try:
+        return await asyncio.shield(fut)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            result = await fut
+            if undo is not None:
+                await asyncio.to_thread(undo, result)
+        raise
+
+
+def _describe(e: BaseException) -> str:
+    text = str(e) or type(e).__name__
+    return text if isinstance(e, PullError) else f"{type(e).__name__}: {text}"

@@ -1,0 +1,334 @@
+"""The puller against a real embedded registry over HTTP, with a fake proxy in front of it for
+the faults a healthy registry never shows (corrupt bytes, stalls at a chosen request)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from rolloutd.demo import llama_state_dict
+from rolloutd.mirror import MANIFEST_NAME, Mirror
+from rolloutd.puller import Puller, PullError, PullState
+from rolloutd.registry import errors
+from rolloutd.registry.client import RegistryClient
+from rolloutd.registry.publish import serialize_shards
+
+CHUNK = 64 << 10
+SHARD = 1 << 20
+
+
+def state_dict(seed: int) -> dict:
+    return llama_state_dict(seed, hidden=128, layers=3, vocab=1024, intermediate=344)  # ~3 MiB
+
+
+def publish(registry, version: int) -> tuple:
+    sd = state_dict(version)
+    manifest = registry.publish(version, sd, shard_bytes=SHARD, chunk_bytes=CHUNK)
+    return manifest, dict(serialize_shards(sd, SHARD))
+
+
+class FlippingProxy:
+    """A fake registry front: forwards every request to the real registry. Byte requests can
+    be corrupted (one byte flipped in the body of the response whose range starts at a chosen
+    offset), and ``on_bytes`` runs before each byte request is forwarded (to stall it, advance
+    the registry's clock, retire a version...)."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.flips: dict[tuple[str, int], int | None] = {}  # (file, range start) -> times left; None: always
+        self.flipped = 0
+        self.byte_requests: list[tuple[str, int, int]] = []
+        self.on_bytes: Callable[[int], Awaitable[None]] | None = None  # gets the request's number
+        self.url = ""
+
+    def flip(self, name: str, start: int, times: int | None = 1) -> None:
+        self.flips[(name, start)] = times
+
+    async def __aenter__(self) -> FlippingProxy:
+        self._session = aiohttp.ClientSession(self.upstream)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)  # a stalled handler must not hold the test
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        parts = request.path.split("/")
+        is_bytes = len(parts) == 6 and parts[4] == "files" and request.method == "GET"
+        start = 0
+        if is_bytes:
+            name = parts[5]
+            start, end = (int(x) for x in request.headers["range"].removeprefix("bytes=").split("-"))
+            self.byte_requests.append((name, start, end + 1))
+            if self.on_bytes is not None:
+                await self.on_bytes(len(self.byte_requests))
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("range", "content-type")}
+        async with self._session.request(request.method, request.path_qs, headers=headers,
+                                         data=await request.read()) as r:
+            body = bytearray(await r.read())
+            keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "content-range")}
+        if is_bytes and r.status == 206 and (name, start) in self.flips:
+            left = self.flips[(name, start)]
+            if left is None or left > 0:
+                body[0] ^= 0xFF
+                self.flipped += 1
+                if left is not None:
+                    self.flips[(name, start)] = left - 1
+        return web.Response(status=r.status, body=bytes(body), headers=keep)
+
+
+@pytest.fixture
+async def proxy(registry):
+    async with FlippingProxy(registry.url) as p:
+        yield p
+
+
+@pytest.fixture
+async def client(proxy):
+    async with RegistryClient(proxy.url) as c:
+        yield c
+
+
+@pytest.fixture
+def mirror(tmp_path) -> Mirror:
+    return Mirror(tmp_path / "mirror", max_bytes=1 << 30)
+
+
+def make_puller(client, mirror, **kw) -> Puller:
+    kw = {"holder": "node-7", "streams": 4, "request_bytes": 16 << 10, "retry_delay_s": 0.0, **kw}
+    return Puller(client, mirror, **kw)
+
+
+def assert_pulled(mirror: Mirror, version: int, files: dict[str, bytes], manifest) -> None:
+    vdir = mirror.path(version)
+    assert sorted(os.listdir(vdir)) == sorted([*files, MANIFEST_NAME])
+    for name, data in files.items():
+        assert (vdir / name).read_bytes() == data, name
+    assert (vdir / MANIFEST_NAME).read_text() == manifest.model_dump_json()
+    assert sorted(os.listdir(mirror.dir)) == [str(v) for v in sorted(mirror.versions())]  # no partial
+
+
+def nothing_left(mirror: Mirror, registry) -> None:
+    assert os.listdir(mirror.dir) == []
+    assert registry.service.store.lease_count() == 0
+
+
+# -- pulls that work ----------------------------------------------------------------------------------------
+
+async def test_pull_is_byte_identical_and_complete(registry, proxy, client, mirror):
+    manifest, files = publish(registry, 1)
+    assert len(files) >= 3 and sum(len(f.chunks) for f in manifest.files) >= 40
+    puller = make_puller(client, mirror, streams=1, request_bytes=1 << 30)
+    result = await puller.pull(1)
+    assert (result.version, result.path, result.digest) == (1, mirror.path(1), manifest.digest)
+    assert result.bytes == manifest.total_bytes and result.retries == 0 and not result.reused
+    assert_pulled(mirror, 1, files, manifest)
+    assert registry.service.store.lease_count() == 0
+    # one request per chunk when request_bytes is at least a chunk
+    assert len(proxy.byte_requests) == sum(len(f.chunks) for f in manifest.files)
+    p = puller.progress
+    assert (p.state, p.version, p.bytes_done, p.bytes_total, p.eta_s) == (
+        PullState.DONE, 1, manifest.total_bytes, manifest.total_bytes, 0.0)
+    assert p.as_dict()["state"] == "done"
+
+
+async def test_several_streams_with_requests_smaller_than_a_chunk(registry, proxy, client, mirror):
+    publish(registry, 1)
+    manifest, files = publish(registry, 2)
+    puller = make_puller(client, mirror, streams=6, request_bytes=20_000)
+    in_flight, most = 0, 0
+
+    async def count(_n: int) -> None:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        await asyncio.sleep(0.002)  # let the other streams get their requests in
+        in_flight -= 1
+    proxy.on_bytes = count
+    result = await puller.pull("latest")
+    assert result.version == 2
+    assert_pulled(mirror, 2, files, manifest)
+    assert most == 6
+    spans = sorted((n, s, e) for n, s, e in proxy.byte_requests)
+    assert all(e - s <= 20_000 for _, s, e in spans)
+    chunks = sum(len(f.chunks) for f in manifest.files)
+    assert len(spans) == sum(-(-(e - s) // 20_000) for f in manifest.files
+                             for s, e in (manifest.chunk_span(f, i) for i in range(len(f.chunks))))
+    assert len(spans) > 3 * chunks
+
+
+async def test_a_version_already_in_the_mirror_is_not_pulled_again(registry, proxy, client, mirror):
+    manifest, files = publish(registry, 1)
+    await make_puller(client, mirror).pull(1)
+    before = len(proxy.byte_requests)
+    again = await make_puller(client, mirror).pull("latest")
+    assert again.reused and again.bytes == 0 and again.digest == manifest.digest
+    assert len(proxy.byte_requests) == before
+    assert registry.service.store.lease_count() == 0  # released on the short path too
+
+
+async def test_progress_is_readable_while_pulling(registry, proxy, client, mirror):
+    manifest, _ = publish(registry, 1)
+    puller = make_puller(client, mirror, streams=1)
+    seen = []
+
+    async def look(n: int) -> None:
+        if n in (20, 60):
+            await asyncio.sleep(0.01)
+            seen.append(puller.progress.as_dict())
+    proxy.on_bytes = look
+    await puller.pull(1)
+    first, later = seen
+    assert first["state"] == "pulling" and first["version"] == 1 and first["bytes_total"] == manifest.total_bytes
+    assert 0 < first["bytes_done"] < later["bytes_done"] < manifest.total_bytes
+    assert later["rate_bytes_per_s"] > 0 and later["eta_s"] > 0
+
+
+# -- corruption -----------------------------------------------------------------------------------------------
+
+async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, mirror, caplog):
+    manifest, files = publish(registry, 1)
+    entry = manifest.files[1]
+    proxy.flip(entry.name, 2 * CHUNK)
+    with caplog.at_level(logging.WARNING, logger="rolloutd.puller"):
+        result = await make_puller(client, mirror).pull(1)
+    assert proxy.flipped == 1 and result.retries == 1
+    assert result.bytes == manifest.total_bytes  # the bad attempt's bytes are not counted twice
+    assert_pulled(mirror, 1, files, manifest)
+    assert f"retry version 1 file {entry.name} chunk 2 (attempt 1 of 4 failed): " in caplog.text
+    assert "does not match the manifest" in caplog.text
+
+
+async def test_a_chunk_corrupted_every_time_fails_the_pull_and_leaves_nothing(registry, proxy, client, mirror):
+    manifest, _ = publish(registry, 1)
+    entry = manifest.files[0]
+    proxy.flip(entry.name, 3 * CHUNK, times=None)
+    puller = make_puller(client, mirror, max_chunk_retries=2)
+    with pytest.raises(PullError, match=rf"version 1 file {entry.name} chunk 3: failed 3 times; last: "
+                                        r"_ChunkCorrupt: digest [0-9a-f]{32} does not match") as err:
+        await puller.pull(1)
+    assert proxy.flipped == 3
+    assert puller.progress.state is PullState.FAILED and puller.progress.error == str(err.value)
+    assert puller.progress.retries == 2
+    nothing_left(mirror, registry)
+    assert mirror.versions() == []
+
+
+# -- leases ---------------------------------------------------------------------------------------------------
+
+async def test_a_lease_that_expired_mid_pull_is_taken_again(registry, proxy, client, mirror, clock, caplog):
+    manifest, files = publish(registry, 1)
+    puller = make_puller(client, mirror, lease_ttl_s=30, renew_every_s=0.01, streams=2)
+    first_lease = None
+
+    async def expire(n: int) -> None:
+        nonlocal first_lease
+        if n == 10:
+            first_lease = puller.lease.lease_id
+            clock.advance(31)  # the registry's clock: the lease ran out between two renewals
+            for _ in range(500):
+                if puller.lease.lease_id != first_lease:
+                    return
+                await asyncio.sleep(0.01)
+    proxy.on_bytes = expire
+    with caplog.at_level(logging.INFO, logger="rolloutd.puller"):
+        result = await puller.pull(1)
+    assert result.version == 1 and first_lease is not None
+    assert_pulled(mirror, 1, files, manifest)
+    assert f"lost lease {first_lease} on version 1 (LeaseExpired: " in caplog.text
+    assert "lease version 1 again as node-7" in caplog.text
+    assert registry.service.store.lease_count() == 0  # the new lease is released too
+
+
+async def test_a_version_retired_mid_pull_is_finished_under_the_lease(registry, proxy, client, mirror):
+    manifest, files = publish(registry, 1)
+
+    async def retire(n: int) -> None:
+        if n == 5:
+            await asyncio.to_thread(registry.retire, 1)
+    proxy.on_bytes = retire
+    result = await make_puller(client, mirror, renew_every_s=0.01).pull(1)
+    assert result.version == 1
+    assert_pulled(mirror, 1, files, manifest)
+    with pytest.raises(errors.VersionRetired):  # released: the registry reclaimed it
+        await client.manifest(1)
+
+
+async def test_a_retired_version_whose_lease_expired_fails_clearly(registry, proxy, client, mirror, clock):
+    publish(registry, 1)
+
+    async def retire_and_expire(n: int) -> None:
+        if n == 5:
+            await asyncio.to_thread(registry.retire, 1)
+            clock.advance(120)  # lease gone, so the retired version's bytes are reclaimed
+    proxy.on_bytes = retire_and_expire
+    puller = make_puller(client, mirror, lease_ttl_s=60, renew_every_s=0.01)
+    # whichever notices first: a byte request (410) or the renewal that tries to lease it again
+    with pytest.raises(PullError, match=r"^version 1.*VersionRetired: version 1 was retired and its bytes reclaimed"):
+        await puller.pull(1)
+    nothing_left(mirror, registry)
+
+
+async def test_nothing_to_lease_fails_clearly(registry, client, mirror):
+    with pytest.raises(PullError, match="cannot lease version latest: NoVersions"):
+        await make_puller(client, mirror).pull()
+    publish(registry, 1)
+    with pytest.raises(PullError, match="cannot lease version 7: VersionUnknown"):
+        await make_puller(client, mirror).pull(7)
+
+
+# -- cancellation and room -------------------------------------------------------------------------------------
+
+async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, proxy, client, mirror):
+    publish(registry, 1)
+    reached, unstall = asyncio.Event(), asyncio.Event()
+
+    async def stall(n: int) -> None:
+        if n == 8:
+            reached.set()
+            await unstall.wait()
+    proxy.on_bytes = stall
+    puller = make_puller(client, mirror, streams=3)
+    task = asyncio.create_task(puller.pull(1))
+    await asyncio.wait_for(reached.wait(), 10)
+    assert (mirror.dir / ".1.partial").is_dir() and registry.service.store.lease_count() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert puller.progress.state is PullState.CANCELLED
+    nothing_left(mirror, registry)
+    unstall.set()
+
+
+async def test_a_pull_that_cannot_fit_fails_before_fetching(registry, proxy, client, tmp_path):
+    manifest, _ = publish(registry, 1)
+    small = Mirror(tmp_path / "small", max_bytes=manifest.total_bytes // 2)
+    with pytest.raises(PullError, match=r"pull of version 1 failed: MirrorFull: mirror .* cannot take"):
+        await make_puller(client, small).pull(1)
+    assert proxy.byte_requests == []
+    nothing_left(small, registry)
+
+
+async def test_room_is_made_from_versions_no_server_uses(registry, proxy, client, tmp_path):
+    m1, _ = publish(registry, 1)
+    mirror = Mirror(tmp_path / "m", max_bytes=int(2.5 * m1.total_bytes))
+    await make_puller(client, mirror).pull(1)
+    publish(registry, 2)
+    await make_puller(client, mirror, in_use=lambda: {1}).pull(2)
+    m3, files3 = publish(registry, 3)
+    await make_puller(client, mirror, in_use=lambda: {2}).pull(3)  # 1 goes; 2 in use
+    assert mirror.versions() == [2, 3]
+    assert_pulled(mirror, 3, files3, m3)
