@@ -17,10 +17,14 @@ Contract:
 - On any failure or cancellation the partial directory is discarded and the lease released
   (best effort): nothing is ever visible under the version's name unless complete.
 - ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
+  One pull at a time per ``Puller``.
 
-The event loop is never blocked for long: writes are ``pwrite`` of one received piece (a few
-MiB at most) and hashing is incremental per piece; allocating and committing the partial
-directory run in a thread. No torch here.
+Bytes come over one ``RangeConnection`` per stream (``registry/ranges.py``): each socket read
+lands in that connection's buffer, which is hashed and ``pwrite``-n at its offset once full
+(``piece_bytes``), so every byte is copied twice (socket to buffer, buffer to tmpfs) as with
+curl, and writes cover whole pages. The event loop is never blocked for long: one piece's hash
+and write take about a millisecond; allocating and committing the partial directory run in a
+thread. No torch here.
 """
 
 from __future__ import annotations
@@ -43,13 +47,14 @@ from .mirror import Mirror, Partial
 from .registry import errors
 from .registry.client import LeaseInfo, RegistryClient
 from .registry.manifest import FileEntry, Manifest, ManifestError
+from .registry.ranges import RangeConnection
 
 log = logging.getLogger("rolloutd.puller")
 
 MiB = 1 << 20
 RATE_WINDOW_S = 5.0      # progress rate: bytes over this recent window
 RATE_SAMPLE_S = 0.1      # at most one rate sample this often
-PIECE_BYTES = 1 * MiB     # largest piece read from a response body at once
+PIECE_BYTES = 1 * MiB     # socket reads go into a reused buffer of this size (one per stream)
 RELEASE_TIMEOUT_S = 5.0  # a release is best effort: never hold a failing pull for long
 
 # A version that is gone, a file it lacks, a bad token: fetching again cannot help.
@@ -146,6 +151,23 @@ class PullResult:
     reused: bool = False
 
 
+class _ChunkSink:
+    """Where a chunk's bytes go as they arrive: hashed, then written at their offset. Called with
+    views of the connection's buffer (valid only during the call); no copy is kept."""
+
+    def __init__(self, fd: int, offset: int, hash_name: str, progress: PullProgress):
+        self.fd, self.offset, self.progress = fd, offset, progress
+        self.hasher = xxhash.xxh3_128() if hash_name == "xxh3-128" else hashlib.sha256()
+
+    def __call__(self, piece: memoryview) -> None:
+        self.hasher.update(piece)
+        done = 0
+        while done < len(piece):  # a regular file takes it all at once, unless it is full
+            done += os.pwrite(self.fd, piece[done:], self.offset + done)
+        self.offset += done
+        self.progress.add(done)
+
+
 class _ChunkCorrupt(Exception):
     """A chunk's bytes do not match the manifest digest (or came short)."""
 
@@ -177,6 +199,8 @@ class Puller:
 
     # -- the pull ---------------------------------------------------------------------------------
     async def pull(self, version: int | str = "latest") -> PullResult:
+        if self.progress is not None and self.progress.ended_at is None:
+            raise RuntimeError(f"a pull of {self.progress.target} is in progress: one at a time")
         progress = self.progress = PullProgress(target=version, clock=self.clock)
         partial: Partial | None = None
         try:
@@ -216,6 +240,8 @@ class Puller:
             if partial is not None:
                 await _settle(asyncio.to_thread(self.mirror.discard, partial))
             await self._release()
+            if progress.ended_at is None:  # only if something stranger than an Exception ended it
+                progress.ended_at = self.clock()
 
     def _result(self, manifest: Manifest, reused: bool = False) -> PullResult:
         p = self.progress
@@ -265,10 +291,12 @@ class Puller:
             raise _first(group) from None
 
     async def _worker(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial) -> None:
-        for entry, index in work:  # one shared iterator: each chunk goes to one worker
-            await self._fetch_chunk(manifest, entry, index, partial.fds[entry.name])
+        async with self.client.range_connection(self.piece_bytes) as conn:  # one connection per stream
+            for entry, index in work:  # one shared iterator: each chunk goes to one worker
+                await self._fetch_chunk(conn, manifest, entry, index, partial.fds[entry.name])
 
-    async def _fetch_chunk(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
+    async def _fetch_chunk(self, conn: RangeConnection, manifest: Manifest, entry: FileEntry, index: int,
+                           fd: int) -> None:
         """Fetch one chunk into ``fd`` and check it; again on failure, up to the retry limit."""
         where = f"version {manifest.version} file {entry.name} chunk {index}"
         last = ""
@@ -277,7 +305,7 @@ class Puller:
                 self.progress.retries += 1
                 await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
             try:
-                await self._transfer(manifest, entry, index, fd)
+                await self._transfer(conn, manifest, entry, index, fd)
                 return
             except _FATAL as e:
                 raise PullError(f"{where}: {_describe(e)}") from None
@@ -289,30 +317,23 @@ class Puller:
                             self.max_chunk_retries + 1, last)
         raise PullError(f"{where}: failed {self.max_chunk_retries + 1} times; last: {last}")
 
-    async def _transfer(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
+    async def _transfer(self, conn: RangeConnection, manifest: Manifest, entry: FileEntry, index: int,
+                        fd: int) -> None:
         """One attempt: the chunk's bytes in requests of at most ``request_bytes``, each piece
         hashed and written at its offset as it arrives. A failed attempt takes back the bytes
         it had added to the progress."""
         start, end = manifest.chunk_span(entry, index)
-        hasher = _hasher(manifest.hash)
-        offset = start
+        sink = _ChunkSink(fd, start, manifest.hash, self.progress)
         try:
             for req_start in range(start, end, self.request_bytes):
                 req_end = min(end, req_start + self.request_bytes)
-                pieces = self.client.stream_range(manifest.version, entry.name, req_start, req_end,
-                                                  piece_bytes=self.piece_bytes)
-                async with contextlib.aclosing(pieces):  # a failed write must close the response too
-                    async for piece in pieces:
-                        hasher.update(piece)
-                        os.pwrite(fd, piece, offset)
-                        offset += len(piece)
-                        self.progress.add(len(piece))
-                if offset != req_end:
-                    raise _ChunkCorrupt(f"got {offset - req_start} bytes of {req_end - req_start}")
-            if (got := hasher.hexdigest()) != entry.chunks[index]:
+                await conn.fetch(manifest.version, entry.name, req_start, req_end, sink)
+                if sink.offset != req_end:
+                    raise _ChunkCorrupt(f"got {sink.offset - req_start} bytes of {req_end - req_start}")
+            if (got := sink.hasher.hexdigest()) != entry.chunks[index]:
                 raise _ChunkCorrupt(f"digest {got} does not match the manifest's {entry.chunks[index]}")
         except BaseException:
-            self.progress.bytes_done -= offset - start
+            self.progress.bytes_done -= sink.offset - start
             raise
 
     # -- the lease --------------------------------------------------------------------------------
@@ -368,10 +389,6 @@ def _chunks(manifest: Manifest) -> Iterator[tuple[FileEntry, int]]:
     for entry in manifest.files:
         for index in range(len(entry.chunks)):
             yield entry, index
-
-
-def _hasher(name: str):
-    return xxhash.xxh3_128() if name == "xxh3-128" else hashlib.sha256()
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

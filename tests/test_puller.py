@@ -305,6 +305,8 @@ async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, pr
     task = asyncio.create_task(puller.pull(1))
     await asyncio.wait_for(reached.wait(), 10)
     assert (mirror.dir / ".1.partial").is_dir() and registry.service.store.lease_count() == 1
+    with pytest.raises(RuntimeError, match="one at a time"):
+        await puller.pull(1)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task

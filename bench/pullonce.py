@@ -1,0 +1,68 @@
+"""Pull one version into a mirror directory with rolloutd's puller, as the daemon does.
+
+Prints one JSON object: bytes, seconds (the pull itself: lease to commit, without the
+interpreter's start), GB/s, this process's CPU seconds over the pull, retries, the version's
+path and digest. Used by ``pull.py``::
+
+    python bench/pullonce.py http://127.0.0.1:8700 --mirror /dev/shm/m --version 1 --streams 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+# The repo's rolloutd (not the venv's installed copy), or another checkout's with --repo DIR
+_repo = sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(_repo))
+
+from rolloutd.mirror import Mirror  # noqa: E402
+from rolloutd.puller import Puller  # noqa: E402
+from rolloutd.registry.client import RegistryClient, Timeouts  # noqa: E402
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("url", help="registry URL")
+    p.add_argument("--mirror", type=Path, required=True, help="mirror directory")
+    p.add_argument("--version", default="latest")
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--request-mib", type=int, default=16, help="largest Range request")
+    p.add_argument("--piece-kib", type=int, default=1024, help="largest piece read from a response at once")
+    p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
+    p.add_argument("--timeout-s", type=float, default=600.0)
+    p.add_argument("--repo", type=Path, help="import rolloutd from this directory (to compare builds)")
+    args = p.parse_args()
+    args.version = int(args.version) if args.version != "latest" else args.version
+    return args
+
+
+async def pull(args: argparse.Namespace) -> dict:
+    async with RegistryClient(args.url, timeouts=Timeouts(read_s=60.0), max_connections=args.streams + 2) as client:
+        puller = Puller(client, Mirror(args.mirror, max_bytes=1 << 50), holder="bench-node",
+                        streams=args.streams, request_bytes=args.request_mib << 20,
+                        piece_bytes=args.piece_kib << 10)
+        cpu0 = time.process_time()
+        result = await asyncio.wait_for(puller.pull(args.version), args.timeout_s)
+        cpu = time.process_time() - cpu0
+    return {"bytes": result.bytes, "seconds": round(result.seconds, 4),
+            "gb_per_s": round(result.bytes / result.seconds / 1e9, 4), "client_cpu_s": round(cpu, 3),
+            "retries": result.retries, "path": str(result.path), "digest": result.digest}
+
+
+def main() -> None:
+    args = parse_args()
+    if args.loop == "uvloop":
+        import uvloop
+        out = uvloop.run(pull(args))
+    else:
+        out = asyncio.run(pull(args))
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
