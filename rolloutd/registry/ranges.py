@@ -5,7 +5,7 @@ The puller's hot path. ``RegistryClient.stream_range`` (aiohttp) hands over each
 before the puller's own write, and allocation churn that wakes the garbage collector. Here
 the kernel copies each socket read straight into one buffer per connection
 (``asyncio.BufferedProtocol``) and the caller's ``sink`` sees a memoryview of it, so the
-only other copy is the sink's own write (bench/pull.py: 1.8x the rate of the aiohttp path).
+only other copy is the sink's own write (bench/pull.py: about 1.8x the rate of the aiohttp path).
 
 Contract: ``RangeConnection.fetch(version, name, start, end, sink)`` calls ``sink`` with the
 bytes [start, end) of the file in order, each view valid only during the call, then returns.
