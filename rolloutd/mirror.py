@@ -23,7 +23,7 @@ import os
 import re
 import secrets
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -42,23 +42,20 @@ class MirrorFull(Exception):
     """A version does not fit in ``max_bytes`` even after removing every version not kept."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Partial:
-    """A version being written: its hidden directory and one open, preallocated file per
-    manifest entry. Write with ``os.pwrite(partial.fds[name], data, offset)``."""
+    """A version being written: its hidden directory, every file already at full size."""
 
     manifest: Manifest
     dir: Path
-    fds: dict[str, int] = field(default_factory=dict)
 
     def path(self, name: str) -> Path:
         return self.dir / name
 
-    def close(self) -> None:
-        for fd in self.fds.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds.clear()
+    def open(self, name: str) -> int:
+        """A descriptor to ``os.pwrite`` into file ``name``; the caller closes it. Files are
+        opened per use, not held: a version may have thousands of them."""
+        return os.open(self.dir / name, os.O_WRONLY | os.O_CLOEXEC)
 
 
 class Mirror:
@@ -112,8 +109,8 @@ class Mirror:
 
     # -- writing ----------------------------------------------------------------------------------
     def begin(self, manifest: Manifest) -> Partial:
-        """Create ``.<v>.partial`` with every file preallocated at full size and open for writing
-        (a leftover partial of the same version is removed first)."""
+        """Create ``.<v>.partial`` with every file preallocated at full size (a leftover
+        partial of the same version is removed first)."""
         manifest = manifest.sealed()
         pdir = self.dir / f".{manifest.version}.partial"
         _remove_tree(pdir)
@@ -121,12 +118,15 @@ class Mirror:
         partial = Partial(manifest, pdir)
         try:
             for entry in manifest.files:
-                fd = os.open(pdir / entry.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-                partial.fds[entry.name] = fd
-                if entry.size:
-                    # Allocate now: a full tmpfs fails here, with a clear error, and not halfway
-                    # through a pull with some chunks written.
-                    os.posix_fallocate(fd, 0, entry.size)
+                fd = os.open(pdir / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                try:
+                    if entry.size:
+                        # Allocate now: a full tmpfs fails here, with a clear error, and not
+                        # halfway through a pull; and one call allocates faster than the writes
+                        # would, page by page (bench/pull.py).
+                        os.posix_fallocate(fd, 0, entry.size)
+                finally:
+                    os.close(fd)
         except BaseException:
             self.discard(partial)
             raise
@@ -137,9 +137,8 @@ class Mirror:
     def commit(self, partial: Partial) -> Path:
         """Make the partial version complete: fsync, write the manifest, rename into place."""
         version = partial.manifest.version
-        for fd in partial.fds.values():
-            os.fsync(fd)
-        partial.close()
+        for entry in partial.manifest.files:
+            _fsync_file(partial.path(entry.name))
         _write_synced(partial.dir / MANIFEST_NAME, partial.manifest.model_dump_json().encode())
         _fsync_dir(partial.dir)
         final = self.path(version)
@@ -153,7 +152,6 @@ class Mirror:
         return final
 
     def discard(self, partial: Partial) -> None:
-        partial.close()
         _remove_tree(partial.dir)
         log.info("discard partial version %d", partial.manifest.version)
 
@@ -260,6 +258,14 @@ def _write_synced(path: Path, data: bytes) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -293,7 +293,11 @@ class Puller:
     async def _worker(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial) -> None:
         async with self.client.range_connection(self.piece_bytes) as conn:  # one connection per stream
             for entry, index in work:  # one shared iterator: each chunk goes to one worker
-                await self._fetch_chunk(conn, manifest, entry, index, partial.fds[entry.name])
+                fd = partial.open(entry.name)
+                try:
+                    await self._fetch_chunk(conn, manifest, entry, index, fd)
+                finally:
+                    os.close(fd)
 
     async def _fetch_chunk(self, conn: RangeConnection, manifest: Manifest, entry: FileEntry, index: int,
                            fd: int) -> None:

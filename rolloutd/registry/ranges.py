@@ -194,13 +194,13 @@ class RangeConnection:
             except BaseException:
                 await self.close()  # cancelled or failed mid-response: the connection is unusable
                 raise
+        if reply.headers.get("connection", "").lower() == "close":
+            await self.close()
         if reply.status >= 400:
             body = None
             with contextlib.suppress(ValueError):
                 body = json.loads(bytes(reply.error_body or b""))
             raise errors.from_json(reply.status, body)
-        if reply.headers.get("connection", "").lower() == "close":
-            await self.close()
 
     def _proto_got_data(self) -> bool:
         return self._proto is not None and self._proto.got_data
