@@ -59,6 +59,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--shape", choices=SHAPES, default="bench")
     p.add_argument("--streams", type=int, default=4, help="puller streams")
+    p.add_argument("--cpus", default="0-1", help="cores vLLM's compute threads are bound to (all of them: "
+                   "nothing else runs during a pause)")
     p.add_argument("--scratch", type=Path, default=Path("/dev/shm"), help="tmpfs for mirror and fetches")
     return p.parse_args(argv)
 
@@ -136,7 +138,7 @@ def main(argv=None) -> int:
             print("starting vllm serve ...", flush=True)
             t0 = time.perf_counter()
             server = VllmServer(model, _free_port(), work / "vllm.log", pythonpath=[install_plugin(work / "plugin")],
-                                cpu=0)
+                                cpus=args.cpus)
             server.wait_healthy(600)
             print(f"  healthy after {time.perf_counter() - t0:.0f} s", flush=True)
             first = update(server.url, lambda: (mirrored[1].path, mirrored[1].digest), "warm-up")
@@ -175,7 +177,7 @@ def summarize(rows: dict, copies: list[float], size: int, args) -> dict:
     m, f = rows["mirror"], rows["fetch-in-pause"]
     copy = statistics.median(copies)
     summary = {
-        "bytes": size, "repeats": args.repeats, "shape": args.shape,
+        "bytes": size, "repeats": args.repeats, "shape": args.shape, "vllm_cpus": args.cpus,
         "mirror_window_s": round(med(m, "window"), 4),
         "mirror_parts_s": {k: round(med(m, k), 4) for k in ("pause", "start", "update", "finish", "resume")},
         "fetch_in_pause_window_s": round(med(f, "window"), 4),

@@ -49,8 +49,8 @@ def servers(models, tmp_path_factory):
     d = tmp_path_factory.mktemp("vllm")
     injected = install_plugin(d / "plugin")
     installed = pip_install_rolloutd(d / "site")
-    started = [VllmServer(models["A"], free_port(), d / "a.log", pythonpath=[injected], cpu=0),
-               VllmServer(models["B"], free_port(), d / "b.log", pythonpath=[installed], cpu=1)]
+    started = [VllmServer(models["A"], free_port(), d / "a.log", pythonpath=[injected], cpus="0"),
+               VllmServer(models["B"], free_port(), d / "b.log", pythonpath=[installed], cpus="1")]
     try:
         for s in started:
             s.wait_healthy()

@@ -35,16 +35,17 @@ def group_pids(pgid: int) -> list[int]:
 
 
 class VllmServer:
-    """One ``vllm serve`` on a loopback port, with the plugin reached through ``pythonpath``."""
+    """One ``vllm serve`` on a loopback port, with the plugin reached through ``pythonpath``;
+    ``cpus`` are the cores its compute threads are bound to (``"0"``, ``"0-1"``)."""
 
-    def __init__(self, model: Path, port: int, log: Path, *, pythonpath: list[Path], cpu: int = 0,
+    def __init__(self, model: Path, port: int, log: Path, *, pythonpath: list[Path], cpus: str = "0",
                  extra_args: list[str] = (), extra_env: dict[str, str] | None = None):
         require_vllm()
         self.model, self.port, self.log = model, port, log
         self.url = f"http://127.0.0.1:{port}"
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   VLLM_CPU_OMP_THREADS_BIND=str(cpu), PYTHONPATH=os.pathsep.join(map(str, pythonpath)),
+                   VLLM_CPU_OMP_THREADS_BIND=cpus, PYTHONPATH=os.pathsep.join(map(str, pythonpath)),
                    **(extra_env or {}))
         self.cmd = [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
                     *FAST_CPU_FLAGS, "--weight-transfer-config", '{"backend": "rolloutd"}',
