@@ -19,12 +19,11 @@ Contract:
 - ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
   One pull at a time per ``Puller``.
 
-Bytes come over one ``RangeConnection`` per stream (``registry/ranges.py``): each socket read
-lands in that connection's buffer, which is hashed and ``pwrite``-n at its offset once full
-(``piece_bytes``), so every byte is copied twice (socket to buffer, buffer to tmpfs) as with
-curl, and writes cover whole pages. The event loop is never blocked for long: one piece's hash
-and write take about a millisecond; allocating and committing the partial directory run in a
-thread. No torch here.
+Bytes come through the registry client (aiohttp) in pieces of ``piece_bytes``: requests start
+on chunk boundaries, so every write but a file's last covers whole pages (tmpfs zero-fills the
+rest of a page a write covers only partly). The event loop is never blocked for long: one
+piece's hash and write take about a millisecond; allocating and committing the partial
+directory run in a thread. No torch here.
 """
 
 from __future__ import annotations
@@ -47,14 +46,13 @@ from .mirror import Mirror, Partial
 from .registry import errors
 from .registry.client import LeaseInfo, RegistryClient
 from .registry.manifest import FileEntry, Manifest, ManifestError
-from .registry.ranges import RangeConnection
 
 log = logging.getLogger("rolloutd.puller")
 
 MiB = 1 << 20
 RATE_WINDOW_S = 5.0      # progress rate: bytes over this recent window
 RATE_SAMPLE_S = 0.1      # at most one rate sample this often
-PIECE_BYTES = 1 * MiB     # socket reads go into a reused buffer of this size (one per stream)
+PIECE_BYTES = 1 * MiB     # the body is read, hashed and written in pieces of this size
 RELEASE_TIMEOUT_S = 5.0  # a release is best effort: never hold a failing pull for long
 
 # A version that is gone, a file it lacks, a bad token: fetching again cannot help.
@@ -152,14 +150,13 @@ class PullResult:
 
 
 class _ChunkSink:
-    """Where a chunk's bytes go as they arrive: hashed, then written at their offset. Called with
-    views of the connection's buffer (valid only during the call); no copy is kept."""
+    """Where a chunk's bytes go as they arrive: hashed, then written at their offset."""
 
     def __init__(self, fd: int, offset: int, hash_name: str, progress: PullProgress):
         self.fd, self.offset, self.progress = fd, offset, progress
         self.hasher = xxhash.xxh3_128() if hash_name == "xxh3-128" else hashlib.sha256()
 
-    def __call__(self, piece: memoryview) -> None:
+    def __call__(self, piece: bytes) -> None:
         self.hasher.update(piece)
         done = 0
         while done < len(piece):  # a regular file takes it all at once, unless it is full
@@ -291,16 +288,14 @@ class Puller:
             raise _first(group) from None
 
     async def _worker(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial) -> None:
-        async with self.client.range_connection(self.piece_bytes) as conn:  # one connection per stream
-            for entry, index in work:  # one shared iterator: each chunk goes to one worker
-                fd = partial.open(entry.name)
-                try:
-                    await self._fetch_chunk(conn, manifest, entry, index, fd)
-                finally:
-                    os.close(fd)
+        for entry, index in work:  # one shared iterator: each chunk goes to one worker
+            fd = partial.open(entry.name)
+            try:
+                await self._fetch_chunk(manifest, entry, index, fd)
+            finally:
+                os.close(fd)
 
-    async def _fetch_chunk(self, conn: RangeConnection, manifest: Manifest, entry: FileEntry, index: int,
-                           fd: int) -> None:
+    async def _fetch_chunk(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
         """Fetch one chunk into ``fd`` and check it; again on failure, up to the retry limit."""
         where = f"version {manifest.version} file {entry.name} chunk {index}"
         last = ""
@@ -309,7 +304,7 @@ class Puller:
                 self.progress.retries += 1
                 await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
             try:
-                await self._transfer(conn, manifest, entry, index, fd)
+                await self._transfer(manifest, entry, index, fd)
                 return
             except _FATAL as e:
                 raise PullError(f"{where}: {_describe(e)}") from None
@@ -321,8 +316,7 @@ class Puller:
                             self.max_chunk_retries + 1, last)
         raise PullError(f"{where}: failed {self.max_chunk_retries + 1} times; last: {last}")
 
-    async def _transfer(self, conn: RangeConnection, manifest: Manifest, entry: FileEntry, index: int,
-                        fd: int) -> None:
+    async def _transfer(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
         """One attempt: the chunk's bytes in requests of at most ``request_bytes``, each piece
         hashed and written at its offset as it arrives. A failed attempt takes back the bytes
         it had added to the progress."""
@@ -331,7 +325,11 @@ class Puller:
         try:
             for req_start in range(start, end, self.request_bytes):
                 req_end = min(end, req_start + self.request_bytes)
-                await conn.fetch(manifest.version, entry.name, req_start, req_end, sink)
+                pieces = self.client.stream_range(manifest.version, entry.name, req_start, req_end,
+                                                  piece_bytes=self.piece_bytes)
+                async with contextlib.aclosing(pieces):  # a failed write must close the response too
+                    async for piece in pieces:
+                        sink(piece)
                 if sink.offset != req_end:
                     raise _ChunkCorrupt(f"got {sink.offset - req_start} bytes of {req_end - req_start}")
             if (got := sink.hasher.hexdigest()) != entry.chunks[index]:

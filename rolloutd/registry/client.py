@@ -4,8 +4,6 @@ One session per client; every call has an explicit timeout; registry errors come
 the typed exceptions of ``errors`` and transport failures as ``RegistryUnavailable``.
 A pooled connection that the server closed while it sat idle is retried once on a fresh
 connection: after a long pull or a quiet night the first call must not fail for that.
-Bulk bytes for the puller go through ``range_connection()`` (``ranges.py``), which reads into a
-reused buffer instead of aiohttp's new ``bytes`` per read.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from pydantic import BaseModel, ConfigDict
 
 from . import errors
 from .manifest import Manifest
-from .ranges import DEFAULT_BUFFER_BYTES, RangeConnection
 from .store import Heartbeat
 
 
@@ -191,12 +188,6 @@ class RegistryClient:
                 if attempt == 1 and not started and _is_stale(e):
                     continue
                 raise _unavailable("GET", self.url + path, e) from None
-
-    def range_connection(self, buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> RangeConnection:
-        """A connection of its own for byte ranges read into a reused buffer (``ranges``): the
-        puller's hot path, one per stream. Close it after use."""
-        return RangeConnection(self.url, self._headers, connect_s=self.timeouts.connect_s,
-                               read_s=self.timeouts.read_s, buffer_bytes=buffer_bytes)
 
     async def read_range(self, version: int, name: str, start: int, end: int) -> bytes:
         parts = [p async for p in self.stream_range(version, name, start, end)]
