@@ -36,19 +36,25 @@ def publish(registry, version: int) -> tuple:
 class FlippingProxy:
     """A fake registry front: forwards every request to the real registry. Byte requests can
     be corrupted (one byte flipped in the body of the response whose range starts at a chosen
-    offset), and ``on_bytes`` runs before each byte request is forwarded (to stall it, advance
+    offset) or cut (half the body sent, then the connection closed), and ``on_bytes`` runs
+    before each byte request is forwarded (to stall it, advance
     the registry's clock, retire a version...)."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream
         self.flips: dict[tuple[str, int], int | None] = {}  # (file, range start) -> times left; None: always
         self.flipped = 0
+        self.cuts: dict[tuple[str, int], int] = {}  # (file, range start) -> times left
+        self.cut_count = 0
         self.byte_requests: list[tuple[str, int, int]] = []
         self.on_bytes: Callable[[int], Awaitable[None]] | None = None  # gets the request's number
         self.url = ""
 
     def flip(self, name: str, start: int, times: int | None = 1) -> None:
         self.flips[(name, start)] = times
+
+    def cut(self, name: str, start: int, times: int = 1) -> None:
+        self.cuts[(name, start)] = times
 
     async def __aenter__(self) -> FlippingProxy:
         self._session = aiohttp.ClientSession(self.upstream)
@@ -65,7 +71,7 @@ class FlippingProxy:
         await self._runner.cleanup()
         await self._session.close()
 
-    async def _handle(self, request: web.Request) -> web.Response:
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         parts = request.path.split("/")
         is_bytes = len(parts) == 6 and parts[4] == "files" and request.method == "GET"
         start = 0
@@ -87,6 +93,15 @@ class FlippingProxy:
                 self.flipped += 1
                 if left is not None:
                     self.flips[(name, start)] = left - 1
+        if is_bytes and r.status == 206 and self.cuts.get((name, start), 0) > 0:
+            self.cuts[(name, start)] -= 1
+            self.cut_count += 1
+            resp = web.StreamResponse(status=206, headers=keep)
+            resp.content_length = len(body)
+            await resp.prepare(request)
+            await resp.write(bytes(body[:len(body) // 2]))
+            request.transport.close()  # the rest never comes
+            return resp
         return web.Response(status=r.status, body=bytes(body), headers=keep)
 
 
@@ -210,6 +225,16 @@ async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, 
     assert_pulled(mirror, 1, files, manifest)
     assert f"retry version 1 file {entry.name} chunk 2 (attempt 1 of 4 failed): " in caplog.text
     assert "does not match the manifest" in caplog.text
+
+
+async def test_a_transfer_cut_halfway_is_fetched_again(registry, proxy, client, mirror):
+    manifest, files = publish(registry, 1)
+    entry = manifest.files[0]
+    proxy.cut(entry.name, CHUNK)
+    result = await make_puller(client, mirror).pull(1)
+    assert proxy.cut_count == 1 and result.retries == 1
+    assert result.bytes == manifest.total_bytes
+    assert_pulled(mirror, 1, files, manifest)
 
 
 async def test_a_chunk_corrupted_every_time_fails_the_pull_and_leaves_nothing(registry, proxy, client, mirror):
