@@ -37,8 +37,8 @@ class FlippingProxy:
     """A fake registry front: forwards every request to the real registry. Byte requests can
     be corrupted (one byte flipped in the body of the response whose range starts at a chosen
     offset) or cut (half the body sent, then the connection closed), and ``on_bytes`` runs
-    before each byte request is forwarded (to stall it, advance
-    the registry's clock, retire a version...)."""
+    before each byte request is forwarded (to stall it, advance the registry's clock, retire a
+    version...)."""
 
     def __init__(self, upstream: str):
         self.upstream = upstream
