@@ -58,7 +58,16 @@ from registry_load import (
     stop,
     write_report,
 )
-from registry_serve import child_pids, make_file, nginx_argv, registry_argv, stop_leftovers, wait_up
+from registry_serve import (
+    child_pids,
+    make_file,
+    nginx_argv,
+    registry_argv,
+    stats,
+    stop_leftovers,
+    transfer_timeout_s,
+    wait_up,
+)
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -157,9 +166,6 @@ def check_room(args: argparse.Namespace) -> str | None:
         return f"needs about {need >> 20} MiB of memory and of room in {args.tmp_dir}; has {available >> 20} MiB"
     return None
 
-
-def transfer_timeout_s(size: int) -> float:
-    return 30.0 + size / MIN_RATE_BPS
 
 
 # -- servers ------------------------------------------------------------------------------------------
@@ -402,10 +408,6 @@ def summarize_profile(raw: str, top: int = 12) -> dict:
 
 
 # -- summary and report ---------------------------------------------------------------------------------
-
-def stats(values: list[float]) -> dict:
-    med = statistics.median(values)
-    return {"median": round(med, 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
 def summarize(runs: dict) -> dict:
