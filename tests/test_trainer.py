@@ -178,14 +178,14 @@ def test_cli_publish_errors_are_one_line(tmp_path, standalone):
     assert run.returncode == 2 and "keep_versions" in run.stderr and "Traceback" not in run.stderr
 
 
-def test_registry_and_client_never_import_torch():
+def test_the_daemon_side_never_imports_torch_or_vllm():
     code = ("import sys, numpy as np\n"
             "from rolloutd.registry import EmbeddedRegistry\n"
             "from rolloutd.registry.client import RegistryClient\n"
-            "import rolloutd.cli\n"
+            "import rolloutd.cli, rolloutd.puller, rolloutd.mirror, rolloutd.plugin_path\n"
             "with EmbeddedRegistry(port=0) as reg:\n"
             "    reg.publish(1, {'model.layers.0.w': np.zeros(4, np.float32)})\n"
-            "print('torch' in sys.modules)\n")
+            "print('torch' in sys.modules or 'vllm' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"
