@@ -19,7 +19,7 @@ import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
-# Flags that start a small model fast on CPU (see the vLLM notes in docs/plugin.md).
+# Flags that start a small model fast on CPU (docs/plugin.md, "Testing on a machine without a GPU").
 FAST_CPU_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
                   "--kv-cache-memory-bytes", str(64 << 20)]
 
