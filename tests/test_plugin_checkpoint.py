@@ -67,17 +67,24 @@ def test_a_hidden_directory_is_never_loaded(version_dir):
         check_version(partial, m.digest)
 
 
-def test_tensor_outside_the_file_is_caught(version_dir):
-    d, m = version_dir
-    f = d / m.files[0].name
-    raw = f.read_bytes()
+def edit_first_tensor(path, change) -> None:
+    """Rewrite the header entry of the file's first tensor in place (same header length)."""
+    raw = path.read_bytes()
     n = int.from_bytes(raw[:8], "little")
     header = json.loads(raw[8:8 + n])
-    name = next(k for k in header if k != "__metadata__")
-    header[name]["data_offsets"][1] = len(raw) * 2
-    new = json.dumps(header, separators=(",", ":")).encode().ljust(n)
-    assert len(new) == n
-    f.write_bytes(raw[:8] + new + raw[8 + n:])
+    change(header[next(k for k in header if k != "__metadata__")], len(raw))
+    new = json.dumps(header, separators=(",", ":")).encode()
+    assert len(new) <= n
+    path.write_bytes(raw[:8] + new.ljust(n) + raw[8 + n:])
+
+
+def test_tensor_outside_the_file_is_caught(version_dir):
+    d, m = version_dir
+
+    def past_the_end(meta, size):
+        meta["data_offsets"][1] = size * 2
+
+    edit_first_tensor(d / m.files[0].name, past_the_end)
     with pytest.raises(MirrorError, match="outside the file"):
         check_version(d, m.digest)
 
@@ -112,13 +119,10 @@ def test_child_env_puts_the_plugin_first_and_keeps_an_allow_list_working(tmp_pat
 
 def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_caught(version_dir):
     d, m = version_dir
-    f = d / m.files[0].name
-    raw = f.read_bytes()
-    n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
-    name = next(k for k in header if k != "__metadata__")
-    header[name]["shape"] = [header[name]["shape"][0] + 1, *header[name]["shape"][1:]]
-    new = json.dumps(header, separators=(",", ":")).encode().ljust(n)
-    f.write_bytes(raw[:8] + new[:n] + raw[8 + n:])
+
+    def one_row_more(meta, _size):
+        meta["shape"][0] += 1
+
+    edit_first_tensor(d / m.files[0].name, one_row_more)
     with pytest.raises(MirrorError, match="needs .* bytes, its offsets span"):
         check_version(d, m.digest)
