@@ -36,7 +36,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
 from collections import Counter
@@ -45,16 +44,14 @@ from pathlib import Path
 
 from registry_load import (
     display_path,
-    environment,
     find_tool,
     free_port,
-    missing_tools_message,
     parse_frame,
     pinned,
     process_cpu_s,
     python_frame,
+    run_in_scratch,
     run_main,
-    setup_pinning,
     stop,
     write_report,
 )
@@ -504,21 +501,10 @@ def run_all(work: Path, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if missing := missing_tools(args):
-        print(missing_tools_message("pull", missing, INSTALL_HINTS), file=sys.stderr)
+    done = run_in_scratch("pull", args, missing_tools(args), INSTALL_HINTS, check_room(args), run_all)
+    if done is None:
         return 2
-    if problem := check_room(args):
-        print(f"pull: {problem}; try a smaller --size-mib", file=sys.stderr)
-        return 2
-    setup_pinning(args)
-    env = environment(args)
-    print(f"Pinning: {env['pinning']}", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="pull.", dir=args.tmp_dir))
-    try:
-        report = run_all(work, args)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+    env, report = done
     write_report(args, env, report, print_report)
     (args.out.with_suffix(".md")).write_text(markdown(json.loads(args.out.read_text())))
     print(f"Wrote {display_path(args.out.with_suffix('.md'))}")

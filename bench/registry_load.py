@@ -602,6 +602,28 @@ def missing_tools_message(name: str, missing: list[str], hints: dict[str, str]) 
     return f"{name}: missing tools:\n" + "\n".join(f"  {t}: {hints[t]}" for t in missing)
 
 
+
+def run_in_scratch(name: str, args: argparse.Namespace, missing: list[str], hints: dict[str, str],
+                   room_problem: str | None, run_all) -> tuple[dict, dict] | None:
+    """What every egress benchmark does around its runs: refuse early (missing tools, no room),
+    pin, note the environment, then ``run_all(scratch_dir, args)`` in a fresh directory under
+    ``args.tmp_dir`` that is removed whatever happens. (environment, report), or None if refused."""
+    if missing:
+        print(missing_tools_message(name, missing, hints), file=sys.stderr)
+        return None
+    if room_problem:
+        print(f"{name}: {room_problem}; try a smaller --size-mib", file=sys.stderr)
+        return None
+    setup_pinning(args)
+    env = environment(args)
+    print(f"Pinning: {env['pinning']}", flush=True)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=args.tmp_dir))
+    try:
+        return env, run_all(work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
 def write_report(args: argparse.Namespace, env: dict, body: dict, print_report: Callable[[dict], None]) -> None:
     """Add the config and the environment, write ``--out`` as JSON, print the table."""
     env["loadavg_after"] = Path("/proc/loadavg").read_text().split()[:3]

@@ -36,7 +36,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -48,17 +47,15 @@ from pathlib import Path
 from registry_load import (
     cpu_times,
     display_path,
-    environment,
     find_tool,
     free_port,
-    missing_tools_message,
     parse_frame,
     pinned,
     process_cpu_s,
     py_spy,
     python_frame,
+    run_in_scratch,
     run_main,
-    setup_pinning,
     stop,
     write_report,
 )
@@ -659,21 +656,10 @@ def run_all(tmp: Path, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if missing := missing_tools(args):
-        print(missing_tools_message("registry_serve", missing, INSTALL_HINTS), file=sys.stderr)
+    done = run_in_scratch("registry_serve", args, missing_tools(args), INSTALL_HINTS, check_room(args), run_all)
+    if done is None:
         return 2
-    if problem := check_room(args):
-        print(f"registry_serve: {problem}; try a smaller --size-mib", file=sys.stderr)
-        return 2
-    setup_pinning(args)
-    env = environment(args)
-    print(f"Pinning: {env['pinning']}", flush=True)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="registry_serve.", dir=args.tmp_dir))
-    try:
-        report = run_all(tmp, args)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    env, report = done
     write_report(args, env, {"client_labels": {c: client_label(c, args) for c in args.clients}, **report},
                  print_report)
     return 0
