@@ -145,7 +145,7 @@ class Mirror:
         if final.exists():
             # Only a broken directory can be in the way (the puller returns early for a
             # complete one): move it away so the rename below stays one atomic step.
-            self._remove(version, "replaced by a fresh pull")
+            self.remove(version, "replaced by a fresh pull")
         os.rename(partial.dir, final)
         _fsync_dir(self.dir)
         log.info("commit version %d to %s (digest %s)", version, final, partial.manifest.digest)
@@ -177,7 +177,7 @@ class Mirror:
         removed = []
         for version in self._named_versions():
             if version not in keep:
-                self._remove(version, "not in use and not the newest")
+                self.remove(version, "not in use and not the newest")
                 removed.append(version)
         return removed
 
@@ -210,7 +210,7 @@ class Mirror:
                 found.append(int(entry.name))
         return sorted(found)
 
-    def _remove(self, version: int, why: str) -> None:
+    def remove(self, version: int, why: str) -> None:
         """Rename away first, then delete: a half-deleted version is never visible."""
         trash = self.dir / f".{version}.{secrets.token_hex(4)}.trash"
         os.rename(self.path(version), trash)

@@ -1,0 +1,133 @@
+"""Applying the node's target version to one running server.
+
+The sequence, each phase under its own timeout (``update.*_timeout_s``)::
+
+    pause (mode) -> start_weight_update -> update_weights -> finish_weight_update(label)
+                 -> check /weight_info == label -> resume
+
+A failure before ``start_weight_update`` leaves the server's weights untouched: it is resumed
+and the error reported. A failure from ``start_weight_update`` on may leave a half-loaded model:
+the server is **never resumed** as it is. The load is re-applied (start → update → finish)
+up to ``update.max_reapply`` times, after the mirror copy was re-checked (``verify``); if it
+still fails, :class:`ApplyFailed` with ``restart=True`` tells the supervisor to restart the
+server, which then loads the target during its sync, before it is reported as serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from .config import Update
+from .metrics import Metrics
+from .updater import Target
+from .vllm_http import VllmClient, VllmError
+
+log = logging.getLogger("rolloutd.apply")
+
+
+class ApplyFailed(Exception):
+    def __init__(self, message: str, *, restart: bool):
+        super().__init__(message)
+        self.restart = restart
+
+
+@dataclass
+class UpdateRecord:
+    """The last update of one server, for status and heartbeats."""
+
+    version: int
+    ok: bool = False
+    at_unix: float = field(default_factory=time.time)
+    phases_s: dict[str, float] = field(default_factory=dict)
+    error: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"version": self.version, "ok": self.ok, "at_unix": self.at_unix,
+                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()}, "error": self.error}
+
+
+class Applier:
+    """Runs the update sequence on one server, timing each phase."""
+
+    def __init__(self, name: str, vllm: VllmClient, policy: Update, metrics: Metrics, *,
+                 verify: Callable[[Target], Awaitable[Target]]):
+        self.name, self.vllm, self.policy, self.metrics = name, vllm, policy, metrics
+        self._verify = verify
+
+    async def apply(self, target: Target, record: UpdateRecord) -> Target:
+        """Load ``target``; returns the target actually loaded (a re-pulled copy, possibly)."""
+        p = self.policy
+        started = time.perf_counter()
+        try:
+            await self._phase(record, "pause", self.vllm.pause(p.pause_mode, p.pause_timeout_s))
+        except VllmError as e:
+            await self._resume_untouched(record)
+            raise ApplyFailed(f"pause failed: {e}", restart=False) from None
+        target = await self._load(target, record)
+        try:
+            await self._phase(record, "check", self._check(target))
+        except VllmError as e:
+            raise ApplyFailed(f"checking the loaded version failed: {e}", restart=True) from None
+        try:
+            await self._phase(record, "resume", self.vllm.resume(p.resume_timeout_s))
+        except VllmError as e:
+            raise ApplyFailed(f"resume failed after loading version {target.version}: {e}", restart=True) from None
+        paused_s = time.perf_counter() - started
+        record.phases_s["paused"] = paused_s
+        self.metrics.pause_seconds.labels(server=self.name).observe(paused_s)
+        record.ok = True
+        return target
+
+    async def _load(self, target: Target, record: UpdateRecord) -> Target:
+        """start → update → finish, re-applied after a failure; never returns half-loaded."""
+        p = self.policy
+        attempts = 1 + p.max_reapply
+        for attempt in range(1, attempts + 1):
+            try:
+                await self._phase(record, "start", self.vllm.start_weight_update(p.start_timeout_s))
+                await self._phase(record, "load", self.vllm.update_weights(target.update_info(), p.load_timeout_s))
+                await self._phase(record, "finish", self.vllm.finish_weight_update(str(target.version),
+                                                                                   p.finish_timeout_s))
+                return target
+            except VllmError as e:
+                kind = "timeout" if "no answer within" in str(e) else _KIND.get(e.route, "load")
+                self.metrics.update_failures.labels(kind=kind).inc()
+                record.error = f"{e} (attempt {attempt} of {attempts})"
+                log.error("apply %s: version %d failed: %s; the server stays paused", self.name, target.version,
+                          record.error)
+                if attempt == attempts:
+                    raise ApplyFailed(f"loading version {target.version} failed {attempts} time(s): {e}",
+                                      restart=True) from None
+                try:
+                    target = await self._verify(target)
+                except Exception as e:  # noqa: BLE001 - any failure to re-pull ends in a restart
+                    raise ApplyFailed(f"version {target.version} could not be re-checked or pulled again: {e}",
+                                      restart=True) from None
+        raise AssertionError("unreachable")
+
+    async def _check(self, target: Target) -> None:
+        label = await self.vllm.weight_version(self.policy.finish_timeout_s)
+        if label != str(target.version):
+            raise ApplyFailed(f"/weight_info says {label!r} after loading version {target.version}", restart=True)
+
+    async def _resume_untouched(self, record: UpdateRecord) -> None:
+        try:
+            await self.vllm.resume(self.policy.resume_timeout_s)
+        except VllmError as e:
+            record.error = f"resume after a failed pause: {e}"
+
+    async def _phase(self, record: UpdateRecord, name: str, step: Awaitable) -> None:
+        t0 = time.perf_counter()
+        try:
+            await step
+        finally:
+            seconds = time.perf_counter() - t0
+            record.phases_s[name] = record.phases_s.get(name, 0.0) + seconds
+            self.metrics.update_phase_seconds.labels(phase=name).observe(seconds)
+
+
+_KIND = {"/start_weight_update": "start", "/update_weights": "load", "/finish_weight_update": "finish",
+         "/weight_info": "check", "/resume": "resume"}

@@ -1,0 +1,326 @@
+"""``rolloutd run``: the node daemon, wiring every part together under one task group.
+
+Start: read the tokens, stop what a crashed earlier run left behind (``ChildRecords``), clean
+the mirror's partial pulls, put the plugin where children import it, bind the admin API
+(an address in use fails here, before anything is spawned), then run under one
+``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
+supervisor and a heartbeat task.
+
+The main loop ticks the systemd watchdog (so a frozen loop is restarted by systemd), handles
+reloads, and keeps ``READY=1`` / ``STATUS=`` true. Signal handlers only set events: SIGTERM
+or SIGINT asks for the ordered shutdown, a second one kills every server's process group at
+once; SIGHUP asks for a reload.
+
+Shutdown, each step bounded by a ``shutdown.*`` deadline: stop every server (TERM to each
+group, grace, KILL, reap), deregister every replica, stop the updater (its lease is
+released), stop the admin API.
+
+Reload: a bad new file keeps the old configuration running and says so. A server restarts
+only when its own entry or the ``vllm`` section changed; servers are added and removed;
+``update``, ``pull`` timeouts, ``heartbeat``, ``health``, ``restart`` and ``shutdown`` apply
+at once. ``node``, ``registry``, ``admin``, ``mirror``, ``state_dir`` and ``pull`` streams
+need a restart of the daemon: a reload that changes them keeps the running values and says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import __version__
+from .admin import AdminServer, create_app
+from .config import Config, ConfigError, load_config, read_token
+from .heartbeat import Heartbeater
+from .metrics import Metrics
+from .mirror import Mirror
+from .notify import Notifier
+from .plugin_path import install_plugin
+from .process import ChildRecords
+from .registry.client import RegistryClient, Timeouts
+from .states import ServerState
+from .supervisor import Supervisor
+from .updater import Updater
+
+log = logging.getLogger("rolloutd")
+S = ServerState
+
+# Sections a running daemon cannot change: they name its identity, its sockets and its files.
+FIXED_SECTIONS = ("node", "registry", "admin", "mirror", "state_dir")
+
+
+@dataclass
+class Running:
+    """One configured server: its supervisor, its heartbeats, and their tasks."""
+
+    supervisor: Supervisor
+    heartbeater: Heartbeater
+    task: asyncio.Task | None = None
+    beats: asyncio.Task | None = None
+
+
+class Daemon:
+    def __init__(self, cfg: Config, config_path: Path | None = None, *, notifier: Notifier | None = None):
+        self.cfg, self.config_path = cfg, config_path
+        self.notifier = notifier or Notifier()
+        self.metrics = Metrics()
+        self.started = time.monotonic()
+        self.servers: dict[str, Running] = {}
+        self.ready = False
+        self._stop = asyncio.Event()
+        self._reload = asyncio.Event()
+        self._terms = 0
+        self._tick = time.monotonic()
+        self._slots: tuple[tuple, asyncio.Semaphore] | None = None
+        self._tg: asyncio.TaskGroup | None = None
+
+    def conf(self) -> Config:
+        return self.cfg
+
+    # -- start ------------------------------------------------------------------------------------------
+    async def run(self) -> int:
+        cfg = self.cfg
+        registry_token, admin_token = read_token(cfg.registry.token_file), read_token(cfg.admin.token_file)
+        self.records = ChildRecords(cfg.state_dir / "children")
+        for line in await self.records.reap_leftovers(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
+            log.warning("clean %s", line)
+        self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes))
+        self.mirror.clean_partials()
+        self.plugin_dir = install_plugin(cfg.state_dir / "plugin")
+        self.admin = AdminServer(create_app(self, admin_token), cfg.admin.host, cfg.admin.port)
+        self.client = RegistryClient(cfg.registry.url, registry_token, timeouts=Timeouts(
+            connect_s=cfg.registry.connect_timeout_s, request_s=cfg.registry.request_timeout_s,
+            read_s=cfg.pull.read_timeout_s))
+        self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use)
+        log.info("start rolloutd %s: node %s, %d server(s) (%s), registry %s, admin on %s:%d, mirror %s",
+                 __version__, cfg.node_name, len(cfg.servers), ", ".join(s.name for s in cfg.servers),
+                 cfg.registry.url, cfg.admin.host, self.admin.port, cfg.mirror.dir)
+        self._handle_signals()
+        try:
+            async with asyncio.TaskGroup() as tg:
+                self._tg = tg
+                admin = tg.create_task(self.admin.serve(), name="admin")
+                updater = tg.create_task(self.updater.run(), name="updater")
+                for spec in cfg.servers:
+                    self._start_server(spec)
+                await self._main()
+                await self._shutdown(updater, admin)
+        finally:
+            await self.client.close()
+            self._unhandle_signals()
+        log.info("stop rolloutd: every server stopped")
+        return 0
+
+    def _handle_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._reload.set)
+
+    def _unhandle_signals(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+            loop.remove_signal_handler(sig)
+
+    def request_stop(self) -> None:
+        """Ask for the ordered shutdown; asked again, kill every server's process group now."""
+        self._terms += 1
+        self._stop.set()
+        if self._terms > 1:
+            log.warning("stop asked again: killing every server's process group now")
+            for r in self.servers.values():
+                child = r.supervisor.child
+                if child is not None and child.pid is not None:
+                    child.kill_group(signal.SIGKILL)
+
+    # -- the main loop ------------------------------------------------------------------------------------
+    async def _main(self) -> None:
+        while not self._stop.is_set():
+            self._tick = time.monotonic()
+            self.notifier.watchdog()
+            self._report()
+            if self._reload.is_set():
+                self._reload.clear()
+                await self.reload()
+                continue
+            interval = self.notifier.watchdog_interval_s or 1.0
+            waits = [asyncio.ensure_future(e.wait()) for e in (self._stop, self._reload)]
+            try:
+                await asyncio.wait(waits, timeout=min(interval, 1.0), return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for w in waits:
+                    w.cancel()
+
+    def _report(self) -> None:
+        """READY=1 once the API is bound and every server is SERVING or gave up; STATUS= always."""
+        states = {name: r.supervisor for name, r in self.servers.items()}
+        if not self.ready and self.admin.started and all(s.state in (S.SERVING, S.FATAL) for s in states.values()):
+            self.ready = True
+            self.notifier.ready()
+            log.info("ready: %s", self._status_line())
+        self.notifier.status(self._status_line())
+
+    def _status_line(self) -> str:
+        parts = []
+        for r in self.servers.values():
+            s = r.supervisor
+            version = f" v{s.loaded.version}" if s.loaded else ""
+            moving = f"->v{s.loading.version}" if s.loading else ""
+            parts.append(f"{s.name} {s.state.name}{version}{moving}")
+        registry = "registry ok" if self.updater.registry.reachable else "registry unreachable"
+        return "; ".join(parts + [registry])
+
+    def _on_state(self, name: str, old: ServerState, new: ServerState) -> None:
+        if self._tg is not None and not self._stop.is_set():
+            self._report()
+
+    # -- servers ----------------------------------------------------------------------------------------
+    def _start_server(self, spec) -> Running:
+        sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, records=self.records,
+                         plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state)
+        running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater))
+        running.task = self._tg.create_task(sup.run(), name=f"server-{spec.name}")
+        running.beats = self._tg.create_task(running.heartbeater.run(), name=f"heartbeat-{spec.name}")
+        self.servers[spec.name] = running
+        return running
+
+    async def _stop_server(self, running: Running, deregister: bool = True) -> None:
+        await _cancel(running.task)
+        if deregister:
+            await _cancel(running.beats)
+
+    def _rollout_slots(self) -> asyncio.Semaphore:
+        """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise."""
+        u = self.cfg.update
+        size = u.max_unavailable if u.strategy == "rolling" else max(1, len(self.cfg.servers))
+        key = (u.strategy, size)
+        if self._slots is None or self._slots[0] != key:
+            self._slots = (key, asyncio.Semaphore(size))
+        return self._slots[1]
+
+    def _in_use(self) -> set[int]:
+        used = set()
+        for r in self.servers.values():
+            for t in (r.supervisor.loaded, r.supervisor.loading):
+                if t is not None:
+                    used.add(t.version)
+        return used
+
+    # -- admin actions ----------------------------------------------------------------------------------
+    async def restart_server(self, name: str) -> str:
+        running = self.servers[name]  # KeyError: unknown server (the API answers 404)
+        log.info("restart %s: asked through the admin API", name)
+        await _cancel(running.task)
+        running.supervisor.reset_failures()
+        running.task = self._tg.create_task(running.supervisor.run(), name=f"server-{name}")
+        return f"server {name} restarted"
+
+    async def update_now(self) -> str:
+        self.updater.poke(asked=True)
+        return "the updater is checking the registry now"
+
+    async def reload(self) -> dict:
+        """Re-read the config file; apply what changed (see the module docstring)."""
+        if self.config_path is None:
+            return {"ok": False, "message": "no config file to reload (started with an embedded config)"}
+        try:
+            new = await asyncio.to_thread(load_config, self.config_path)
+        except ConfigError as e:
+            log.error("reload failed, the running configuration stays: %s", e)
+            self.notifier.status(f"reload failed: {str(e).splitlines()[0]}"[:200])
+            return {"ok": False, "message": f"the running configuration stays: {e}"}
+        self.notifier.reloading()
+        old = self.cfg
+        kept = [s for s in FIXED_SECTIONS if getattr(old, s) != getattr(new, s)]
+        if old.pull.streams != new.pull.streams or old.pull.request_bytes != new.pull.request_bytes:
+            kept.append("pull (streams, request_bytes)")
+        if kept:
+            log.warning("reload: %s changed; these take effect when rolloutd restarts", ", ".join(kept))
+            new = new.model_copy(update={s: getattr(old, s) for s in FIXED_SECTIONS})
+        self.cfg = new
+        message = await self._apply_servers(old, new)
+        if kept:
+            message += f"; needs a restart of rolloutd: {', '.join(kept)}"
+        log.info("reload: %s", message)
+        self.notifier.ready()
+        return {"ok": True, "message": message}
+
+    async def _apply_servers(self, old: Config, new: Config) -> str:
+        before = {s.name: s for s in old.servers}
+        after = {s.name: s for s in new.servers}
+        removed = [n for n in before if n not in after]
+        added = [n for n in after if n not in before]
+        changed = [n for n in after if n in before and (after[n] != before[n] or old.vllm != new.vllm)]
+        await asyncio.gather(*(self._stop_server(self.servers.pop(n)) for n in removed))
+        for n in removed:
+            self.metrics.forget_server(n)
+        for n in changed:
+            await self._stop_server(self.servers.pop(n))
+            self._start_server(after[n])
+        for n in added:
+            self._start_server(after[n])
+        return (f"servers added {added or 'none'}, removed {removed or 'none'}, restarted {changed or 'none'}, "
+                f"unchanged {[n for n in after if n not in added and n not in changed] or 'none'}")
+
+    # -- shutdown ---------------------------------------------------------------------------------------
+    async def _shutdown(self, updater: asyncio.Task, admin: asyncio.Task) -> None:
+        self.notifier.stopping()
+        log.info("stop: %d server(s), then heartbeats, the updater and the admin API", len(self.servers))
+        await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
+        await asyncio.gather(*(_cancel(r.beats) for r in self.servers.values()))
+        await _cancel(updater)
+        self.admin.stop()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(self.cfg.shutdown.admin_grace_s):
+                await asyncio.shield(admin)
+        await _cancel(admin)
+
+    # -- for the admin API ----------------------------------------------------------------------------------
+    def healthz(self) -> tuple[bool, str]:
+        age = time.monotonic() - self._tick
+        limit = 3 * max(self.notifier.watchdog_interval_s or 1.0, 1.0)
+        return (age < limit, f"main loop ticked {age:.1f} s ago")
+
+    def status(self) -> dict:
+        now = time.monotonic()
+        target = self.updater.target
+        progress = self.updater.puller.progress
+        servers = []
+        for r in self.servers.values():
+            snap = r.supervisor.snapshot()
+            snap["endpoint"] = f"http://{self.cfg.advertise_host}:{r.supervisor.spec.port}"
+            age = r.heartbeater.age_s()
+            snap["heartbeat_age_s"] = None if age is None else round(age, 3)
+            servers.append(snap)
+        return {
+            "node": self.cfg.node_name, "rolloutd_version": __version__, "pid": os.getpid(),
+            "uptime_s": round(now - self.started, 3), "ready": self.ready,
+            "registry": self.updater.registry.as_dict(now),
+            "target": {"version": target.version, "digest": target.digest} if target else None,
+            "pull": progress.as_dict() if progress is not None else None,
+            "mirror": {"dir": str(self.mirror.dir), "max_bytes": self.mirror.max_bytes,
+                       "usage_bytes": self.mirror.usage_bytes(), "versions": self.mirror.versions()},
+            "servers": servers,
+        }
+
+
+async def _cancel(task: asyncio.Task | None) -> None:
+    """Cancel a task and wait until it has finished its cleanup."""
+    if task is None or task.done():
+        return
+    task.cancel()
+    try:
+        await task
+    except asyncio.CancelledError:
+        if asyncio.current_task().cancelling():  # we are being cancelled ourselves
+            raise
+
+
+def run_daemon(cfg: Config, config_path: Path | None) -> int:
+    from .httpserver import run
+    return run(Daemon(cfg, config_path).run())

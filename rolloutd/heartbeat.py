@@ -1,0 +1,83 @@
+"""Heartbeats: one task per server, on its own timer, reporting to the registry.
+
+Each beat is a ``PUT /v1/replicas/<node>.<server>`` with the server's state, loaded version,
+target, incarnation, endpoint and last update's phase durations. The task only reads the
+supervisor's fields, so a pull or an update never delays it. The reply's newest version and
+demand go to the updater. A failed beat is counted and logged when the registry is lost and
+when it is back, not on every beat; beats go on at the same interval. Cancelling the task
+deregisters the replica (bounded by ``shutdown.deregister_timeout_s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+from .config import Config
+from .registry import errors
+from .registry.client import RegistryClient
+from .registry.store import Heartbeat
+from .supervisor import Supervisor
+from .updater import Updater
+
+log = logging.getLogger("rolloutd.heartbeat")
+
+
+class Heartbeater:
+    def __init__(self, server: Supervisor, conf: Callable[[], Config], client: RegistryClient, updater: Updater):
+        self.server, self._conf, self._client, self._updater = server, conf, client, updater
+        cfg = conf()
+        self.replica_id = f"{cfg.node_name}.{server.name}"
+        self.last_ok: float | None = None
+        self._failing = False
+
+    def age_s(self) -> float | None:
+        return None if self.last_ok is None else time.monotonic() - self.last_ok
+
+    def heartbeat(self) -> Heartbeat:
+        cfg, snap = self._conf(), self.server.snapshot()
+        timings = snap["last_update"]["phases_s"] if snap["last_update"] else {}
+        return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap["state"],
+                         endpoint=f"http://{cfg.advertise_host}:{self.server.spec.port}",
+                         version=snap["version"], target=snap["target"], incarnation=snap["incarnation"],
+                         registry_instance=self._updater.registry.instance, timings=timings)
+
+    async def run(self) -> None:
+        try:
+            while True:
+                started = time.monotonic()
+                await self.beat()
+                interval = self._conf().heartbeat.interval_s
+                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        except asyncio.CancelledError:
+            await asyncio.shield(self.deregister())
+            raise
+
+    async def beat(self) -> bool:
+        cfg = self._conf()
+        try:
+            reply = await self._client.heartbeat(self.replica_id, self.heartbeat(), timeout_s=cfg.heartbeat.timeout_s)
+        except (errors.RegistryError, errors.RegistryUnavailable) as e:
+            self.server.metrics.heartbeat_failures.labels(server=self.server.name).inc()
+            if not self._failing:
+                log.warning("heartbeat %s: failed: %s (retrying every %g s)", self.replica_id, e,
+                            cfg.heartbeat.interval_s)
+                self._failing = True
+            if isinstance(e, errors.RegistryUnavailable):
+                self._updater.note_unreachable(str(e))
+            return False
+        if self._failing:
+            log.info("heartbeat %s: delivered again", self.replica_id)
+            self._failing = False
+        self.last_ok = time.monotonic()
+        self._updater.note_reply(reply)
+        return True
+
+    async def deregister(self) -> None:
+        with contextlib.suppress(errors.RegistryError, errors.RegistryUnavailable, TimeoutError):
+            async with asyncio.timeout(self._conf().shutdown.deregister_timeout_s):
+                await self._client.deregister(self.replica_id)
+                log.info("deregister %s", self.replica_id)

@@ -1,0 +1,281 @@
+"""One supervised ``vllm serve``: spawn, probe, sync, serve, update, restart, stop.
+
+:meth:`Supervisor.run` is the server's whole life, owned by the daemon's task group:
+
+- STARTING: spawn the child (own process group, loopback port, the plugin on its import path)
+  and wait until ``/health`` passes, within ``restart.start_timeout_s``.
+- SYNCING: wait for the node's first decision, then load the node's target version into the
+  server (the same sequence as an update). Only then is it SERVING.
+- SERVING: probe ``/health`` every ``health.interval_s``; ``health.failures`` failed probes in
+  a row, or the process exiting, is a failure. A new node target is applied (UPDATING) once a
+  rollout slot is free (``max_unavailable`` when rolling, every server at once otherwise).
+- A failure goes to BACKOFF: the process group is stopped, then the server is started again
+  after a growing delay; after ``restart.max_retries`` failures in a row, FATAL (a person
+  restarts it through the admin API). Serving for ``restart.stable_after_s`` resets the count.
+- Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to the group, grace, KILL,
+  every process reaped, STOPPED; the child is never left behind on any path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from .apply import Applier, ApplyFailed, UpdateRecord
+from .config import Config
+from .config import Server as ServerConfig
+from .metrics import Metrics
+from .plugin_path import child_env
+from .process import Child, ChildError, ChildRecords
+from .states import Lifecycle, ServerState
+from .updater import Target, Updater
+from .vllm_http import VllmClient
+
+log = logging.getLogger("rolloutd.server")
+S = ServerState
+
+# The daemon's own systemd and socket-activation variables must not reach vLLM.
+_PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
+                "INVOCATION_ID")
+
+
+class ServerFailed(Exception):
+    pass
+
+
+def child_argv(cfg: Config, server: ServerConfig) -> list[str]:
+    return [*cfg.vllm.command, server.model, "--host", "127.0.0.1", "--port", str(server.port),
+            "--weight-transfer-config", json.dumps({"backend": "rolloutd"}), "--enable-scale-out",
+            *cfg.vllm.args, *server.args]
+
+
+def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dict[str, str] | None = None) -> dict:
+    env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _PRIVATE_ENV}
+    env.update(cfg.vllm.env)
+    env.update(server.env)
+    if server.cuda_visible_devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = server.cuda_visible_devices
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause and weight routes; vLLM listens on loopback only
+    return child_env(env, plugin_dir)
+
+
+class Supervisor:
+    def __init__(self, spec: ServerConfig, conf: Callable[[], Config], updater: Updater, *,
+                 slots: Callable[[], asyncio.Semaphore], records: ChildRecords, plugin_dir: Path, metrics: Metrics,
+                 on_state: Callable[[str, ServerState, ServerState], None] | None = None):
+        self.spec, self._conf, self.updater = spec, conf, updater
+        self._slots, self._records, self._plugin_dir, self.metrics = slots, records, plugin_dir, metrics
+        self.lifecycle = Lifecycle(spec.name, on_change=self._changed, log=log)
+        self._on_state = on_state
+        self.vllm = VllmClient(f"http://127.0.0.1:{spec.port}")
+        self.child: Child | None = None
+        self.loaded: Target | None = None       # what the running process holds (None: its start model)
+        self.loading: Target | None = None      # what it is moving to
+        self.incarnation = 0                    # processes started so far
+        self.restarts = 0                       # restarts after a failure (not counting the first start)
+        self.failures = 0                       # failed starts in a row (toward FATAL)
+        self.last_error: str | None = None
+        self.last_update: UpdateRecord | None = None
+        self.serving_since: float | None = None
+        metrics.server_state.labels(server=spec.name).state(S.STOPPED.name)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def state(self) -> ServerState:
+        return self.lifecycle.state
+
+    def _changed(self, name: str, old: ServerState, new: ServerState) -> None:
+        self.metrics.server_state.labels(server=name).state(new.name)
+        if self._on_state is not None:
+            self._on_state(name, old, new)
+
+    # -- the whole life -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Supervise until cancelled; cancelling stops the server (ordered, with deadlines)."""
+        try:
+            while True:
+                error = await self._live()
+                self.last_error = error
+                await self._back_off(error)
+        except asyncio.CancelledError:
+            await self._stop()
+            raise
+
+    async def _live(self) -> str:
+        """One process, from spawn to failure; returns what failed."""
+        self.lifecycle.set(S.STARTING, f"incarnation {self.incarnation + 1}")
+        try:
+            await self._spawn()
+            await self._wait_healthy()
+            self.lifecycle.set(S.SYNCING)
+            await self._sync()
+            self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
+            self.serving_since = time.monotonic()
+            await self._serve()
+            raise AssertionError("_serve returns only by raising")
+        except (ServerFailed, ApplyFailed, ChildError) as e:
+            log.error("fail %s[%s]: %s", self.name, self.child.pid if self.child else "-", e)
+            self.lifecycle.set(S.BACKOFF, str(e)[:200])
+            return str(e)
+
+    async def _spawn(self) -> None:
+        cfg = self._conf()
+        self.incarnation += 1
+        self.loaded = self.loading = None
+        self.child = Child(self.name, child_argv(cfg, self.spec), child_environ(cfg, self.spec, self._plugin_dir),
+                           records=self._records, log=logging.getLogger(f"rolloutd.server.{self.name}"))
+        self.metrics.server_version.labels(server=self.name).set(-1)
+        await self.child.spawn()
+        log.info("spawn %s[%d]: port %d, gpus %s, incarnation %d", self.name, self.child.pid, self.spec.port,
+                 self.spec.cuda_visible_devices or "-", self.incarnation)
+
+    async def _wait_healthy(self) -> None:
+        cfg = self._conf()
+        deadline = time.monotonic() + cfg.restart.start_timeout_s
+        while time.monotonic() < deadline:
+            if not self.child.running:
+                await self.child.wait()
+                raise ServerFailed(f"exited before it was healthy: {self.child.describe_exit()}")
+            if await self.vllm.healthy(cfg.health.timeout_s):
+                log.info("healthy %s[%d] after %.1f s", self.name, self.child.pid, time.monotonic() - self.child.started_at)
+                return
+            await asyncio.sleep(min(0.5, cfg.health.interval_s))
+        raise ServerFailed(f"not healthy within restart.start_timeout_s={cfg.restart.start_timeout_s:g}")
+
+    async def _sync(self) -> None:
+        """Hold the node's target before serving (nothing to hold: serve the start model)."""
+        await self.updater.settled.wait()
+        if self.updater.target is not None:
+            await self._apply(self.updater.target)
+
+    async def _serve(self) -> None:
+        while True:
+            target = self.updater.target
+            if target is not None and target != self.loaded:
+                async with self._slots():
+                    self.lifecycle.set(S.UPDATING, f"version {self._version_text()} -> {target.version}")
+                    try:
+                        await self._apply(target)
+                    except ApplyFailed as e:
+                        if e.restart:
+                            raise
+                        self.last_error = str(e)  # weights untouched and resumed: serve on, retry later
+                    self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
+                if self.loaded != target:
+                    await asyncio.sleep(self._conf().restart.backoff_initial_s)
+                continue
+            await self._watch(target)
+
+    async def _watch(self, held: Target | None) -> None:
+        """Probe health until the node's target changes; raise ServerFailed if the server fails."""
+        cfg = self._conf()
+        failed = 0
+        changed = asyncio.ensure_future(self.updater.next_target(held))
+        try:
+            while not changed.done():
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(cfg.health.interval_s):
+                        await asyncio.shield(changed)
+                self._note_stable()
+                if not self.child.running:
+                    await self.child.wait()
+                    raise ServerFailed(f"exited: {self.child.describe_exit()}")
+                if await self.vllm.healthy(cfg.health.timeout_s):
+                    failed = 0
+                    continue
+                failed += 1
+                log.warning("probe %s[%d]: /health failed (%d of %d)", self.name, self.child.pid, failed,
+                            cfg.health.failures)
+                if failed >= cfg.health.failures:
+                    raise ServerFailed(f"/health failed {failed} times in a row")
+        finally:
+            changed.cancel()
+
+    async def _apply(self, target: Target) -> None:
+        record = UpdateRecord(target.version)
+        self.last_update, self.loading = record, target
+        applier = Applier(self.name, self.vllm, self._conf().update, self.metrics, verify=self.updater.verify)
+        try:
+            self.loaded = await applier.apply(target, record)
+        except ApplyFailed:
+            self.loaded = None if self.loaded != target else self.loaded
+            raise
+        finally:
+            self.loading = None
+        self.metrics.updates.labels(server=self.name).inc()
+        self.metrics.server_version.labels(server=self.name).set(self.loaded.version)
+        log.info("update %s[%d]: version %d loaded, paused %.3f s (%s)", self.name, self.child.pid,
+                 target.version, record.phases_s.get("paused", 0.0),
+                 ", ".join(f"{k} {v:.3f}" for k, v in record.phases_s.items() if k != "paused"))
+        self.updater.collect()
+
+    # -- failures, restarts, stop ------------------------------------------------------------------------
+    def _note_stable(self) -> None:
+        stable_s = self._conf().restart.stable_after_s
+        if self.failures and self.serving_since is not None and time.monotonic() - self.serving_since >= stable_s:
+            log.info("stable %s: serving for %.0f s, failure count reset", self.name, stable_s)
+            self.failures = 0
+
+    async def _back_off(self, error: str) -> None:
+        await self._terminate()
+        policy = self._conf().restart
+        self.failures += 1
+        if self.failures > policy.max_retries:
+            self.lifecycle.set(S.FATAL, f"{self.failures} failures in a row; last: {error[:150]}")
+            await asyncio.Event().wait()  # until a person restarts it (the daemon cancels this task)
+        delay = min(policy.backoff_initial_s * policy.backoff_factor ** (self.failures - 1), policy.backoff_max_s)
+        log.info("backoff %s: restart %d of %d in %.1f s", self.name, self.failures, policy.max_retries, delay)
+        await asyncio.sleep(delay)
+        self.restarts += 1
+        self.metrics.restarts.labels(server=self.name).inc()
+
+    async def _terminate(self) -> None:
+        """Stop the process group, if any; reap it (also when cancelled meanwhile)."""
+        child, self.serving_since = self.child, None
+        if child is None or child.pid is None:
+            return
+        shutdown = self._conf().shutdown
+        try:
+            how = await asyncio.shield(child.stop(shutdown.server_grace_s, shutdown.kill_wait_s))
+            log.info("reap %s[%d]: %s", self.name, child.pid, how)
+        except ChildError as e:
+            log.error("reap %s: %s", self.name, e)
+        self.loaded = None
+
+    async def _stop(self) -> None:
+        if self.state in (S.STOPPED, S.STOPPING):
+            return
+        self.lifecycle.set(S.STOPPING)
+        try:
+            await self._terminate()
+        finally:
+            self.child = None
+            self.lifecycle.set(S.STOPPED)
+            await self.vllm.close()
+
+    def reset_failures(self) -> None:
+        self.failures = 0
+
+    # -- for status and heartbeats ---------------------------------------------------------------------
+    def _version_text(self) -> str:
+        return str(self.loaded.version) if self.loaded else "of the start model"
+
+    def snapshot(self) -> dict:
+        target = self.loading or self.updater.target
+        return {"name": self.name, "state": self.state.name, "pid": self.child.pid if self.child and self.state.running
+                else None, "port": self.spec.port, "gpus": list(self.spec.gpus),
+                "version": self.loaded.version if self.loaded else None,
+                "target": target.version if target else None,
+                "incarnation": self.incarnation, "restarts": self.restarts,
+                "state_age_s": round(self.lifecycle.age_s(), 3), "last_error": self.last_error,
+                "last_update": self.last_update.as_dict() if self.last_update else None}
+

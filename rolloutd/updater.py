@@ -1,0 +1,338 @@
+"""The node's update loop: watch the registry, decide, pull once per node, publish the target.
+
+Contract:
+
+- One :class:`Updater` per node. It long-polls the registry for a version newer than the
+  newest it has seen, and decides with :func:`decide` (newest, ``min_version_lag``,
+  ``max_update_delay_s``, the trainer's demand, a person's "update now").
+- When it decides to move, it pulls ``"latest"`` (the registry leases the newest live version
+  atomically, so a version retired between the decision and the lease is simply skipped) into
+  the mirror while every server keeps generating, then publishes the result as the node's
+  :class:`Target`. Servers wait on :meth:`Updater.next_target` and apply it themselves.
+- A registry that restarted (its ``instance`` changed) is resynchronised: numbers from the old
+  instance mean nothing, so the node moves to the new instance's newest version whatever its
+  number (targets are compared by instance, version and digest, never by number alone).
+- The registry unreachable, or a pull failing: the servers keep serving what they hold; the
+  loop retries with a growing delay (``registry.retry_initial_s`` .. ``retry_max_s``).
+- :meth:`verify` re-checks a target's mirror copy chunk by chunk when a server failed to load
+  it; a damaged copy is removed and pulled again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import Config
+from .metrics import Metrics
+from .mirror import Mirror
+from .puller import Puller, PullError, PullResult
+from .registry import errors
+from .registry.client import HeartbeatReply, LatestInfo, RegistryClient
+from .registry.manifest import verify_file
+
+log = logging.getLogger("rolloutd.updater")
+
+
+@dataclass(frozen=True)
+class Target:
+    """A version complete in the mirror, that every server on the node should hold."""
+
+    version: int
+    digest: str
+    path: Path
+    instance: str
+
+    def update_info(self) -> dict:
+        return {"path": str(self.path), "digest": self.digest}
+
+
+@dataclass(frozen=True)
+class Decision:
+    update: bool
+    reason: str
+    wake_in_s: float | None = None  # look again this soon even if nothing changes
+
+
+def decide(*, newest: int | None, held: int | None, pending_s: float, demand: int | None, asked: bool,
+           min_version_lag: int, max_update_delay_s: float) -> Decision:
+    """Whether the node should move to the registry's newest version now.
+
+    ``held`` is the version the node's target holds (None: nothing from this registry yet);
+    ``pending_s`` how long a version newer than ``held`` has been known.
+    """
+    if newest is None:
+        return Decision(False, "nothing published")
+    if held is not None and newest <= held:
+        return Decision(False, f"version {held} is the newest")
+    if held is None:
+        return Decision(True, f"version {newest} is the newest and nothing is loaded from this registry")
+    if asked:
+        return Decision(True, "an update was asked for")
+    if demand is not None and demand > held:
+        return Decision(True, f"the trainer demands version {demand} or newer")
+    if newest - held >= min_version_lag:
+        return Decision(True, f"version {newest} is {newest - held} ahead of {held}")
+    if pending_s >= max_update_delay_s:
+        return Decision(True, f"version {newest} has waited {pending_s:.0f} s")
+    return Decision(False, f"version {newest} is {newest - held} ahead (lag {min_version_lag}); "
+                    f"waiting up to {max_update_delay_s - pending_s:.0f} s more",
+                    wake_in_s=max_update_delay_s - pending_s)
+
+
+@dataclass
+class RegistryView:
+    """What the node knows about the registry, for status and decisions."""
+
+    url: str
+    reachable: bool = False
+    instance: str | None = None
+    latest: int | None = None
+    demand: int | None = None
+    last_error: str | None = None
+    last_contact: float | None = None
+    contacted: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first answer
+
+    def as_dict(self, now: float) -> dict:
+        return {"url": self.url, "reachable": self.reachable, "instance": self.instance,
+                "latest": self.latest, "demand": self.demand, "last_error": self.last_error,
+                "last_contact_age_s": None if self.last_contact is None else round(now - self.last_contact, 3)}
+
+
+class Updater:
+    def __init__(self, conf: Callable[[], Config], client: RegistryClient, mirror: Mirror, metrics: Metrics, *,
+                 in_use: Callable[[], set[int]], clock: Callable[[], float] = time.monotonic):
+        self._conf, self._client, self.mirror, self._metrics = conf, client, mirror, metrics
+        self._in_use, self._clock = in_use, clock
+        cfg = conf()
+        self.registry = RegistryView(cfg.registry.url)
+        self.puller = Puller(client, mirror, holder=cfg.node_name, streams=cfg.pull.streams,
+                             request_bytes=int(cfg.pull.request_bytes),
+                             max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
+                             in_use=in_use)
+        self.target: Target | None = None
+        self.settled = asyncio.Event()   # the first decision was made (a target, or nothing to load)
+        self._changed = asyncio.Condition()
+        self._wake = asyncio.Event()     # a heartbeat reply, or a person, asks to look again
+        self._verifying = asyncio.Lock()
+        self._pulling = asyncio.Lock()
+        self._asked = False
+        self._pending_since: float | None = None
+
+    # -- inputs from elsewhere ------------------------------------------------------------------
+    def poke(self, asked: bool = True) -> None:
+        """Look at the registry again now (``asked``: update even below the lag threshold)."""
+        self._asked = self._asked or asked
+        self._wake.set()
+
+    def note_reply(self, reply: HeartbeatReply) -> None:
+        """A heartbeat reply carries the registry's newest version and the trainer's demand."""
+        self._contact(reply.instance, reply.latest)
+        demand = reply.demand.min_version
+        if demand != self.registry.demand:
+            self.registry.demand = demand
+            held = self._held()
+            if demand is not None and (held is None or demand > held):
+                log.info("demand: the trainer asks for version %d or newer", demand)
+                self._wake.set()
+
+    def note_unreachable(self, error: str) -> None:
+        self.registry.reachable, self.registry.last_error = False, error
+        self._metrics.registry_reachable.set(0)
+
+    # -- for servers ------------------------------------------------------------------------------
+    async def next_target(self, held: Target | None) -> Target:
+        """Wait until the node has a target other than ``held``."""
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.target is not None and self.target != held)
+            return self.target
+
+    async def verify(self, target: Target) -> Target:
+        """Check the mirror copy of ``target`` chunk by chunk; pull it again if it is damaged.
+        Returns the target to use (the same one if the copy was sound)."""
+        async with self._verifying:  # several servers may fail on the same copy at once
+            current = self.target
+            if current is not None and current != target and current.version == target.version:
+                return current  # another server's check already replaced it
+            return await self._verify(target)
+
+    async def _verify(self, target: Target) -> Target:
+        problems = await asyncio.to_thread(self._damage, target)
+        if not problems:
+            return target
+        log.warning("verify version %d: the mirror copy is damaged (%s); pulling it again",
+                    target.version, "; ".join(problems)[:300])
+        self._metrics.update_failures.labels(kind="mirror").inc()
+        await asyncio.to_thread(self.mirror.remove, target.version, "damaged")
+        result = await self._pull(target.version)
+        if result is None or result.digest != target.digest:
+            raise PullError(f"version {target.version} could not be pulled again")
+        fresh = Target(result.version, result.digest, result.path, target.instance)
+        await self._publish(fresh)
+        return fresh
+
+    def collect(self) -> None:
+        """Remove mirror versions no server holds (the target is always kept)."""
+        keep = self._in_use() | ({self.target.version} if self.target else set())
+        with contextlib.suppress(OSError):
+            removed = self.mirror.gc(keep)
+            if removed:
+                log.info("gc mirror: removed versions %s", removed)
+        self._metrics.mirror_bytes.set(self.mirror.usage_bytes())
+
+    # -- the loop ---------------------------------------------------------------------------------
+    async def run(self) -> None:
+        delay = self._conf().registry.retry_initial_s
+        while True:
+            try:
+                info = await self._watch()
+            except (errors.RegistryUnavailable, errors.RegistryError) as e:
+                self._failed_contact(str(e))
+                await self._sleep(delay)
+                delay = min(delay * 2, self._conf().registry.retry_max_s)
+                continue
+            delay = self._conf().registry.retry_initial_s
+            if not await self._step(info):
+                await self._sleep(delay)
+                delay = min(delay * 2, self._conf().registry.retry_max_s)
+
+    async def _watch(self) -> LatestInfo:
+        """Long-poll for a version newer than the newest seen, or until poked or a deadline."""
+        cfg = self._conf()
+        wait_s = 0.0 if self._wake.is_set() or not self.settled.is_set() else cfg.registry.long_poll_s
+        if self._pending_since is not None:  # a deferred update has a deadline of its own
+            due = self._pending_since + cfg.update.max_update_delay_s - self._clock()
+            wait_s = max(0.0, min(wait_s, due))
+        self._wake.clear()
+        after = self.registry.latest or 0
+        instance = self.target.instance if self.target else self.registry.instance
+        poll = asyncio.ensure_future(self._client.latest(after=after, instance=instance, wait_s=wait_s))
+        woken = asyncio.ensure_future(self._wake.wait())
+        try:
+            await asyncio.wait({poll, woken}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()
+            if not poll.done():
+                poll.cancel()
+        if poll.cancelled():  # poked: ask again without waiting
+            return await self._client.latest(after=after, instance=instance, wait_s=0)
+        info = poll.result()
+        self._contact(info.instance, info.version)
+        return info
+
+    async def _step(self, info: LatestInfo) -> bool:
+        """Decide and, if so, pull and publish. False when a pull failed (retry later)."""
+        cfg = self._conf()
+        held = self._held()
+        newest = info.version
+        if newest is not None and (held is None or newest > held):
+            self._pending_since = self._pending_since or self._clock()
+        decision = decide(newest=newest, held=held, demand=self.registry.demand, asked=self._asked,
+                          pending_s=self._clock() - (self._pending_since or self._clock()),
+                          min_version_lag=cfg.update.min_version_lag,
+                          max_update_delay_s=cfg.update.max_update_delay_s)
+        self._asked = False
+        if not decision.update:
+            if newest is None or (held is not None and newest <= held):
+                self._pending_since = None
+            self.settled.set()
+            log.debug("decide: stay (%s)", decision.reason)
+            return True
+        log.info("decide: update (%s)", decision.reason)
+        result = await self._pull("latest")
+        if result is None:
+            return False
+        if held is None or self.target is None or result.version > held or self.target.instance != info.instance:
+            await self._publish(Target(result.version, result.digest, result.path, info.instance))
+        self._pending_since = None
+        self.settled.set()
+        return True
+
+    async def _pull(self, version: int | str) -> PullResult | None:
+        async with self._pulling:  # one pull at a time: the loop's, or a re-pull after damage
+            return await self._pull_once(version)
+
+    async def _pull_once(self, version: int | str) -> PullResult | None:
+        cfg = self._conf()
+        rate = asyncio.ensure_future(self._report_rate())
+        try:
+            async with asyncio.timeout(cfg.pull.timeout_s):
+                result = await self.puller.pull(version)
+        except (PullError, TimeoutError, errors.RegistryError) as e:
+            what = f"no result within pull.timeout_s={cfg.pull.timeout_s:g}" if isinstance(e, TimeoutError) else e
+            log.error("pull %s failed: %s", version, what)
+            self._metrics.pulls.labels(result="failed").inc()
+            self._metrics.update_failures.labels(kind="pull").inc()
+            return None
+        finally:
+            rate.cancel()
+            self._metrics.pull_rate.set(0)
+        if result.reused:
+            self._metrics.pulls.labels(result="reused").inc()
+        else:
+            self._metrics.pulls.labels(result="ok").inc()
+            self._metrics.pull_bytes.inc(result.bytes)
+            self._metrics.pull_seconds.observe(result.seconds)
+            log.info("pull version %d: %.1f MiB in %.2f s (%.0f MiB/s, %d retries)", result.version,
+                     result.bytes / 2**20, result.seconds, result.bytes / 2**20 / max(result.seconds, 1e-6),
+                     result.retries)
+        return result
+
+    async def _report_rate(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            if self.puller.progress is not None:
+                self._metrics.pull_rate.set(self.puller.progress.rate_bytes_per_s)
+
+    async def _publish(self, target: Target) -> None:
+        async with self._changed:
+            self.target = target
+            self._changed.notify_all()
+        log.info("target version %d (digest %s...) for every server", target.version, target.digest[:12])
+        self.collect()
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def _held(self) -> int | None:
+        """The target's version, if it came from the registry instance seen now."""
+        if self.target is None or self.target.instance != self.registry.instance:
+            return None
+        return self.target.version
+
+    def _contact(self, instance: str, latest: int | None) -> None:
+        view = self.registry
+        if view.instance is not None and instance != view.instance:
+            log.warning("resync: the registry restarted (instance %s -> %s)", view.instance, instance)
+            view.latest = None
+            self._pending_since = None
+            self._wake.set()
+        if not view.reachable:
+            log.info("reach registry %s (instance %s, newest version %s)", view.url, instance, latest)
+        view.instance, view.reachable, view.last_error, view.latest = instance, True, None, latest
+        view.last_contact = self._clock()
+        view.contacted.set()
+        self._metrics.registry_reachable.set(1)
+
+    def _failed_contact(self, error: str) -> None:
+        if self.registry.reachable or self.registry.last_error is None:
+            log.warning("lose registry %s: %s (servers keep serving; retrying)", self.registry.url, error)
+        self.note_unreachable(error)
+
+    async def _sleep(self, seconds: float) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self._wake.wait()
+
+    def _damage(self, target: Target) -> list[str]:
+        manifest = self.mirror.manifest(target.version)
+        if manifest is None or manifest.digest != target.digest:
+            return [f"version {target.version} is not complete in the mirror"]
+        out = []
+        for entry in manifest.files:
+            if bad := verify_file(target.path / entry.name, entry, manifest):
+                out.append(f"{entry.name}: chunks {bad[:5]} differ")
+        return out

@@ -1,0 +1,181 @@
+"""``rolloutd run`` as a real process, for tests: its config, its admin API, its process tree.
+
+Every child the daemon starts carries ``ROLLOUTD_TEST_TAG=<tag>`` in its environment (through
+the config's ``vllm.env``), so a test can find every process of a daemon in the process
+table, whatever process group or parent it ended up with.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+import yaml
+
+from .vllm_server import FAST_CPU_FLAGS, ROOT, VLLM
+
+FAKE_VLLM = ROOT / "tests" / "fake_vllm.py"
+
+
+def tagged_pids(tag: str) -> list[int]:
+    """Live processes whose environment holds ``ROLLOUTD_TEST_TAG=<tag>`` (zombies excluded)."""
+    needle = f"ROLLOUTD_TEST_TAG={tag}".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            if needle in Path(entry.path, "environ").read_bytes().split(b"\0") and not _zombie(entry.path):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _zombie(proc_dir: str) -> bool:
+    stat = Path(proc_dir, "stat").read_text()
+    return stat[stat.rindex(")") + 2] == "Z"
+
+
+def vllm_server(name: str, model: Path, port: int, cpus: str, **extra) -> dict:
+    """A config entry for a real ``vllm serve`` (CPU build) bound to ``cpus``."""
+    return {"name": name, "model": str(model), "port": port, "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus},
+            **extra}
+
+
+def config(tmp: Path, registry_url: str, servers: list[dict], *, fake: bool = False, tag: str | None = None,
+           **sections) -> dict:
+    """A daemon config: real vLLM (or the fake with ``fake=True``), state and mirror under ``tmp``."""
+    tag = tag or uuid.uuid4().hex[:12]
+    command = [sys.executable, str(FAKE_VLLM), "serve"] if fake else [str(VLLM), "serve"]
+    cfg = {
+        "node": {"name": "node-a", "advertise_host": "node-a.test"},
+        "registry": {"url": registry_url, "long_poll_s": 5, "retry_initial_s": 0.2, "retry_max_s": 2},
+        "admin": {"host": "127.0.0.1", "port": _free_port()},
+        "state_dir": str(tmp / "state"),
+        "mirror": {"dir": str(tmp / "mirror"), "max_bytes": "1GiB"},
+        "heartbeat": {"interval_s": 0.5, "timeout_s": 2},
+        "health": {"interval_s": 0.5, "timeout_s": 2, "failures": 3},
+        "restart": {"start_timeout_s": 240, "backoff_initial_s": 0.5, "backoff_max_s": 2, "max_retries": 3},
+        "shutdown": {"server_grace_s": 10, "kill_wait_s": 10},
+        "vllm": {"command": command, "args": [] if fake else list(FAST_CPU_FLAGS),
+                 "env": {"ROLLOUTD_TEST_TAG": tag, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
+        "servers": servers,
+    }
+    for section, values in sections.items():
+        cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values
+    return cfg
+
+
+def _free_port() -> int:
+    from .conftest import free_port
+    return free_port()
+
+
+class DaemonProcess:
+    """``python -m rolloutd.cli run -c CONFIG`` in its own session, output in ``log``."""
+
+    def __init__(self, cfg: dict, directory: Path):
+        self.cfg, self.dir = cfg, directory
+        self.path = directory / "rolloutd.yaml"
+        self.write(cfg)
+        self.tag = cfg["vllm"]["env"]["ROLLOUTD_TEST_TAG"]
+        self.url = f"http://127.0.0.1:{cfg['admin']['port']}"
+        self.log = directory / "rolloutd.log"
+        self.proc: subprocess.Popen | None = None
+
+    def write(self, cfg: dict) -> None:
+        self.cfg = cfg
+        self.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+
+    def start(self) -> DaemonProcess:
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(self.path)],
+                                         cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        return self
+
+    def status(self) -> dict:
+        r = httpx.get(self.url + "/status", timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def server(self, name: str, status: dict | None = None) -> dict:
+        return next(s for s in (status or self.status())["servers"] if s["name"] == name)
+
+    def wait(self, predicate: Callable[[dict], bool], timeout_s: float, what: str) -> dict:
+        """Poll /status until ``predicate`` holds; fail with the last status and the log's tail."""
+        deadline = time.monotonic() + timeout_s
+        last: dict | str = "no answer"
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"rolloutd exited with {self.proc.returncode} waiting for {what}\n{self.tail()}")
+            try:
+                last = self.status()
+                if predicate(last):
+                    return last
+            except httpx.HTTPError as e:
+                last = repr(e)
+            time.sleep(0.2)
+        raise AssertionError(f"not {what} after {timeout_s} s; last status: {last}\n{self.tail()}")
+
+    def wait_versions(self, versions: dict[str, int], timeout_s: float = 120) -> dict:
+        """Every named server SERVING with its version."""
+        def ok(st: dict) -> bool:
+            got = {s["name"]: (s["state"], s["version"]) for s in st["servers"]}
+            return all(got.get(n) == ("SERVING", v) for n, v in versions.items())
+        return self.wait(ok, timeout_s, f"serving {versions}")
+
+    def action(self, path: str, token: str | None = None) -> httpx.Response:
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        return httpx.post(self.url + path, headers=headers, timeout=120)
+
+    def signal(self, sig: int) -> None:
+        os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 60) -> int:
+        """SIGTERM, and wait for the exit; KILL (and fail) if it does not exit in time."""
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.kill_everything()
+            raise AssertionError(f"rolloutd did not stop within {timeout_s} s\n{self.tail()}") from None
+
+    def kill_everything(self) -> None:
+        """Last resort for a failed test: nothing of this daemon outlives it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        for pid in tagged_pids(self.tag):
+            try:
+                os.killpg(os.getpgid(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def tail(self, lines: int = 60) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, every_s: float = 0.1) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(every_s)
+    raise AssertionError(f"not {what} after {timeout_s} s")

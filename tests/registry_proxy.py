@@ -1,0 +1,69 @@
+"""A fake network path to the registry, for tests: forwards every request to the registry on
+``upstream_port``, and can slow down byte transfers (``byte_delay_s`` before each byte range).
+When the registry behind it is down, the connection is dropped, as a dead host would.
+Runs on its own event loop in a thread, so a synchronous test drives it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import aiohttp
+from aiohttp import web
+
+_FORWARD = ("authorization", "range", "content-type")
+
+
+class RegistryProxy:
+    def __init__(self, upstream_port: int):
+        self.upstream = f"http://127.0.0.1:{upstream_port}"
+        self.byte_delay_s = 0.0
+        self.byte_requests = 0
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> RegistryProxy:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> None:
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+
+    async def _stop(self) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        if "/files/" in request.path and request.method == "GET":
+            self.byte_requests += 1
+            await asyncio.sleep(self.byte_delay_s)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
+        try:
+            async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,
+                                             data=await request.read(),
+                                             timeout=aiohttp.ClientTimeout(total=120)) as r:
+                body = await r.read()
+                keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "content-range")}
+                return web.Response(status=r.status, body=body, headers=keep)
+        except aiohttp.ClientConnectionError:
+            if request.transport is not None:
+                request.transport.close()  # the registry is down: so is the path to it
+            return web.Response(status=503)
