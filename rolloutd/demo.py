@@ -1,97 +1,166 @@
-"""``rolloutd demo``: the registry's whole path on one machine, in a few seconds.
+"""``rolloutd demo``: the whole job on one machine without a GPU, in about a minute.
 
-A registry is embedded; two versions of a small Llama-shaped checkpoint (built here, no
-model hub) are published; then a node's view: long-poll for the newest version, lease it,
-pull every file with parallel Range requests checking every chunk digest, heartbeat, and
-read the replica directory back.
+An embedded registry; a small Llama-shaped model built here (no model hub); the daemon with
+one real ``vllm serve`` (vLLM's CPU build) started on that model; then the trainer publishes
+two versions, and the demo shows, from the admin API and from generations, that the server
+switched to each: its greedy outputs change and every token is labelled with the version
+that produced it. The daemon stops at the end, and no process of it is left.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import shutil
+import socket
 import sys
-import time
-from collections.abc import Callable
+import tempfile
+from pathlib import Path
 
-from .registry.client import RegistryClient
-from .registry.manifest import Manifest, bad_chunks
+import httpx
+
+from . import tinymodel
+from .config import Config
+from .daemon import Daemon
 from .registry.publish import EmbeddedRegistry
-from .registry.store import Heartbeat
-from .tinymodel import llama_state_dict
+
+PROMPT = [1, 5, 9, 13, 40]
+ROOT = Path(__file__).resolve().parent.parent
 
 
-async def pull(client: RegistryClient, manifest: Manifest, streams: int = 4) -> dict[str, bytes]:
-    """Fetch every chunk of every file (``streams`` at a time) and check its digest."""
-    sem = asyncio.Semaphore(streams)
-    out = {f.name: bytearray(f.size) for f in manifest.files}
-
-    async def fetch(entry, index: int) -> None:
-        start, end = manifest.chunk_span(entry, index)
-        async with sem:
-            data = await client.read_range(manifest.version, entry.name, start, end)
-        out[entry.name][start:end] = data
-
-    await asyncio.gather(*(fetch(f, i) for f in manifest.files for i in range(len(f.chunks))))
-    for f in manifest.files:
-        if bad := bad_chunks(memoryview(out[f.name]), f, manifest):
-            raise RuntimeError(f"{f.name}: chunks {bad} do not match their digests")
-    return {k: bytes(v) for k, v in out.items()}
+def say(msg: str) -> None:
+    print(f"demo: {msg}", flush=True)
 
 
-async def node_view(url: str, say: Callable[[str], None]) -> None:
-    async with RegistryClient(url) as client:
-        known = 0
-        for _ in range(2):
-            info = await client.latest(after=known, wait_s=10)
-            lease = await client.lease("demo-node", "latest", ttl_s=30)
-            manifest = await client.manifest(lease.version)
-            t0 = time.perf_counter()
-            files = await pull(client, manifest)
-            dt = time.perf_counter() - t0
-            size = sum(len(b) for b in files.values())
-            say(f"node: version {info.version} is newest; leased {lease.lease_id[:8]}..., pulled "
-                f"{size / 2**20:.1f} MiB in {len(files)} file(s) at {size / 2**20 / dt:.0f} MiB/s, "
-                "every chunk digest checked")
-            await client.release(lease.lease_id)
-            reply = await client.heartbeat("demo-node.s0", Heartbeat(
-                node="demo-node", server="s0", state="SERVING", version=lease.version,
-                endpoint="http://demo-node:8000"))
-            say(f"node: heartbeat -> registry latest {reply.latest}, demand {reply.demand.min_version}")
-            known = info.version or 0
-            if known >= 2:
-                break
-        for r in await client.replicas():
-            say(f"registry directory: {r['replica_id']} state {r['state']} version {r['version']} "
-                f"age {r['age_s']:.2f} s")
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    def say(msg: str) -> None:
-        print(msg, flush=True)
+def default_vllm() -> str:
+    """The vLLM of the project's own environment when there is one, else ``vllm`` on PATH."""
+    local = ROOT / ".venv-vllm" / "bin" / "vllm"
+    return str(local) if local.exists() else "vllm"
 
-    with EmbeddedRegistry(host="127.0.0.1", port=args.port) as reg:
+
+def demo_config(work: Path, registry_url: str, vllm: str, model: Path) -> Config:
+    return Config.model_validate({
+        "node": {"name": "demo-node", "advertise_host": "127.0.0.1"},
+        "registry": {"url": registry_url, "long_poll_s": 10},
+        "admin": {"port": _free_port()},
+        "state_dir": str(work / "state"),
+        "mirror": {"dir": str(work / "mirror"), "max_bytes": "256MiB"},
+        "heartbeat": {"interval_s": 1},
+        "health": {"interval_s": 1},
+        "restart": {"start_timeout_s": 300},
+        "vllm": {"command": [vllm, "serve"],
+                 "args": ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
+                          "--kv-cache-memory-bytes", str(64 << 20)],
+                 "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
+        "servers": [{"name": "cpu0", "model": str(model), "port": _free_port()}],
+    })
+
+
+async def _status(admin: str) -> dict:
+    async with httpx.AsyncClient(timeout=10) as c:
+        return (await c.get(admin + "/status")).json()
+
+
+async def _wait_serving(admin: str, version: int, timeout_s: float) -> dict:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    last = None
+    while loop.time() < deadline:
+        try:
+            st = await _status(admin)
+        except httpx.HTTPError:
+            st = None
+        if st is not None:
+            s = st["servers"][0]
+            now = (s["state"], s["version"])
+            if now != last:
+                say(f"server cpu0 is {now[0]}" + (f" on version {now[1]}" if now[1] else ""))
+                last = now
+            if now == ("SERVING", version):
+                return st
+        await asyncio.sleep(0.5)
+    raise TimeoutError(f"the server was not serving version {version} within {timeout_s:.0f} s")
+
+
+async def _generate(port: int) -> dict:
+    async with httpx.AsyncClient(timeout=60) as c:
+        r = await c.post(f"http://127.0.0.1:{port}/inference/v1/generate", json={
+            "token_ids": PROMPT, "stream": False,
+            "sampling_params": {"max_tokens": 12, "temperature": 0, "ignore_eos": True}})
+        r.raise_for_status()
+        return r.json()["choices"][0]
+
+
+def _show(st: dict, gen: dict) -> None:
+    s = st["servers"][0]
+    phases = (s["last_update"] or {}).get("phases_s", {})
+    say(f"status: {s['name']} {s['state']} version {s['version']} (incarnation {s['incarnation']}, pid {s['pid']}); "
+        f"last update: " + (", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()) or "none"))
+    say(f"generate {PROMPT} -> {gen['token_ids']}  weight_versions {json.dumps(gen['weight_versions'])}")
+
+
+async def _drive(daemon: Daemon, reg: EmbeddedRegistry, port: int, timeout_s: float) -> list[list[int]]:
+    while not hasattr(daemon, "admin") or not daemon.admin.started:
+        await asyncio.sleep(0.1)
+    admin = f"http://127.0.0.1:{daemon.admin.port}"
+    outputs = []
+    for version in (1, 2):
+        m = await asyncio.to_thread(reg.publish, version, tinymodel.state_dict(tinymodel.TINY, seed=version),
+                                    shard_bytes=600_000, chunk_bytes=1 << 16)
+        say(f"trainer: published version {version} ({m.total_bytes / 2**20:.1f} MiB in {len(m.files)} files)")
+        st = await _wait_serving(admin, version, timeout_s)
+        gen = await _generate(port)
+        _show(st, gen)
+        outputs.append(gen["token_ids"])
+        assert gen["weight_versions"][0]["version"] == str(version), gen
+    return outputs
+
+
+async def _run(args: argparse.Namespace, work: Path) -> int:
+    say(f"building a small Llama model in {work}")
+    model = await asyncio.to_thread(tinymodel.build, work / "start-model", seed=0)
+    with EmbeddedRegistry(port=0) as reg:
         say(f"registry: listening on {reg.url}")
-        import threading
-        node = threading.Thread(target=lambda: asyncio.run(node_view(reg.url, say)))
-        node.start()
-        for version, seed in ((1, 1), (2, 2)):
-            time.sleep(0.5)
-            m = reg.publish(version, llama_state_dict(seed), shard_bytes=8 << 20, chunk_bytes=1 << 20)
-            say(f"trainer: published version {version} ({m.total_bytes / 2**20:.1f} MiB, "
-                f"{len(m.files)} files, digest {m.digest[:12]}...)")
-        node.join(60)
-        if node.is_alive():
-            say("demo: the node did not finish in 60 s")
-            return 1
-        say(f"registry versions: {[(v['version'], v['state']) for v in reg.versions()]}")
-    say("demo: done: the node followed versions 1 -> 2, every byte checked against its manifest")
+        cfg = demo_config(work, reg.url, args.vllm, model)
+        daemon = Daemon(cfg, None)
+        say(f"daemon: admin API on http://127.0.0.1:{cfg.admin.port}/status; starting vllm serve "
+            f"(about 30 s on CPU)")
+        run = asyncio.create_task(daemon.run())
+        try:
+            outputs = await _drive(daemon, reg, cfg.servers[0].port, args.timeout_s)
+        finally:
+            daemon.request_stop()
+            await run
+    if outputs[0] == outputs[1]:
+        say("FAILED: the outputs did not change between versions")
+        return 1
+    say("done: the server followed versions 1 -> 2 without a restart; its outputs changed with the weights, "
+        "and each token is labelled with the version that produced it")
     return 0
 
 
+def run_demo(args: argparse.Namespace) -> int:
+    from .httpserver import run
+    work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rolloutd-demo-"))
+    try:
+        return run(_run(args, work))
+    finally:
+        if not args.workdir:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="run the whole path on this machine (no GPU needed)")
-    p.add_argument("--port", type=int, default=0, help="registry port (0: a free one)")
+    p = sub.add_parser("demo", help="run the whole job on this machine: registry, daemon, a CPU vLLM server")
+    p.add_argument("--vllm", default=default_vllm(), help="the vllm command (default: %(default)s)")
+    p.add_argument("--workdir", help="keep the models, mirror and state here (default: a temporary directory)")
+    p.add_argument("--timeout-s", type=float, default=300, help="longest wait for each version")
     p.set_defaults(func=run_demo)
 
 

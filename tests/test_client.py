@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rolloutd.demo import llama_state_dict
+from rolloutd.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry, errors
 from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.registry.store import Heartbeat

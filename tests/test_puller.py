@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rolloutd.demo import llama_state_dict
+from rolloutd.tinymodel import llama_state_dict
 from rolloutd.mirror import MANIFEST_NAME, Mirror
 from rolloutd.puller import Puller, PullError, PullState
 from rolloutd.registry import errors

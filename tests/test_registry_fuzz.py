@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.demo import llama_state_dict
+from rolloutd.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
 
 SEED = 20261129

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from rolloutd.demo import llama_state_dict
+from rolloutd.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.manifest import build_manifest
 

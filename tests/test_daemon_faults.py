@@ -1,0 +1,201 @@
+"""The daemon's fault paths, with the fake vLLM (tests/fake_vllm.py) as its children: servers
+that never become healthy, exit at once, ignore SIGTERM, fail or hang a weight route, freeze;
+a daemon killed without a chance to clean up; bad input at start. The real registry serves a
+real version, and the fake checks the mirror directory it is given like the plugin does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from rolloutd import tinymodel
+from rolloutd.registry import EmbeddedRegistry
+
+from .conftest import free_port
+from .daemon_harness import DaemonProcess, config, tagged_pids, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with EmbeddedRegistry(port=0) as reg:
+        reg.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
+        yield reg
+
+
+@pytest.fixture
+def daemons(tmp_path, registry):
+    """Start daemons whose servers are fakes; whatever a test leaves is stopped and must be gone."""
+    started: list[DaemonProcess] = []
+
+    def start(faults: str = "", *, servers: int = 1, directory=None, **sections) -> DaemonProcess:
+        d = directory or tmp_path / f"d{len(started)}"
+        d.mkdir(exist_ok=True)
+        specs = [{"name": f"s{i}", "model": "fake-model", "port": free_port(),
+                  "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(servers)]
+        sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
+                                "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5},
+                    **sections}
+        daemon = DaemonProcess(config(d, registry.url, specs, fake=True, **sections), d).start()
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.kill_everything()
+        assert tagged_pids(daemon.tag) == []
+
+
+def server(daemon: DaemonProcess) -> dict:
+    return daemon.status()["servers"][0]
+
+
+def requests_seen(daemon: DaemonProcess, name: str = "s0") -> list[str]:
+    """The routes the fake answered (health probes aside), in order, from its lines in the daemon's log."""
+    routes = re.findall(rf"{name}\[\d+\]: .*?(?:GET|POST) (/[a-z_]+)", daemon.log_text())
+    return [r for r in routes if r != "/health"]
+
+
+# -- starting -------------------------------------------------------------------------------------
+def test_a_server_that_never_becomes_healthy_ends_fatal_and_can_be_restarted(daemons):
+    d = daemons("never_healthy", restart={"start_timeout_s": 1, "backoff_initial_s": 0.1,
+                                                         "backoff_max_s": 0.2, "max_retries": 2})
+    seen = set()
+    st = d.wait(lambda s: seen.add(s["servers"][0]["state"]) or s["servers"][0]["state"] == "FATAL", 60, "FATAL")
+    assert {"STARTING", "BACKOFF", "FATAL"} <= seen
+    s = st["servers"][0]
+    assert s["restarts"] == 2 and s["incarnation"] == 3 and s["pid"] is None
+    assert "not healthy within restart.start_timeout_s=1" in s["last_error"]
+    assert st["ready"] is True  # every server is SERVING or gave up
+    assert tagged_pids(d.tag) == [], "a FATAL server left processes"
+    r = d.action("/servers/s0/restart")
+    assert r.status_code == 200, r.text
+    d.wait(lambda s: s["servers"][0]["incarnation"] == 4, 20, "a fourth start after the restart")
+    log = d.log_text()
+    assert "state s0: FATAL -> STOPPING" in log and "state s0: STOPPED -> STARTING" in log
+
+
+def test_a_server_that_exits_at_once_is_retried_with_growing_delays(daemons):
+    d = daemons("exit_at_start=3")
+    st = d.wait(lambda s: s["servers"][0]["state"] == "FATAL", 60, "FATAL")
+    assert "exited before it was healthy: exited with status 3" in st["servers"][0]["last_error"]
+    delays = [float(x) for x in re.findall(r"backoff s0: restart \d of 2 in ([\d.]+) s", d.log_text())]
+    assert delays == [0.2, 0.4], delays
+
+
+def test_a_missing_vllm_command_is_a_clear_error(daemons, tmp_path):
+    d = daemons(vllm={"command": ["/nonexistent/vllm", "serve"]})
+    st = d.wait(lambda s: s["servers"][0]["state"] == "FATAL", 60, "FATAL")
+    assert "/nonexistent/vllm" in st["servers"][0]["last_error"]
+    assert "Traceback" not in d.log_text()
+
+
+# -- serving ----------------------------------------------------------------------------------------
+def test_the_first_sync_loads_the_newest_version_before_serving(daemons):
+    d = daemons()
+    st = d.wait_versions({"s0": 1}, 30)
+    assert requests_seen(d)[-6:] == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
+                                     "/weight_info", "/resume"], requests_seen(d)
+    assert st["servers"][0]["incarnation"] == 1
+
+
+def test_a_frozen_server_fails_its_probes_and_is_restarted(daemons):
+    d = daemons()
+    pid = d.wait_versions({"s0": 1}, 30)["servers"][0]["pid"]
+    os.kill(pid, signal.SIGSTOP)  # alive, but answers nothing
+    st = d.wait(lambda s: s["servers"][0]["incarnation"] == 2 and s["servers"][0]["state"] == "SERVING", 60,
+                "restarted")
+    assert st["servers"][0]["version"] == 1
+    assert "/health failed 3 times in a row" in d.log_text()
+    assert not os.path.exists(f"/proc/{pid}"), "the frozen process was not killed"
+
+
+def test_a_failed_load_is_reapplied_and_never_resumed_half_loaded(daemons):
+    d = daemons("fail_once=/update_weights")
+    d.wait_versions({"s0": 1}, 30)
+    seen = requests_seen(d)
+    i = seen.index("/update_weights")
+    # after the failed load: start again, load, finish; no /resume in between
+    assert seen[i + 1:i + 4] == ["/start_weight_update", "/update_weights", "/finish_weight_update"], seen
+    assert "/resume" not in seen[:i + 4]
+    assert server(d)["incarnation"] == 1
+    assert "apply s0: version 1 failed: /update_weights: HTTP 500" in d.log_text()
+
+
+def test_a_load_that_always_fails_restarts_the_server_and_never_resumes_it(daemons):
+    d = daemons("fail=/update_weights")
+    st = d.wait(lambda s: s["servers"][0]["state"] == "FATAL", 60, "FATAL")
+    assert "loading version 1 failed 2 time(s)" in st["servers"][0]["last_error"]
+    assert "/resume" not in requests_seen(d), "a server was resumed after a failed load"
+    assert server(d)["version"] is None
+
+
+def test_a_hanging_load_times_out(daemons):
+    d = daemons("hang=/update_weights", update={"load_timeout_s": 0.5, "max_reapply": 0})
+    st = d.wait(lambda s: s["servers"][0]["restarts"] >= 1, 30, "a restart after the timeout")
+    assert "no answer within 0.5 s" in d.log_text()
+    assert 'rolloutd_update_failures_total{kind="timeout"}' in httpx.get(d.url + "/metrics").text
+    assert st["servers"][0]["state"] in ("BACKOFF", "STARTING", "SYNCING", "FATAL")
+
+
+# -- stopping ---------------------------------------------------------------------------------------
+def test_sigterm_kills_a_server_that_ignores_it_and_its_child(daemons):
+    d = daemons("ignore_term,spawn_child", servers=2)
+    d.wait_versions({"s0": 1, "s1": 1}, 30)
+    assert len(tagged_pids(d.tag)) == 4  # two fakes, each with a child
+    t0 = time.monotonic()
+    assert d.stop(30) == 0
+    assert tagged_pids(d.tag) == []
+    assert time.monotonic() - t0 < 10
+    assert "killed by SIGKILL" in d.log_text()
+
+
+def test_leftovers_of_a_killed_daemon_are_cleaned_at_the_next_start(daemons, tmp_path):
+    first = daemons("ignore_term,spawn_child", servers=2, directory=tmp_path / "node")
+    first.wait_versions({"s0": 1, "s1": 1}, 30)
+    left = tagged_pids(first.tag)
+    first.proc.kill()  # no chance to clean up
+    first.proc.wait(10)
+    assert sorted(tagged_pids(first.tag)) == sorted(left), "the children should outlive a killed daemon"
+    second = DaemonProcess(first.cfg, tmp_path / "node")
+    second.log = tmp_path / "node" / "second.log"
+    second.start()
+    try:
+        second.wait_versions({"s0": 1, "s1": 1}, 30)
+        assert not any(os.path.exists(f"/proc/{p}") for p in left), "leftovers not cleaned"
+        assert len(tagged_pids(first.tag)) == 4, "exactly one fake (and its child) per server"
+        assert re.search(r"clean s\d: process group \d+", second.log_text())
+    finally:
+        second.stop(30)
+
+
+# -- bad input at start ---------------------------------------------------------------------------
+def test_a_bad_config_stops_the_start_with_a_clear_message(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("registry:\n  url: http://r:1\nservers:\n  - name: s0\n    model: m\n    port: 99999\n")
+    run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(bad)], capture_output=True,
+                         text=True, timeout=30)
+    assert run.returncode == 2
+    assert f"{bad}:6: servers[0].port" in run.stderr and "Traceback" not in run.stderr
+
+
+def test_an_admin_port_in_use_fails_before_anything_starts(daemons, tmp_path):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        busy = s.getsockname()[1]
+        d = daemons(admin={"port": busy})
+        assert d.proc.wait(30) == 1
+        assert f"cannot listen on 127.0.0.1:{busy}" in d.log_text()
+        assert "Traceback" not in d.log_text()
+        assert tagged_pids(d.tag) == []

@@ -1,0 +1,31 @@
+"""The README's main command: ``rolloutd demo`` runs the whole job with a real CPU vLLM server."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .vllm_server import ROOT, VLLM, require_vllm
+
+pytestmark = pytest.mark.timeout(420)
+
+
+def test_demo_follows_two_versions_and_leaves_nothing(tmp_path):
+    require_vllm()
+    run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "demo", "--vllm", str(VLLM),
+                          "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=ROOT)
+    out = run.stdout
+    assert run.returncode == 0, (out + run.stderr)[-4000:]
+    for v in (1, 2):
+        assert f"trainer: published version {v}" in out
+        assert re.search(rf"status: cpu0 SERVING version {v} \(incarnation 1, pid \d+\)", out), out
+        assert f'"version": "{v}"' in out  # the tokens are labelled with the version
+    gens = re.findall(r"generate \[.*?\] -> (\[.*?\])", out)
+    assert len(gens) == 2 and gens[0] != gens[1], out
+    assert "demo: done" in out
+    assert "stop rolloutd: every server stopped" in run.stderr
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert left == "", f"processes left behind: {left}"
