@@ -109,6 +109,28 @@ def _metadata(value: str) -> str:
     return value
 
 
+# -- rolloutd check-config ---------------------------------------------------------------------------
+
+def add_config_arg(p: argparse.ArgumentParser) -> None:
+    """``-c/--config FILE``, for every subcommand that reads the node's config."""
+    from .config import DEFAULT_CONFIG_PATH
+    p.add_argument("-c", "--config", type=Path, default=DEFAULT_CONFIG_PATH, metavar="FILE",
+                   help="config file (default: %(default)s)")
+
+
+def cmd_check_config(args: argparse.Namespace) -> int:
+    from .config import ConfigError, load_config
+    try:
+        cfg = load_config(args.config, check_files=True)  # a token the daemon could not read fails here too
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    names = ", ".join(s.name for s in cfg.servers)
+    count = f"{len(cfg.servers)} server{'s' if len(cfg.servers) != 1 else ''}"
+    print(f"rolloutd: {args.config} is valid: {count} ({names}), registry {cfg.registry.url}")
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -130,6 +152,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="label stored in the manifest (repeatable)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("check-config", help="validate the node's config file and exit (0: valid, 2: not)")
+    add_config_arg(p)
+    p.set_defaults(func=cmd_check_config)
 
     from .demo import add_parser as add_demo
     add_demo(sub)

@@ -1,0 +1,577 @@
+"""The daemon's configuration (``/etc/rolloutd.yaml``): typed, strict, immutable; units in the names.
+
+Contract:
+
+- :class:`Config` is a frozen pydantic model; every section and every field forbids unknown keys
+  and carries a description (the example file and ``docs/config.md`` are generated from them by
+  :mod:`rolloutd.configdoc`). Types are strict where YAML has them natively: ``"80"`` or ``true``
+  for an integer is refused; an integer for a float is fine. Paths take strings, byte sizes take
+  integers or strings such as ``"32GiB"``; command words, arguments and environment values take
+  numbers too (``--max-model-len 8192`` need not be quoted).
+- Cross-field rules (unique server names and ports, a GPU used by one server only, flags and
+  variables that rolloutd sets itself) are part of validation, so a ``Config`` built in code is
+  checked exactly like one read from a file.
+- :func:`load_config` / :func:`parse_config` raise :class:`ConfigError` only, whose text is one
+  line per problem: ``FILE:LINE: key.path: message``. Lines come from the composed YAML nodes,
+  which also reveal duplicate keys (a plain YAML load keeps the last one silently).
+- :func:`read_token` reads a token file; its errors name the file, never its content.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+import shlex
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
+
+DEFAULT_CONFIG_PATH = Path("/etc/rolloutd.yaml")
+KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
+
+# Flags rolloutd passes to every `vllm serve` itself; a second value would fight it.
+OWNED_FLAGS = {
+    "--host": "rolloutd binds every server to loopback",
+    "--port": "set the server's `port` instead",
+    "--weight-transfer-config": "rolloutd selects its own weight-transfer plugin",
+    "--enable-scale-out": "rolloutd enables it itself",
+}
+OWNED_ENV = {
+    "CUDA_VISIBLE_DEVICES": "use the server's `gpus` instead",
+    "VLLM_SERVER_DEV_MODE": "rolloutd sets it to reach the pause and weight routes",
+}
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
+
+Loc = tuple[int | str, ...]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; ``str()`` is one line per problem."""
+
+    def __init__(self, lines: list[str] | str):
+        self.lines = [lines] if isinstance(lines, str) else list(lines)
+        super().__init__("\n".join(self.lines))
+
+
+# -- field types ---------------------------------------------------------------------------------
+
+def _number_to_str(value: Any) -> Any:
+    # YAML reads `8192` as an int; a command word or env value is text all the same. A bool stays
+    # refused: `true` would become "True", which is rarely what was meant.
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return str(value)
+    return value
+
+
+def _split_command(value: Any) -> Any:
+    return shlex.split(value) if isinstance(value, str) else value
+
+
+Word = Annotated[str, BeforeValidator(_number_to_str)]
+LaxPath = Annotated[Path, Field(strict=False)]
+Seconds = Annotated[float, Field(gt=0)]
+
+
+def _problems(problems: list[tuple[Loc, str]]) -> PydanticCustomError:
+    """An error that names key paths below the failing value; :func:`_error_lines` expands them."""
+    text = "; ".join(f"{format_path(loc)}: {msg}" if loc else msg for loc, msg in problems)
+    return PydanticCustomError("rolloutd_config", "{text}", {"text": text, "problems": problems})
+
+
+def _args_problems(args: list[str]) -> list[tuple[Loc, str]]:
+    out = []
+    for i, arg in enumerate(args):
+        flag = arg.split("=", 1)[0]
+        # vLLM's argument parser takes `--weight_transfer_config` for `--weight-transfer-config`.
+        owned = flag.replace("_", "-") if flag.startswith("--") else flag
+        if owned in OWNED_FLAGS:
+            out.append(((i,), f"{flag} is set by rolloutd: {OWNED_FLAGS[owned]}"))
+    return out
+
+
+def _env_problems(env: dict[str, str]) -> list[tuple[Loc, str]]:
+    out = []
+    for name in env:
+        if not _ENV_NAME.fullmatch(name):
+            out.append(((name,), "not a valid environment variable name"))
+        elif name in OWNED_ENV:
+            out.append(((name,), f"{name} is set by rolloutd: {OWNED_ENV[name]}"))
+    return out
+
+
+def _gpu_problems(gpus: list[int]) -> list[tuple[Loc, str]]:
+    return [((i,), f"GPU {gpu} is listed twice") for i, gpu in enumerate(gpus) if gpu in gpus[:i]]
+
+
+def _checked(value: Any, problems_of: Any) -> Any:
+    if problems := problems_of(value):
+        raise _problems(problems)
+    return value
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+
+# -- sections ------------------------------------------------------------------------------------
+
+class Node(_Section):
+    name: str | None = Field(None, min_length=1, description="this node's name in the registry's replica "
+                             "directory; null: the machine's host name")
+    advertise_host: str | None = Field(None, min_length=1, description="host the registry lists in this "
+                                       "node's server endpoints (trainers send generate requests there); "
+                                       "null: the machine's host name")
+
+
+class Registry(_Section):
+    url: str = Field(description="the trainer's registry, an http:// or https:// URL (a trailing / is dropped)")
+    token_file: LaxPath | None = Field(None, description="file holding the registry's bearer token, read at "
+                                       "start; null: no token")
+    connect_timeout_s: Seconds = Field(5.0, description="longest wait to connect to the registry")
+    request_timeout_s: Seconds = Field(15.0, description="longest wait for a registry reply (a long-poll "
+                                       "gets its wait on top)")
+    long_poll_s: float = Field(30.0, gt=0, le=300, description="how long one \"is there a newer version\" "
+                               "request waits at the registry")
+    retry_initial_s: Seconds = Field(1.0, description="first delay before retrying an unreachable registry")
+    retry_max_s: Seconds = Field(30.0, description="longest delay between retries (the delay doubles up "
+                                 "to it); at least retry_initial_s")
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, url: str) -> str:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("expected an http:// or https:// URL with a host, e.g. http://trainer:8700")
+        parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in range
+        if parts.query or parts.fragment:
+            raise ValueError("the registry URL takes no query or fragment")
+        return url.rstrip("/")
+
+    @model_validator(mode="after")
+    def _check_retry(self) -> Registry:
+        if self.retry_max_s < self.retry_initial_s:
+            raise _problems([(("retry_max_s",), f"must be at least retry_initial_s ({self.retry_initial_s})")])
+        return self
+
+
+class Admin(_Section):
+    host: str = Field("127.0.0.1", min_length=1, description="address of the admin API (status, metrics, "
+                      "actions); keep it on loopback unless a token is set")
+    port: int = Field(9100, ge=1, le=65535, description="TCP port of the admin API")
+    token_file: LaxPath | None = Field(None, description="file holding the admin token; when set, actions "
+                                       "need `Authorization: Bearer <token>`")
+
+
+class Mirror(_Section):
+    dir: LaxPath = Field(Path("/dev/shm/rolloutd"), description="the node's host mirror: one directory per "
+                         "pulled version, shared by every server (memory-backed tmpfs is fastest)")
+    max_bytes: ByteSize = Field(ByteSize(32 * GiB), gt=0, description="most bytes the mirror may hold; old "
+                                "versions no server uses are removed to stay within it")
+
+
+class Pull(_Section):
+    streams: int = Field(4, ge=1, le=64, description="concurrent transfers of one pull")
+    request_bytes: ByteSize = Field(ByteSize(16 * MiB), ge=64 * KiB, description="largest byte range asked "
+                                    "for in one request")
+    max_chunk_retries: int = Field(3, ge=0, le=100, description="times one chunk is fetched again after a "
+                                   "failed transfer or a bad digest before the pull fails")
+    lease_ttl_s: float = Field(60.0, ge=5, description="lifetime of the lease that keeps the version's "
+                               "bytes on the registry while pulling (renewed well before it ends)")
+    read_timeout_s: Seconds = Field(30.0, description="longest silence while receiving bytes")
+    timeout_s: Seconds = Field(3600.0, description="longest time for a whole pull")
+
+
+class Update(_Section):
+    pause_mode: Literal["abort", "wait", "keep"] = Field("keep", description="how a server pauses for an "
+                                                         "update: abort running requests, wait for them to "
+                                                         "finish, or keep them (resumed on the new weights)")
+    min_version_lag: int = Field(1, ge=1, description="update once the newest version is this many versions "
+                                 "ahead of the loaded one")
+    max_update_delay_s: float = Field(300.0, ge=0, description="... or once a newer version has waited this "
+                                      "long")
+    strategy: Literal["all_at_once", "rolling"] = Field("all_at_once", description="update every server of "
+                                                        "the node together, or a few at a time")
+    max_unavailable: int = Field(1, ge=1, description="rolling: most servers paused at once")
+    pause_timeout_s: Seconds = Field(60.0, description="longest wait for POST /pause")
+    start_timeout_s: Seconds = Field(30.0, description="longest wait for POST /start_weight_update")
+    load_timeout_s: Seconds = Field(600.0, description="longest wait for POST /update_weights (loading the "
+                                    "mirror into the server)")
+    finish_timeout_s: Seconds = Field(60.0, description="longest wait for POST /finish_weight_update")
+    resume_timeout_s: Seconds = Field(30.0, description="longest wait for POST /resume")
+    max_reapply: int = Field(1, ge=0, description="a failed load is applied again this many times before "
+                            "the server is restarted")
+
+
+class Heartbeat(_Section):
+    interval_s: Seconds = Field(5.0, description="time between two heartbeats of a server to the registry")
+    timeout_s: Seconds = Field(5.0, description="longest wait for the registry to take one heartbeat")
+
+
+class Health(_Section):
+    interval_s: Seconds = Field(5.0, description="time between two probes of a server's /health")
+    timeout_s: Seconds = Field(5.0, description="longest wait for one probe")
+    failures: int = Field(3, ge=1, description="consecutive failed probes before the server is restarted")
+
+
+class Restart(_Section):
+    start_timeout_s: Seconds = Field(900.0, description="longest time from spawning a server to its /health "
+                                     "passing (large models load slowly)")
+    backoff_initial_s: Seconds = Field(1.0, description="delay before restarting a server that failed")
+    backoff_max_s: Seconds = Field(60.0, description="longest delay between restarts; at least "
+                                   "backoff_initial_s")
+    backoff_factor: float = Field(2.0, ge=1, description="each consecutive failure multiplies the delay by this")
+    max_retries: int = Field(5, ge=0, description="consecutive failed starts before the server is given up "
+                             "(FATAL)")
+    stable_after_s: Seconds = Field(300.0, description="serving this long resets the count of failed starts")
+
+    @model_validator(mode="after")
+    def _check_backoff(self) -> Restart:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise _problems([(("backoff_max_s",), f"must be at least backoff_initial_s "
+                                                  f"({self.backoff_initial_s})")])
+        return self
+
+
+class Shutdown(_Section):
+    server_grace_s: Seconds = Field(20.0, description="after SIGTERM, wait this long for a server's process "
+                                    "group before SIGKILL")
+    kill_wait_s: Seconds = Field(10.0, description="after SIGKILL, wait this long for the group to disappear")
+    deregister_timeout_s: Seconds = Field(5.0, description="longest wait to remove the node's servers from "
+                                          "the registry's directory")
+    admin_grace_s: Seconds = Field(2.0, description="longest wait for admin API requests in flight")
+
+
+class Vllm(_Section):
+    command: Annotated[list[Word], BeforeValidator(_split_command)] = Field(
+        ["vllm", "serve"], min_length=1, description="the command that starts one server, as a list or one "
+        "string split like a shell does; rolloutd appends the model, the port and its own flags")
+    args: list[Word] = Field([], description="extra arguments for every server (not --host, --port, "
+                             "--weight-transfer-config, --enable-scale-out: rolloutd sets those)")
+    env: dict[str, Word] = Field({}, description="extra environment variables for every server (not "
+                                 "CUDA_VISIBLE_DEVICES, VLLM_SERVER_DEV_MODE)")
+
+    @field_validator("args")
+    @classmethod
+    def _check_args(cls, args: list[str]) -> list[str]:
+        return _checked(args, _args_problems)
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        return _checked(env, _env_problems)
+
+
+class Server(_Section):
+    name: str = Field(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$", description="the server's name: lower-case "
+                      "letters, digits, - and _; unique on the node")
+    model: str = Field(min_length=1, description="the model `vllm serve` starts with (a path or a model "
+                       "name); the registry's versions then replace its weights")
+    port: int = Field(ge=1, le=65535, description="loopback port of this server; unique on the node and not "
+                      "the admin port")
+    gpus: list[Annotated[int, Field(ge=0)]] = Field([], description="GPU indices the server uses (its "
+                                                   "CUDA_VISIBLE_DEVICES); no GPU in two servers; []: the "
+                                                   "variable is left as rolloutd found it")
+    args: list[Word] = Field([], description="extra arguments for this server, after vllm.args")
+    env: dict[str, Word] = Field({}, description="extra environment variables for this server, over "
+                                 "vllm.env")
+
+    @field_validator("args")
+    @classmethod
+    def _check_args(cls, args: list[str]) -> list[str]:
+        return _checked(args, _args_problems)
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        return _checked(env, _env_problems)
+
+    @field_validator("gpus")
+    @classmethod
+    def _check_gpus(cls, gpus: list[int]) -> list[int]:
+        return _checked(gpus, _gpu_problems)
+
+    @property
+    def cuda_visible_devices(self) -> str | None:
+        """``CUDA_VISIBLE_DEVICES`` for this server, e.g. ``"0,1"``; None leaves the variable as it is."""
+        return ",".join(str(g) for g in self.gpus) if self.gpus else None
+
+
+# -- the whole file ------------------------------------------------------------------------------
+
+SECTIONS = ("node", "registry", "admin", "mirror", "pull", "update", "heartbeat", "health", "restart",
+            "shutdown", "vllm")
+
+
+class Config(_Section):
+    node: Node = Field(default_factory=Node, description="who this node is")
+    registry: Registry = Field(description="the trainer's weight registry (required)")
+    admin: Admin = Field(default_factory=Admin, description="the local admin API")
+    state_dir: LaxPath = Field(Path("/var/lib/rolloutd"), description="the daemon's own state: records of "
+                               "running servers, the plugin copy servers import")
+    mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
+    pull: Pull = Field(default_factory=Pull, description="how a version is pulled into the mirror")
+    update: Update = Field(default_factory=Update, description="when and how servers load a new version")
+    heartbeat: Heartbeat = Field(default_factory=Heartbeat, description="each server's state reported to the "
+                                 "registry")
+    health: Health = Field(default_factory=Health, description="liveness probes of running servers")
+    restart: Restart = Field(default_factory=Restart, description="starting and restarting servers")
+    shutdown: Shutdown = Field(default_factory=Shutdown, description="deadlines of an ordered stop")
+    vllm: Vllm = Field(default_factory=Vllm, description="what every server runs")
+    servers: list[Server] = Field(min_length=1, description="the `vllm serve` processes of this node, at "
+                                  "least one")
+
+    @field_validator(*SECTIONS, mode="before")
+    @classmethod
+    def _empty_section(cls, value: Any) -> Any:
+        # A section whose keys are all commented out reads as null: take it as all defaults.
+        return {} if value is None else value
+
+    @model_validator(mode="after")
+    def _check_servers(self) -> Config:
+        if problems := list(self._server_conflicts()):
+            raise _problems(problems)
+        return self
+
+    def _server_conflicts(self) -> Iterator[tuple[Loc, str]]:
+        names: dict[str, int] = {}
+        ports: dict[int, int] = {}
+        gpus: dict[int, int] = {}
+        for i, s in enumerate(self.servers):
+            if s.name in names:
+                yield ("servers", i, "name"), f"{s.name!r} is also the name of servers[{names[s.name]}]"
+            names.setdefault(s.name, i)
+            if s.port == self.admin.port:
+                yield ("servers", i, "port"), f"{s.port} is the admin API's port (admin.port)"
+            elif s.port in ports:
+                yield ("servers", i, "port"), f"{s.port} is also the port of servers[{ports[s.port]}]"
+            ports.setdefault(s.port, i)
+            for k, gpu in enumerate(s.gpus):
+                if gpu in gpus:
+                    yield ("servers", i, "gpus", k), f"GPU {gpu} is also used by servers[{gpus[gpu]}]"
+                gpus.setdefault(gpu, i)
+
+    @property
+    def node_name(self) -> str:
+        """This node's name: ``node.name``, else the machine's host name."""
+        return self.node.name or socket.gethostname()
+
+    @property
+    def advertise_host(self) -> str:
+        """The host in this node's server endpoints: ``node.advertise_host``, else the host name."""
+        return self.node.advertise_host or socket.gethostname()
+
+    def server(self, name: str) -> Server:
+        """The server named ``name``; KeyError when there is none."""
+        for s in self.servers:
+            if s.name == name:
+                return s
+        raise KeyError(f"no server named {name!r}")
+
+
+def read_token(path: Path | None) -> str | None:
+    """The token in ``path`` with surrounding whitespace stripped; None for no path. Never logged."""
+    if path is None:
+        return None
+    try:
+        token = Path(path).read_text().strip()
+    except FileNotFoundError:
+        raise ConfigError(f"token file {path}: not found") from None
+    except IsADirectoryError:
+        raise ConfigError(f"token file {path}: is a directory") from None
+    except PermissionError:
+        raise ConfigError(f"token file {path}: permission denied") from None
+    except (OSError, UnicodeDecodeError) as e:  # the reason only: a decode error would quote the bytes
+        raise ConfigError(f"token file {path}: cannot read it ({type(e).__name__})") from None
+    if not token:
+        raise ConfigError(f"token file {path}: is empty")
+    return token
+
+
+# -- loading -------------------------------------------------------------------------------------
+
+def load_config(path: str | Path, *, check_files: bool = False) -> Config:
+    """Read and validate a config file; ConfigError (one line per problem) for anything wrong.
+
+    ``check_files`` also reads the token files, as the daemon does when it starts.
+    """
+    path = Path(path)
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ConfigError(f"{path}: is a directory, not a config file") from None
+    except PermissionError:
+        raise ConfigError(f"{path}: permission denied") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it: {e.strerror or e}") from None
+    return parse_config(text, str(path), check_files=check_files)
+
+
+def parse_config(text: str, source: str = "<string>", *, check_files: bool = False) -> Config:
+    """Validate config text; ``source`` names it in error messages."""
+    root, data = _compose(text, source)
+    problems = [(line, f"{format_path(loc)}: {msg}") for loc, line, msg in _duplicate_keys(root)]
+    cfg = None
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        problems += [(_line_of(root, loc), f"{format_path(loc)}: {msg}") for loc, msg in _error_lines(e)]
+    if cfg is not None and check_files:
+        problems += [(_line_of(root, loc), f"{format_path(loc)}: {msg}") for loc, msg in _file_problems(cfg)]
+    if problems:
+        problems.sort(key=lambda p: p[0])  # stable: pydantic's order within a line
+        raise ConfigError([f"{source}:{line}: {msg}" for line, msg in problems])
+    return cfg
+
+
+def _compose(text: str, source: str) -> tuple[yaml.Node, dict]:
+    """The document's node tree and the plain data built from that same tree."""
+    loader = yaml.SafeLoader(text)
+    try:
+        root = loader.get_single_node()
+        data = loader.construct_document(root) if root is not None else None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{mark.line + 1}:{mark.column + 1}" if mark else "1"
+        raise ConfigError(f"{source}:{where}: YAML syntax error: {e.problem or e.context}") from None
+    except (yaml.YAMLError, ValueError) as e:  # a bad date such as 2024-02-30 is a ValueError
+        raise ConfigError(f"{source}: cannot read the YAML: {e}") from None
+    finally:
+        loader.dispose()
+    if data is None:
+        raise ConfigError(f"{source}: is empty: a config needs at least `registry` and `servers`")
+    if not isinstance(data, dict):
+        kind = type(data).__name__ if not isinstance(data, list) else "list"
+        raise ConfigError(f"{source}:{root.start_mark.line + 1}: the top level must be a mapping of sections "
+                          f"(registry, servers, ...), not a {kind}")
+    return root, data
+
+
+def _error_lines(e: ValidationError) -> Iterator[tuple[Loc, str]]:
+    for err in e.errors():
+        loc = tuple(part for part in err["loc"] if part != "[key]")
+        ctx = err.get("ctx") or {}
+        if err["type"] == "rolloutd_config":
+            for rel, msg in ctx["problems"]:
+                yield loc + tuple(rel), msg
+        elif err["type"] == "extra_forbidden":
+            yield loc, _unknown_key(loc)
+        elif "[key]" in err["loc"]:
+            yield loc, f"{err['msg']} (the key)"
+        else:
+            yield loc, err["msg"]
+
+
+def _unknown_key(loc: Loc) -> str:
+    known = _keys_at(loc[:-1])
+    if not known:
+        return "unknown key"
+    close = difflib.get_close_matches(str(loc[-1]), known, n=1)
+    return f"unknown key (did you mean {close[0]!r}?)" if close else f"unknown key; expected one of: {', '.join(known)}"
+
+
+def _keys_at(loc: Loc) -> list[str]:
+    """The keys the model takes at ``loc`` (a section, or a server), or [] when not a model."""
+    model: Any = Config
+    for part in loc:
+        if isinstance(part, int):
+            continue  # an item of servers
+        field = model.model_fields.get(part)
+        if field is None:
+            return []
+        model = field.annotation
+        if get_origin(model) is list:
+            model = get_args(model)[0]
+        if not (isinstance(model, type) and issubclass(model, BaseModel)):
+            return []
+    return list(model.model_fields)
+
+
+def _file_problems(cfg: Config) -> Iterator[tuple[Loc, str]]:
+    for section in ("registry", "admin"):
+        try:
+            read_token(getattr(cfg, section).token_file)
+        except ConfigError as e:
+            yield (section, "token_file"), str(e)
+
+
+def format_path(loc: Loc) -> str:
+    """``("servers", 1, "port")`` -> ``servers[1].port``; odd keys are quoted: ``env["A B"]``."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif _PLAIN_KEY.fullmatch(part):
+            out += f".{part}" if out else part
+        else:
+            out += f"[{json.dumps(part)}]"
+    return out or "(top level)"
+
+
+def _line_of(root: yaml.Node, loc: Loc) -> int:
+    """1-based line of the value at ``loc``, or of the deepest key on the way that exists.
+
+    A scalar value's own line; a mapping or a list reached through a key: the key's line (the
+    value itself starts a line lower in block style). A missing key: its parent's line.
+    """
+    node, key_line = root, None
+    for part in loc:
+        if isinstance(node, yaml.MappingNode):
+            # The last of duplicate keys, as the loader keeps the last.
+            match = [(k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode) and k.value == str(part)]
+            if not match:
+                break
+            key, node = match[-1]
+            key_line = key.start_mark.line
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and 0 <= part < len(node.value):
+            node, key_line = node.value[part], None
+        else:
+            break
+    if key_line is None or isinstance(node, yaml.ScalarNode):
+        return node.start_mark.line + 1
+    return key_line + 1
+
+
+def _duplicate_keys(root: yaml.Node) -> Iterator[tuple[Loc, int, str]]:
+    """Keys given twice in one mapping: (path, line of the repeat, message)."""
+    seen_nodes: set[int] = set()  # aliases share nodes; a recursive alias would loop
+
+    def walk(node: yaml.Node, loc: Loc) -> Iterator[tuple[Loc, int, str]]:
+        if id(node) in seen_nodes:
+            return
+        seen_nodes.add(id(node))
+        if isinstance(node, yaml.MappingNode):
+            first: dict[tuple[str, str], int] = {}
+            for key, value in node.value:
+                if not isinstance(key, yaml.ScalarNode) or key.tag == "tag:yaml.org,2002:merge":
+                    continue
+                line = key.start_mark.line + 1
+                if (key.tag, key.value) in first:
+                    yield loc + (key.value,), line, f"duplicate key (first on line {first[key.tag, key.value]})"
+                first.setdefault((key.tag, key.value), line)
+                yield from walk(value, loc + (key.value,))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                yield from walk(item, loc + (i,))
+
+    yield from walk(root, ())
