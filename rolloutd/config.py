@@ -461,15 +461,25 @@ def _compose(text: str, source: str) -> tuple[yaml.Node, dict]:
     if data is None:
         raise ConfigError(f"{source}: is empty: a config needs at least `registry` and `servers`")
     if not isinstance(data, dict):
-        kind = type(data).__name__ if not isinstance(data, list) else "list"
+        kind = {list: "list", str: "string", bool: "boolean"}.get(type(data), "number")
         raise ConfigError(f"{source}:{root.start_mark.line + 1}: the top level must be a mapping of sections "
                           f"(registry, servers, ...), not a {kind}")
     return root, data
 
 
+# Pydantic's wording names Python classes where a YAML user thinks of mappings and text.
+_MESSAGES = {
+    "model_type": "Input should be a mapping of keys",
+    "model_attributes_type": "Input should be a mapping of keys",
+    "path_type": "Input should be a path (text)",
+}
+
+
 def _error_lines(e: ValidationError) -> Iterator[tuple[Loc, str]]:
     for err in e.errors():
         loc = tuple(part for part in err["loc"] if part != "[key]")
+        if err["type"] == "invalid_key" or "[key]" in err["loc"]:
+            loc = loc[:-1] + (str(loc[-1]),)  # a mapping key that is not text, not a list index
         ctx = err.get("ctx") or {}
         if err["type"] == "rolloutd_config":
             for rel, msg in ctx["problems"]:
@@ -479,7 +489,7 @@ def _error_lines(e: ValidationError) -> Iterator[tuple[Loc, str]]:
         elif "[key]" in err["loc"]:
             yield loc, f"{err['msg']} (the key)"
         else:
-            yield loc, err["msg"]
+            yield loc, _MESSAGES.get(err["type"]) or err["msg"].removeprefix("Value error, ")
 
 
 def _unknown_key(loc: Loc) -> str:
