@@ -152,9 +152,8 @@ def type_text(tp: Any) -> str:
     if origin is dict:
         return f"map of {type_text(get_args(tp)[0])} to {type_text(get_args(tp)[1])}"
     names = {str: "string", int: "integer", float: "number", bool: "boolean", Path: "path", ByteSize: "byte size"}
-    for cls, name in names.items():  # exact: ByteSize is an int
-        if tp is cls:
-            return name
+    if tp in names:  # the exact class: ByteSize is an int too
+        return names[tp]
     if isinstance(tp, type) and issubclass(tp, BaseModel):
         return "section"
     return getattr(tp, "__name__", str(tp))
