@@ -131,6 +131,20 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- rolloutd run ------------------------------------------------------------------------------------
+
+def cmd_run(args: argparse.Namespace) -> int:
+    """The node daemon (what systemd runs): supervise the configured servers until SIGTERM."""
+    from .config import ConfigError, load_config
+    from .daemon import run_daemon
+    try:
+        cfg = load_config(args.config, check_files=True)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    return run_daemon(cfg, args.config)
+
+
 # -- entry point -------------------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="label stored in the manifest (repeatable)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     p.set_defaults(func=cmd_publish)
+
+    p = sub.add_parser("run", help="run the node daemon: supervise the configured vLLM servers (systemd runs this)")
+    add_config_arg(p)
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check-config", help="validate the node's config file and exit (0: valid, 2: not)")
     add_config_arg(p)
