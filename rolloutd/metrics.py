@@ -1,0 +1,78 @@
+"""The daemon's Prometheus metrics, served by the admin API at ``GET /metrics``.
+
+Contract: one :class:`Metrics` per daemon, on its own ``CollectorRegistry`` (never the process
+global one, so several daemons in one test process do not collide). The puller's updater, the
+appliers, the supervisors and the heartbeats set them; ``render()`` is the text exposition.
+Series labelled with a server are removed by ``forget_server`` when a reload removes it.
+Label values known in advance are created at start, so ``rate()`` sees a 0 before the first event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import Enum as StateEnum
+
+from .states import ServerState
+
+# A pause is milliseconds on a small model and minutes on a large one over a slow mirror.
+PAUSE_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# A pull is a fraction of a second from a warm page cache, up to an hour over a WAN.
+PULL_BUCKETS = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+
+PULL_RESULTS = ("ok", "failed", "reused")
+UPDATE_PHASES = ("pause", "start", "load", "finish", "check", "resume")
+FAILURE_KINDS = ("pull", "pause", "start", "load", "finish", "check", "resume", "timeout", "sync")
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.pull_bytes = Counter("rolloutd_pull_bytes", "Bytes pulled into the mirror by pulls that succeeded",
+                                  registry=r)
+        self.pull_rate = Gauge("rolloutd_pull_rate_bytes_per_second", "Rate of the current pull (0 when idle)",
+                               registry=r)
+        self.pull_seconds = Histogram("rolloutd_pull_seconds", "Duration of whole pulls that succeeded",
+                                      buckets=PULL_BUCKETS, registry=r)
+        self.pulls = Counter("rolloutd_pulls", "Pulls by result (reused: the mirror already held the version)",
+                             ["result"], registry=r)
+        self.pause_seconds = Histogram("rolloutd_pause_seconds", "Time a server was paused for one update "
+                                       "(pause to resume)", ["server"], buckets=PAUSE_BUCKETS, registry=r)
+        self.update_phase_seconds = Histogram("rolloutd_update_phase_seconds", "Duration of each phase of an "
+                                              "update", ["phase"], buckets=PAUSE_BUCKETS, registry=r)
+        self.update_failures = Counter("rolloutd_update_failures", "Failed updates by the step that failed",
+                                       ["kind"], registry=r)
+        self.updates = Counter("rolloutd_updates", "Updates that loaded a new version into a server",
+                               ["server"], registry=r)
+        self.restarts = Counter("rolloutd_server_restarts", "Restarts of a server's process", ["server"], registry=r)
+        self.heartbeat_failures = Counter("rolloutd_heartbeat_failures", "Heartbeats the registry did not take",
+                                          ["server"], registry=r)
+        self.server_state = StateEnum("rolloutd_server_state", "Lifecycle state of each server", ["server"],
+                                      states=[s.name for s in ServerState], registry=r)
+        self.server_version = Gauge("rolloutd_server_version", "Version loaded in each server (-1: unknown or "
+                                    "the base model)", ["server"], registry=r)
+        self.registry_reachable = Gauge("rolloutd_registry_reachable", "1 when the registry answered last time",
+                                        registry=r)
+        self.mirror_bytes = Gauge("rolloutd_mirror_bytes", "Bytes held by the node mirror", registry=r)
+        for result in PULL_RESULTS:
+            self.pulls.labels(result=result)
+        for phase in UPDATE_PHASES:
+            self.update_phase_seconds.labels(phase=phase)
+        for kind in FAILURE_KINDS:
+            self.update_failures.labels(kind=kind)
+
+    @property
+    def _per_server(self) -> tuple:
+        return (self.pause_seconds, self.updates, self.restarts, self.heartbeat_failures, self.server_state,
+                self.server_version)
+
+    def render(self) -> tuple[bytes, str]:
+        """The text exposition and its content type."""
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+    def forget_server(self, name: str) -> None:
+        """Drop every series of a server that no longer exists (a stale state would read as live)."""
+        for metric in self._per_server:
+            with contextlib.suppress(KeyError):  # a server may not have every series yet
+                metric.remove(name)
