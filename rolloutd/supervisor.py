@@ -245,8 +245,7 @@ class Supervisor:
             return
         shutdown = self._conf().shutdown
         try:
-            how = await asyncio.shield(child.stop(shutdown.server_grace_s, shutdown.kill_wait_s))
-            log.info("reap %s[%d]: %s", self.name, child.pid, how)
+            await asyncio.shield(child.stop(shutdown.server_grace_s, shutdown.kill_wait_s))
         except ChildError as e:
             log.error("reap %s: %s", self.name, e)
         self.loaded = None
