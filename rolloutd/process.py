@@ -1,0 +1,409 @@
+"""Child processes of the daemon: spawn, forward output, signal the group, reap, clean leftovers.
+
+This module is the daemon's OS seam; the supervisor decides *when*, this module does *how*.
+
+- :meth:`Child.spawn` starts a command in its own session (so its process group is its pid and
+  everything it forks, such as vLLM's engine core and workers, is in that group), stdin from
+  ``/dev/null``, stdout and stderr into one pipe. A reader task logs every line to
+  ``rolloutd.server.<name>`` as ``<name>[<pid>]: <line>`` (undecodable bytes replaced, lines
+  over 64 KiB split); it ends at end of file, when the last process holding the pipe is gone.
+- :meth:`Child.stop` signals the **group**: SIGTERM, a grace period for the whole group (not
+  only the leader), then SIGKILL. The leader is reaped on every path; cancelling the caller
+  hurries to SIGKILL and still reaps before the cancellation goes on. Lines start with ``stop``.
+- :func:`describe_exit` turns an exit status into words for logs and status.
+- :class:`ChildRecords` keeps one JSON record per live child under the state directory, so
+  that a daemon started after a crash can stop the process groups the crashed one left behind
+  (:meth:`ChildRecords.reap_leftovers`; lines start with ``clean``). A recorded group is only
+  signalled while it provably is the one recorded: a recycled pid is never signalled.
+
+Liveness comes from ``/proc`` (zombies count as gone): leftovers of an earlier daemon are not
+its children and cannot be waited for, and a group outlives its leader. Process group ids
+0 and 1 and the daemon's own group are never signalled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Iterable
+from pathlib import Path
+from typing import TypeVar
+
+log = logging.getLogger("rolloutd.process")
+
+MAX_LINE_BYTES = 64 * 1024      # a longer output line is logged in pieces of this size
+_READ_BYTES = 64 * 1024
+_DRAIN_S = 1.0                  # after the group is gone, how long the last output may take to arrive
+_POLL_S = (0.02, 0.2)           # /proc polling interval: first, at most
+_CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
+
+T = TypeVar("T")
+
+
+class ChildError(Exception):
+    pass
+
+
+# -- /proc -------------------------------------------------------------------------------------------
+def _stat(pid: int | str) -> tuple[str, int, int] | None:
+    """(state, pgid, start time in clock ticks since boot) of a process, None if it is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+        fields = raw[raw.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
+        return fields[0], int(fields[2]), int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """Field 22 of ``/proc/<pid>/stat``: with the pid, it names one process for the machine's uptime."""
+    st = _stat(pid)
+    return None if st is None or st[0] in "ZX" else st[2]
+
+
+def group_members(pgid: int) -> dict[int, int]:
+    """Live (not zombie) processes of process group ``pgid``: pid -> start time."""
+    found = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            st = _stat(entry.name)
+            if st is not None and st[1] == pgid and st[0] not in "ZX":
+                found[int(entry.name)] = st[2]
+    return found
+
+
+def _may_signal(pgid: int | None) -> bool:
+    return pgid is not None and pgid > 1 and pgid != os.getpgrp()
+
+
+def _killpg(pgid: int, sig: int) -> None:
+    if not _may_signal(pgid):
+        raise ValueError(f"refusing to signal process group {pgid}")
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+async def _group_gone(pgid: int, timeout_s: float) -> bool:
+    """Poll ``/proc`` until no live process is left in the group; False if some outlived ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    pause = _POLL_S[0]
+    while group_members(pgid):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        await asyncio.sleep(min(pause, left))
+        pause = min(pause * 2, _POLL_S[1])
+    return True
+
+
+async def _finish(aw: Awaitable[T]) -> T:
+    """Await ``aw`` to its end even if the caller is cancelled meanwhile, then let the cancellation
+    go on: a stop that was begun is never left half done (trio's run_process does the same)."""
+    task = asyncio.ensure_future(aw)
+    cancelled = False
+    while True:
+        try:
+            result = await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
+    return result
+
+
+# -- exit statuses -----------------------------------------------------------------------------------
+def signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def describe_exit(returncode: int | None, *, sent: Iterable[int] = ()) -> str:
+    """Words for an exit status (asyncio's: negative is the signal); ``sent`` are the signals the
+    daemon itself sent, which need no guess at the cause."""
+    if returncode is None:
+        return "still running"
+    if returncode >= 0:
+        return f"exited with status {returncode}"
+    sig = -returncode
+    words = f"killed by {signal_name(sig)}"
+    if sig in set(sent):
+        return words
+    if sig == signal.SIGKILL:
+        return words + " (out of memory?)"  # the kernel's OOM killer sends SIGKILL
+    if sig in _CRASH_SIGNALS:
+        return words + " (crashed)"
+    return words
+
+
+# -- one child ---------------------------------------------------------------------------------------
+class Child:
+    """One long-running command, in its own session and process group, supervised by the daemon."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], *,
+                 records: ChildRecords | None = None, log: logging.Logger | None = None):
+        self.name, self.argv, self.env = name, list(argv), dict(env)
+        self.records = records
+        self.log = log or logging.getLogger(f"rolloutd.server.{name}")
+        self.pid: int | None = None
+        self.pgid: int | None = None
+        self.start_time: int | None = None      # /proc start time of the leader, for the record
+        self.started_at: float | None = None    # time.monotonic() at spawn
+        self._proc: asyncio.subprocess.Process | None = None
+        self._reader: asyncio.Task | None = None
+        self._transport: asyncio.ReadTransport | None = None
+        self._sent: set[int] = set()
+
+    def __repr__(self) -> str:
+        return f"{self.name}[{self.pid or '-'}]"
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self._proc is None else self._proc.returncode
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.returncode is None
+
+    async def spawn(self) -> None:
+        if self._proc is not None:
+            raise ChildError(f"{self.name}: already spawned (pid {self.pid})")
+        if not self.argv:
+            raise ChildError(f"cannot start {self.name}: the command is empty")
+        # Our own pipe, not asyncio's: asyncio's wait() would also wait for the pipe to close,
+        # which a grandchild holding it open delays past the leader's exit.
+        r, w = os.pipe()
+        try:
+            self._proc = await asyncio.create_subprocess_exec(
+                *self.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=w,
+                stderr=asyncio.subprocess.STDOUT, start_new_session=True)
+        except OSError as e:
+            os.close(r)
+            raise ChildError(f"cannot start {self.name}: {self.argv[0]}: {e.strerror or e}") from None
+        finally:
+            os.close(w)
+        self.pid = self.pgid = self._proc.pid  # a new session's process group id is its leader's pid
+        self.started_at = time.monotonic()
+        self.start_time = start_time(self.pid)
+        stream = asyncio.StreamReader(limit=2 * _READ_BYTES)
+        self._transport, _ = await asyncio.get_running_loop().connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(stream), open(r, "rb", buffering=0))
+        self._reader = asyncio.ensure_future(self._forward(stream))
+        if self.records is not None:
+            self.records.add(self)
+
+    # -- output --------------------------------------------------------------------------------------
+    async def _forward(self, stream: asyncio.StreamReader) -> None:
+        """Log the child's output line by line until end of file."""
+        pending = b""
+        try:
+            while chunk := await stream.read(_READ_BYTES):
+                *lines, pending = (pending + chunk).split(b"\n")
+                for line in lines:
+                    self._emit(line)
+                while len(pending) >= MAX_LINE_BYTES:
+                    self._emit(pending[:MAX_LINE_BYTES])
+                    pending = pending[MAX_LINE_BYTES:]
+            if pending:
+                self._emit(pending)  # the last line, without its newline
+        finally:
+            self._transport.close()
+
+    def _emit(self, line: bytes) -> None:
+        for i in range(0, max(len(line), 1), MAX_LINE_BYTES):
+            text = line[i:i + MAX_LINE_BYTES].decode(errors="replace").rstrip("\r")
+            self.log.info("%s[%d]: %s", self.name, self.pid, text)
+
+    async def _drain(self) -> None:
+        """Let the reader log the last lines; give up on a pipe still held open outside the group."""
+        if self._reader is None:
+            return
+        done, _ = await asyncio.wait({self._reader}, timeout=_DRAIN_S)
+        if not done:
+            self._reader.cancel()
+            await asyncio.gather(self._reader, return_exceptions=True)
+        self._transport.close()  # also when the reader was cancelled before it ever ran
+        await asyncio.sleep(0)  # the transport closes its pipe in a callback: let it run
+
+    # -- state ---------------------------------------------------------------------------------------
+    def _spawned(self) -> asyncio.subprocess.Process:
+        if self._proc is None:
+            raise ChildError(f"{self.name}: never spawned")
+        return self._proc
+
+    async def wait(self) -> int:
+        """Wait for the leader to exit and reap it; the record goes once the whole group is gone."""
+        code = await self._spawned().wait()
+        if not self.group_pids():
+            await self._drain()
+            self._forget()
+        return code
+
+    def group_pids(self) -> list[int]:
+        return sorted(group_members(self.pgid)) if self.pgid is not None else []
+
+    def kill_group(self, sig: int) -> None:
+        if not _may_signal(self.pgid):
+            return
+        # Once the leader is reaped and no member is left, the number may belong to a new group.
+        if self.returncode is not None and not self.group_pids():
+            return
+        self._sent.add(sig)
+        _killpg(self.pgid, sig)
+
+    def describe_exit(self) -> str:
+        return describe_exit(self.returncode, sent=self._sent)
+
+    def _forget(self) -> None:
+        if self.records is not None:
+            self.records.remove(self.name)
+
+    # -- stop ----------------------------------------------------------------------------------------
+    async def stop(self, grace_s: float, kill_wait_s: float = 10.0) -> str:
+        """TERM the group, ``grace_s`` for all of it to exit, KILL, ``kill_wait_s``; reap the leader.
+        Returns how it exited; :class:`ChildError` names processes that outlived SIGKILL."""
+        self._spawned()
+        try:
+            await self._terminate(grace_s)
+        except asyncio.CancelledError:
+            if self.group_pids():
+                log.warning("stop %s: cancelled during the grace period: SIGKILL to process group %d now",
+                            self, self.pgid)
+            await _finish(self._end(kill_wait_s))
+            raise
+        return await _finish(self._end(kill_wait_s))
+
+    async def _terminate(self, grace_s: float) -> None:
+        pids = self.group_pids()
+        if not pids:
+            return
+        log.info("stop %s: SIGTERM to process group %d (%d processes), grace %.1f s", self, self.pgid, len(pids),
+                 grace_s)
+        self.kill_group(signal.SIGTERM)
+        if await _group_gone(self.pgid, grace_s):
+            return
+        log.warning("stop %s: pids %s still alive after the %.1f s grace period", self, self.group_pids(), grace_s)
+
+    async def _end(self, kill_wait_s: float) -> str:
+        """SIGKILL whatever is left, reap the leader, forget the record; the exit in words."""
+        if self.group_pids():
+            log.warning("stop %s: SIGKILL to process group %d (pids %s)", self, self.pgid, self.group_pids())
+            self.kill_group(signal.SIGKILL)
+            if not await _group_gone(self.pgid, kill_wait_s):
+                left = self.group_pids()
+                log.error("stop %s: pids %s outlived SIGKILL by %.1f s", self, left, kill_wait_s)
+                raise ChildError(f"{self.name}: processes {left} of group {self.pgid} outlived SIGKILL "
+                                 f"by {kill_wait_s:g} s")
+        await self._spawned().wait()  # prompt: the leader is dead (a zombie at most)
+        await self._drain()
+        self._forget()
+        how = self.describe_exit()
+        log.info("stop %s: %s", self, how)
+        return how
+
+
+# -- records of children, for the next daemon -----------------------------------------------------------
+class ChildRecords:
+    """``<directory>/<name>.json``: ``{"name", "pid", "pgid", "start_time", "argv"}`` for every
+    child spawned and not yet reaped, written atomically (temporary file, then rename)."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{name!r} cannot name a child record")
+        return self.dir / f"{name}.json"
+
+    def add(self, child: Child) -> None:
+        path = self._path(child.name)
+        record = {"name": child.name, "pid": child.pid, "pgid": child.pgid, "start_time": child.start_time,
+                  "argv": child.argv}
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        # No fsync: after a power loss, no process of the record survives either.
+        os.replace(tmp, path)
+
+    def remove(self, name: str) -> None:
+        self._path(name).unlink(missing_ok=True)
+
+    async def reap_leftovers(self, grace_s: float, kill_wait_s: float = 10.0) -> list[str]:
+        """Stop every recorded group that is still alive and still the recorded one (all at once,
+        so the whole takes one grace period); delete every record. One line per group stopped."""
+        paths = sorted(self.dir.glob("*.json"))
+        found = await asyncio.gather(*(self._reap_one(p, grace_s, kill_wait_s) for p in paths))
+        return [d for d in found if d is not None]
+
+    async def _reap_one(self, path: Path, grace_s: float, kill_wait_s: float) -> str | None:
+        try:
+            record = _read_record(path)
+        except ValueError as e:
+            log.warning("clean: removing corrupt child record %s: %s", path, e)
+            path.unlink(missing_ok=True)
+            return None
+        try:
+            pids = _leftover_pids(record)
+            if not pids:
+                return None
+            return await _stop_leftover(record, len(pids), grace_s, kill_wait_s)
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(record, dict):
+        raise ValueError("not an object")
+    for key in ("pid", "pgid", "start_time"):
+        if not isinstance(record.get(key), int) or isinstance(record[key], bool) or record[key] <= 0:
+            raise ValueError(f"{key} is {record.get(key)!r}")
+    if not _may_signal(record["pgid"]):
+        raise ValueError(f"process group {record['pgid']} may not be signalled")
+    record["name"] = str(record.get("name") or path.stem)
+    return record
+
+
+def _leftover_pids(record: dict) -> list[int]:
+    """The recorded group's live processes, if it is provably the recorded group; else none.
+
+    While any process is in group ``pgid`` the kernel does not reuse that number as a pid, so the
+    group is the recorded one when its leader has the recorded start time, or when the leader
+    is gone and the members started no earlier than it did."""
+    members = group_members(record["pgid"])
+    leader_start = members.get(record["pid"])
+    if leader_start is not None:
+        ours = leader_start == record["start_time"]
+    else:
+        ours = bool(members) and all(t >= record["start_time"] for t in members.values())
+    if members and not ours:
+        log.info("clean %s: process group %d is not the recorded one (pid reused); left alone",
+                 record["name"], record["pgid"])
+    return sorted(members) if ours else []
+
+
+async def _stop_leftover(record: dict, count: int, grace_s: float, kill_wait_s: float) -> str:
+    name, pgid = record["name"], record["pgid"]
+    head = f"{name}: process group {pgid} ({count} process{'es' if count != 1 else ''}) left by an earlier run"
+    log.warning("clean %s: SIGTERM, grace %.1f s", head, grace_s)
+    _killpg(pgid, signal.SIGTERM)
+    how = "stopped with SIGTERM"
+    if not await _group_gone(pgid, grace_s):
+        _killpg(pgid, signal.SIGKILL)
+        how = "killed with SIGKILL"
+        if not await _group_gone(pgid, kill_wait_s):
+            how = f"pids {sorted(group_members(pgid))} outlived SIGKILL"
+    log.info("clean %s: %s", head, how)
+    return f"{head}: {how}"
