@@ -199,7 +199,10 @@ class Child:
             lambda: asyncio.StreamReaderProtocol(stream), open(r, "rb", buffering=0))
         self._reader = asyncio.ensure_future(self._forward(stream))
         if self.records is not None:
-            self.records.add(self)
+            try:
+                self.records.add(self)
+            except OSError as e:  # the record is a safety net for after a crash; the child runs on
+                log.warning("spawn %s: cannot write its record: %s", self, e)
 
     # -- output --------------------------------------------------------------------------------------
     async def _forward(self, stream: asyncio.StreamReader) -> None:
@@ -249,6 +252,7 @@ class Child:
         return code
 
     def group_pids(self) -> list[int]:
+        """Live processes of the child's group (the leader, and what it forked that stayed in it)."""
         return sorted(group_members(self.pgid)) if self.pgid is not None else []
 
     def kill_group(self, sig: int) -> None:
