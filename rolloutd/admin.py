@@ -1,0 +1,301 @@
+"""The daemon's local admin API (FastAPI), served by an embedded uvicorn that owns no signals.
+
+Routes: ``GET /status`` (:class:`NodeStatus`), ``GET /metrics`` (Prometheus text),
+``GET /healthz`` (200 while the daemon's main loop is alive, else 503), and the actions
+``POST /servers/{name}/restart``, ``POST /update`` and ``POST /reload``.
+
+Contract:
+
+- The daemon is reached only through :class:`AdminNode`; this module knows nothing else of it.
+- When a token is configured, actions need ``Authorization: Bearer <token>`` (401 and
+  ``WWW-Authenticate: Bearer`` otherwise); reads stay open, since the API listens on loopback by
+  default. The token is compared in constant time and never written to a log or a response.
+- Every error is JSON ``{"error": {"code", "message"}}``: 401 ``unauthorized``, 404
+  ``not_found`` / ``unknown_server``, 405 ``method_not_allowed`` (with ``Allow``), 409
+  ``reload_refused`` (the new config is bad; the running one stays), 422 ``invalid_request``.
+  A 500 ``internal`` is a bug in the daemon; its traceback goes to the log, never to the client.
+- Actions run one at a time: a restart never interleaves with a reload that restarts servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from typing import Annotated, Protocol
+
+from fastapi import Depends, FastAPI, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .httpserver import QuietServer, bind, server_config
+from .metrics import Metrics
+from .puller import PullState
+from .states import ServerState
+
+log = logging.getLogger("rolloutd.admin")
+
+
+class AdminNode(Protocol):
+    """What the admin API needs of the daemon."""
+
+    metrics: Metrics
+
+    def status(self) -> dict: ...                          # the NodeStatus shape
+    def healthz(self) -> tuple[bool, str]: ...             # (ok, reason): the main loop is alive
+    async def restart_server(self, name: str) -> str: ...  # KeyError for an unknown server
+    async def update_now(self) -> str: ...                 # the updater checks the registry now
+    async def reload(self) -> dict: ...                    # {"ok": bool, "message": str}
+
+
+# -- the status document ----------------------------------------------------------------------------
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class RegistryStatus(_Model):
+    url: str = Field(description="the registry this node follows")
+    reachable: bool = Field(description="the registry answered the last request")
+    instance: str | None = Field(description="the registry's instance id (changes when it restarts)")
+    latest: int | None = Field(description="newest version the registry announced")
+    demand: int | None = Field(description="lowest version the trainer asks every replica for")
+    last_error: str | None = Field(description="why the last request failed, if it did")
+    last_contact_age_s: float | None = Field(description="seconds since the registry last answered")
+
+
+class TargetStatus(_Model):
+    version: int = Field(description="the version the node is moving every server to")
+    digest: str = Field(description="its manifest digest")
+
+
+class PullStatus(_Model):
+    target: int | str = Field(description='what was asked: a version number or "latest"')
+    version: int | None = Field(description="the version being pulled (null until \"latest\" is resolved)")
+    state: PullState = Field(description="where the pull is")
+    bytes_done: int = Field(description="bytes written into the mirror so far")
+    bytes_total: int = Field(description="bytes of the whole version")
+    rate_bytes_per_s: float = Field(description="recent rate while pulling; the average once ended")
+    eta_s: float | None = Field(description="seconds left at the recent rate (null: unknown)")
+    retries: int = Field(description="chunk transfers tried again")
+    seconds: float = Field(description="time spent so far, or in all once ended")
+    error: str | None = Field(description="why it failed, if it did")
+
+
+class MirrorStatus(_Model):
+    dir: str = Field(description="the node mirror's directory")
+    max_bytes: int = Field(description="most bytes it may hold")
+    usage_bytes: int = Field(description="bytes it holds now")
+    versions: list[int] = Field(description="complete versions it holds")
+
+
+class LastUpdate(_Model):
+    version: int = Field(description="the version the update loaded, or tried to")
+    ok: bool = Field(description="the server resumed on that version")
+    at_unix: float = Field(description="when it began (Unix time)")
+    phases_s: dict[str, float] = Field(description="seconds per phase (pause, start, load, finish, check, "
+                                       "resume) and in all paused")
+    error: str | None = Field(description="why it failed, if it did")
+
+
+class ServerStatus(_Model):
+    name: str = Field(description="the server's name in the config")
+    state: ServerState = Field(description="lifecycle state")
+    pid: int | None = Field(description="pid of its `vllm serve` process while one runs")
+    port: int = Field(description="its loopback port")
+    gpus: list[int] = Field(description="GPU indices it uses")
+    endpoint: str = Field(description="URL the registry lists for it")
+    version: int | None = Field(description="version loaded (null: the base model)")
+    target: int | None = Field(description="version it is moving to")
+    incarnation: int = Field(description="starts of its process so far")
+    restarts: int = Field(description="restarts after a failure")
+    state_age_s: float = Field(description="seconds in the current state")
+    last_error: str | None = Field(description="the last failure, if any")
+    last_update: LastUpdate | None = Field(description="the last weight update, if any")
+    heartbeat_age_s: float | None = Field(description="seconds since the registry last took its heartbeat")
+
+
+class NodeStatus(_Model):
+    node: str = Field(description="this node's name in the registry")
+    rolloutd_version: str = Field(description="version of rolloutd running")
+    pid: int = Field(description="the daemon's pid")
+    uptime_s: float = Field(description="seconds since the daemon started")
+    ready: bool = Field(description="every server came up (SERVING, or gave up as FATAL) since start")
+    registry: RegistryStatus
+    target: TargetStatus | None = Field(description="the version every server is moving to (null: none yet)")
+    pull: PullStatus | None = Field(description="the current or last pull (null: none yet)")
+    mirror: MirrorStatus
+    servers: list[ServerStatus]
+
+
+class Health(_Model):
+    ok: bool
+    reason: str = Field(description="what the daemon's main loop last did")
+
+
+class ActionResult(_Model):
+    ok: bool
+    message: str = Field(description="what the daemon did")
+
+
+class ErrorBody(_Model):
+    class Detail(_Model):
+        code: str = Field(description="stable error code")
+        message: str
+    error: Detail
+
+
+# -- errors ------------------------------------------------------------------------------------------
+
+class AdminError(Exception):
+    def __init__(self, status: int, code: str, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.code, self.message, self.headers = status, code, message, headers
+
+
+def error_response(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"code": code, "message": message}}, status_code=status, headers=headers)
+
+
+def _describe(problems) -> str:
+    """Validation problems by location and reason, never quoting the input (it may be anything)."""
+    parts = [f"{'.'.join(str(x) for x in p.get('loc', ()))}: {p.get('msg')}" for p in problems[:10]]
+    return "; ".join(parts) or "invalid request"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(AdminError)
+    async def admin_error(request: Request, exc: AdminError):
+        return error_response(exc.status, exc.code, exc.message, exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        return error_response(422, "invalid_request", _describe(exc.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            # The path is not echoed: whatever a client put in it (a token, say) stays out of answers.
+            return error_response(404, "not_found", f"no such route; routes: {ROUTES}")
+        if exc.status_code == 405:
+            return error_response(405, "method_not_allowed", f"{request.method[:20]} not allowed here",
+                                  exc.headers)
+        return error_response(exc.status_code, "http_error", str(exc.detail)[:200], exc.headers)
+
+    @app.exception_handler(Exception)
+    async def crash(request: Request, exc: Exception):
+        log.exception("fail admin %s %s", request.method, request.url.path)
+        return error_response(500, "internal", f"{type(exc).__name__} (see rolloutd's log)")
+
+
+# auto_error off: a missing or non-Bearer header must get our JSON 401, not FastAPI's 403.
+BearerToken = Annotated[HTTPAuthorizationCredentials | None,
+                        Depends(HTTPBearer(auto_error=False, description="the admin token (admin.token_file)"))]
+
+
+def _auth(token: str | None) -> list:
+    """The dependency that guards actions when a token is set (none otherwise)."""
+    if token is None:
+        return []
+    expected = token.encode()
+
+    async def check(creds: BearerToken) -> None:
+        if creds is None or not hmac.compare_digest(creds.credentials.encode(), expected):
+            raise AdminError(401, "unauthorized", "this action needs Authorization: Bearer <admin token>",
+                             {"WWW-Authenticate": "Bearer"})
+    return [Depends(check)]
+
+
+# -- the app -----------------------------------------------------------------------------------------
+
+ROUTES = "GET /status, GET /metrics, GET /healthz, POST /servers/{name}/restart, POST /update, POST /reload"
+ERROR_RESPONSES = {"4XX": {"model": ErrorBody, "description": "refused; the code says why"},
+                   "5XX": {"model": ErrorBody, "description": "a bug in rolloutd"}}
+ServerName = Annotated[str, Path(min_length=1, max_length=200, description="a server's name in the config")]
+
+
+def create_app(node: AdminNode, token: str | None) -> FastAPI:
+    app = FastAPI(title="rolloutd admin", version="1", docs_url=None, redoc_url=None, responses=ERROR_RESPONSES)
+    _install_error_handlers(app)
+    _add_reads(app, node)
+    _add_actions(app, node, _auth(token))
+    return app
+
+
+def _add_reads(app: FastAPI, node: AdminNode) -> None:
+    @app.get("/status", response_model=NodeStatus)
+    async def status() -> NodeStatus:
+        return NodeStatus.model_validate(node.status())
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {CONTENT_TYPE_LATEST: {}}, "description": "Prometheus text"}})
+    async def metrics() -> Response:
+        body, content_type = node.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/healthz", response_model=Health, responses={503: {"model": Health, "description": "main loop stuck"}})
+    async def healthz():
+        ok, reason = node.healthz()
+        return JSONResponse(Health(ok=ok, reason=reason).model_dump(), status_code=200 if ok else 503)
+
+
+def _add_actions(app: FastAPI, node: AdminNode, auth: list) -> None:
+    lock = asyncio.Lock()
+
+    @app.post("/servers/{name}/restart", response_model=ActionResult, dependencies=auth)
+    async def restart(name: ServerName) -> ActionResult:
+        async with lock:
+            try:
+                message = await node.restart_server(name)
+            except KeyError:
+                raise AdminError(404, "unknown_server", f"no server named {name[:100]!r}") from None
+        return ActionResult(ok=True, message=message)
+
+    @app.post("/update", response_model=ActionResult, dependencies=auth)
+    async def update() -> ActionResult:
+        async with lock:
+            return ActionResult(ok=True, message=await node.update_now())
+
+    @app.post("/reload", response_model=ActionResult, dependencies=auth,
+              responses={409: {"model": ErrorBody, "description": "the new config is bad; the running one stays"}})
+    async def reload() -> ActionResult:
+        async with lock:
+            result = await node.reload()
+        if not result["ok"]:
+            raise AdminError(409, "reload_refused", result["message"])
+        return ActionResult(ok=True, message=result["message"])
+
+
+# -- the server --------------------------------------------------------------------------------------
+
+class AdminServer:
+    """The admin API's HTTP server: the socket is bound at construction, so an address in use
+    fails at once (``OSError: cannot listen on HOST:PORT: ...``) before anything is spawned."""
+
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 9100):
+        self.sock = bind(host, port)
+        self.host, self.port = self.sock.getsockname()[:2]
+        self.server = QuietServer(server_config(app))
+        self._serving = False
+
+    @property
+    def started(self) -> bool:
+        """The server accepts connections."""
+        return self.server.started
+
+    async def serve(self) -> None:
+        """Serve until ``stop()``; run as a task (uvicorn's signal handling is off)."""
+        self._serving = True
+        try:
+            await self.server.serve(sockets=[self.sock])
+        finally:
+            self.sock.close()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        if not self._serving:  # never served: nothing else will close the socket
+            self.sock.close()
