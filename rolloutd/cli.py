@@ -175,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arg(p)
     p.set_defaults(func=cmd_check_config)
 
+    from .adminctl import add_parsers as add_admin
+    add_admin(sub)
     from .demo import add_parser as add_demo
     add_demo(sub)
     return parser

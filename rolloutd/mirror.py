@@ -28,7 +28,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .registry.manifest import Manifest, ManifestError
+from .registry.manifest import Manifest, ManifestError, verify_file
 
 log = logging.getLogger("rolloutd.mirror")
 
@@ -66,6 +66,7 @@ class Mirror:
         self.max_bytes = max_bytes
         self.dir.mkdir(parents=True, exist_ok=True)
         self._reported: set[tuple[str, int]] = set()  # broken version dirs already logged
+        self._verified: set[tuple[int, str]] = set()  # (version, digest) read back whole, or pulled here
 
     # -- reading ----------------------------------------------------------------------------------
     def path(self, version: int) -> Path:
@@ -102,6 +103,23 @@ class Mirror:
         """True if ``version`` is complete here with manifest ``digest``."""
         manifest = self.manifest(version)
         return manifest is not None and manifest.digest == digest
+
+    def damage(self, version: int, digest: str, *, recheck: bool = False) -> list[str]:
+        """Read every chunk of a complete version back and check it against its manifest; one
+        line per damaged file (none: sound). A version this object committed or checked
+        before is not read again, unless ``recheck`` (a server failed to load it)."""
+        if (version, digest) in self._verified and not recheck:
+            return []
+        manifest = self.manifest(version)
+        if manifest is None or manifest.digest != digest:
+            return [f"version {version} with digest {digest[:12]}... is not complete in the mirror"]
+        problems = []
+        for entry in manifest.files:
+            if bad := verify_file(self.path(version) / entry.name, entry, manifest):
+                problems.append(f"{entry.name}: chunks {bad[:5]}{'...' if len(bad) > 5 else ''} differ")
+        if not problems:
+            self._verified.add((version, digest))
+        return problems
 
     def usage_bytes(self) -> int:
         """Apparent size of everything under the mirror (partials and leftovers included)."""
@@ -148,6 +166,7 @@ class Mirror:
             self.remove(version, "replaced by a fresh pull")
         os.rename(partial.dir, final)
         _fsync_dir(self.dir)
+        self._verified.add((version, partial.manifest.digest))  # every chunk was checked as it arrived
         log.info("commit version %d to %s (digest %s)", version, final, partial.manifest.digest)
         return final
 
@@ -212,6 +231,7 @@ class Mirror:
 
     def remove(self, version: int, why: str) -> None:
         """Rename away first, then delete: a half-deleted version is never visible."""
+        self._verified = {(v, d) for v, d in self._verified if v != version}
         trash = self.dir / f".{version}.{secrets.token_hex(4)}.trash"
         os.rename(self.path(version), trash)
         _fsync_dir(self.dir)

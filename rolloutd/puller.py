@@ -206,9 +206,14 @@ class Puller:
             manifest = await self._manifest(lease)
             progress.bytes_total = manifest.total_bytes
             if self.mirror.has(manifest.version, manifest.digest):
-                log.info("have version %d already in %s", manifest.version, self.mirror.path(manifest.version))
-                self._set_state(PullState.DONE)
-                return self._result(manifest, reused=True)
+                damage = await asyncio.to_thread(self.mirror.damage, manifest.version, manifest.digest)
+                if not damage:
+                    log.info("have version %d already in %s", manifest.version, self.mirror.path(manifest.version))
+                    self._set_state(PullState.DONE)
+                    return self._result(manifest, reused=True)
+                log.warning("verify version %d: the mirror copy is damaged (%s); pulling it again",
+                            manifest.version, "; ".join(damage)[:300])
+                await asyncio.to_thread(self.mirror.remove, manifest.version, "damaged")
             await asyncio.to_thread(self.mirror.ensure_room, manifest.total_bytes, self.in_use())
             partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
             self._set_state(PullState.PULLING)

@@ -126,6 +126,10 @@ class Supervisor:
             log.error("fail %s[%s]: %s", self.name, self.child.pid if self.child else "-", e)
             self.lifecycle.set(S.BACKOFF, str(e)[:200])
             return str(e)
+        except Exception as e:  # a bug: restart this server rather than take the daemon down
+            log.exception("crash while supervising %s", self.name)
+            self.lifecycle.set(S.BACKOFF, f"internal error: {e!r}"[:200])
+            return f"internal error: {e!r}"
 
     async def _spawn(self) -> None:
         cfg = self._conf()
@@ -146,7 +150,8 @@ class Supervisor:
                 await self.child.wait()
                 raise ServerFailed(f"exited before it was healthy: {self.child.describe_exit()}")
             if await self.vllm.healthy(cfg.health.timeout_s):
-                log.info("healthy %s[%d] after %.1f s", self.name, self.child.pid, time.monotonic() - self.child.started_at)
+                up_s = time.monotonic() - self.child.started_at
+                log.info("healthy %s[%d] after %.1f s", self.name, self.child.pid, up_s)
                 return
             await asyncio.sleep(min(0.5, cfg.health.interval_s))
         raise ServerFailed(f"not healthy within restart.start_timeout_s={cfg.restart.start_timeout_s:g}")

@@ -34,7 +34,6 @@ from .mirror import Mirror
 from .puller import Puller, PullError, PullResult
 from .registry import errors
 from .registry.client import HeartbeatReply, LatestInfo, RegistryClient
-from .registry.manifest import verify_file
 
 log = logging.getLogger("rolloutd.updater")
 
@@ -162,7 +161,7 @@ class Updater:
             return await self._verify(target)
 
     async def _verify(self, target: Target) -> Target:
-        problems = await asyncio.to_thread(self._damage, target)
+        problems = await asyncio.to_thread(self.mirror.damage, target.version, target.digest, recheck=True)
         if not problems:
             return target
         log.warning("verify version %d: the mirror copy is damaged (%s); pulling it again",
@@ -197,7 +196,12 @@ class Updater:
                 delay = min(delay * 2, self._conf().registry.retry_max_s)
                 continue
             delay = self._conf().registry.retry_initial_s
-            if not await self._step(info):
+            try:
+                stepped = await self._step(info)
+            except Exception:  # a bug here must not take the node's servers down with the daemon
+                log.exception("crash in the update step; retrying in %g s", delay)
+                stepped = False
+            if not stepped:
                 await self._sleep(delay)
                 delay = min(delay * 2, self._conf().registry.retry_max_s)
 
@@ -219,9 +223,11 @@ class Updater:
             woken.cancel()
             if not poll.done():
                 poll.cancel()
+                await asyncio.wait({poll})  # let the long-poll finish cancelling
         if poll.cancelled():  # poked: ask again without waiting
-            return await self._client.latest(after=after, instance=instance, wait_s=0)
-        info = poll.result()
+            info = await self._client.latest(after=after, instance=instance, wait_s=0)
+        else:
+            info = poll.result()
         self._contact(info.instance, info.version)
         return info
 
@@ -326,13 +332,3 @@ class Updater:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
-
-    def _damage(self, target: Target) -> list[str]:
-        manifest = self.mirror.manifest(target.version)
-        if manifest is None or manifest.digest != target.digest:
-            return [f"version {target.version} is not complete in the mirror"]
-        out = []
-        for entry in manifest.files:
-            if bad := verify_file(target.path / entry.name, entry, manifest):
-                out.append(f"{entry.name}: chunks {bad[:5]} differ")
-        return out

@@ -8,7 +8,6 @@ alone (the cost, one loopback connect per call, is a fraction of a millisecond).
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -45,7 +44,7 @@ class VllmClient:
                 return body
         except VllmError:
             raise
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise VllmError(route, f"no answer within {timeout_s:g} s") from None
         except (aiohttp.ClientError, ValueError, OSError) as e:
             raise VllmError(route, f"{type(e).__name__}: {e}") from None
@@ -54,7 +53,7 @@ class VllmClient:
         try:
             async with self._http().get(self.url + "/health", timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
                 return r.status == 200
-        except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     # -- the update sequence, one route each --------------------------------------------------------

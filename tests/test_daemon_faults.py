@@ -20,7 +20,7 @@ from rolloutd import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port
-from .daemon_harness import DaemonProcess, config, tagged_pids, wait_until
+from .daemon_harness import DaemonProcess, config, tagged_pids
 
 pytestmark = pytest.mark.timeout(120)
 

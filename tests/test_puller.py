@@ -12,12 +12,12 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from rolloutd.tinymodel import llama_state_dict
 from rolloutd.mirror import MANIFEST_NAME, Mirror
 from rolloutd.puller import Puller, PullError, PullState
 from rolloutd.registry import errors
 from rolloutd.registry.client import RegistryClient
 from rolloutd.registry.publish import serialize_shards
+from rolloutd.tinymodel import llama_state_dict
 
 CHUNK = 64 << 10
 SHARD = 1 << 20

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
+from rolloutd.tinymodel import llama_state_dict
 
 SEED = 20261129
 CONFIG = Path(__file__).with_name("schemathesis.toml")
