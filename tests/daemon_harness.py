@@ -39,6 +39,14 @@ def tagged_pids(tag: str) -> list[int]:
     return found
 
 
+def alive(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        return not _zombie(f"/proc/{pid}")
+    except OSError:
+        return False
+
+
 def _zombie(proc_dir: str) -> bool:
     stat = Path(proc_dir, "stat").read_text()
     return stat[stat.rindex(")") + 2] == "Z"

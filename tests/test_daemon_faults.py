@@ -20,7 +20,7 @@ from rolloutd import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port
-from .daemon_harness import DaemonProcess, config, tagged_pids
+from .daemon_harness import DaemonProcess, alive, config, tagged_pids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -116,7 +116,7 @@ def test_a_frozen_server_fails_its_probes_and_is_restarted(daemons):
                 "restarted")
     assert st["servers"][0]["version"] == 1
     assert "/health failed 3 times in a row" in d.log_text()
-    assert not os.path.exists(f"/proc/{pid}"), "the frozen process was not killed"
+    assert not alive(pid), "the frozen process was not killed"
 
 
 def test_a_failed_load_is_reapplied_and_never_resumed_half_loaded(daemons):
@@ -171,7 +171,7 @@ def test_leftovers_of_a_killed_daemon_are_cleaned_at_the_next_start(daemons, tmp
     second.start()
     try:
         second.wait_versions({"s0": 1, "s1": 1}, 30)
-        assert not any(os.path.exists(f"/proc/{p}") for p in left), "leftovers not cleaned"
+        assert not any(alive(p) for p in left), "leftovers not cleaned"
         assert len(tagged_pids(first.tag)) == 4, "exactly one fake (and its child) per server"
         assert re.search(r"clean s\d: process group \d+", second.log_text())
     finally:

@@ -30,8 +30,10 @@ def require_vllm() -> None:
 
 
 def group_pids(pgid: int) -> list[int]:
-    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid="], capture_output=True, text=True).stdout
-    return [int(p) for p, g in (line.split() for line in out.splitlines()) if int(g) == pgid]
+    """Live processes of a group (zombies are dead: whoever adopted them has yet to reap them)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
+    return [int(p) for p, g, stat in (line.split() for line in out.splitlines())
+            if int(g) == pgid and not stat.startswith("Z")]
 
 
 class VllmServer:
