@@ -31,6 +31,7 @@ from urllib.parse import urlsplit
 
 import yaml
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ByteSize,
@@ -85,7 +86,14 @@ def _split_command(value: Any) -> Any:
 
 
 Word = Annotated[str, BeforeValidator(_number_to_str)]
-LaxPath = Annotated[Path, Field(strict=False)]
+def _absolute(path: Path) -> Path:
+    # The daemon runs from / under systemd: a relative path would silently mean something else there.
+    if not path.is_absolute():
+        raise PydanticCustomError("relative_path", "must be an absolute path, got '{path}'", {"path": str(path)})
+    return path
+
+
+LaxPath = Annotated[Path, Field(strict=False), AfterValidator(_absolute)]
 Seconds = Annotated[float, Field(gt=0)]
 
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from . import tinymodel
+from .adminctl import render_status
 from .config import Config
 from .daemon import Daemon
 from .registry.publish import EmbeddedRegistry
@@ -120,6 +121,7 @@ async def _drive(daemon: Daemon, reg: EmbeddedRegistry, port: int, timeout_s: fl
         _show(st, gen)
         outputs.append(gen["token_ids"])
         assert gen["weight_versions"][0]["version"] == str(version), gen
+    print(f"\n$ rolloutd status --url {admin}\n{render_status(st)}\n", flush=True)
     return outputs
 
 

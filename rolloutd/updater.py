@@ -284,9 +284,6 @@ class Updater:
             self._metrics.pulls.labels(result="ok").inc()
             self._metrics.pull_bytes.inc(result.bytes)
             self._metrics.pull_seconds.observe(result.seconds)
-            log.info("pull version %d: %.1f MiB in %.2f s (%.0f MiB/s, %d retries)", result.version,
-                     result.bytes / 2**20, result.seconds, result.bytes / 2**20 / max(result.seconds, 1e-6),
-                     result.retries)
         return result
 
     async def _report_rate(self) -> None:

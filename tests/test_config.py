@@ -257,6 +257,8 @@ BAD = {
     "server not a mapping": (edit("  - name: gpu1\n    model: /m\n    port: 8002\n    gpus: [1]\n", "  - gpu1\n"), 10,
                              "servers[1]", "Input should be a mapping of keys"),
     "path not text": (BASE + "state_dir: 5\n", 14, "state_dir", "Input should be a path (text)"),
+    "relative path": (BASE + "mirror:\n  dir: shm/rolloutd\n", 15, "mirror.dir",
+                      "must be an absolute path, got 'shm/rolloutd'"),
     "unbalanced quote in command": (BASE + "vllm:\n  command: \"vllm 'serve\"\n", 15, "vllm.command",
                                     ": No closing quotation"),
     "duplicate YAML key": (edit("  url: http://trainer:8700", "  url: http://a\n  url: http://b"), 3,

@@ -36,3 +36,31 @@ def test_every_route_is_documented_and_exists():
 def test_every_setting_is_documented():
     flags = set(re.findall(r"^\| `--([a-z-]+)` \|", DOC, re.M))
     assert flags == {name.replace("_", "-") for name in RegistrySettings.model_fields}
+
+
+# -- docs/daemon.md ----------------------------------------------------------------------------------
+DAEMON_DOC = (Path(__file__).parent.parent / "docs" / "daemon.md").read_text()
+
+
+def test_every_admin_route_is_documented():
+    from rolloutd.admin import create_app as admin_app
+
+    class Nothing:
+        metrics = None
+    app = admin_app(Nothing(), None)
+    served = {(m, r.path) for r in app.routes for m in getattr(r, "methods", ())
+              if r.path not in ("/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc") and m != "HEAD"}
+    documented = set(re.findall(r"^\| `(GET|POST|PUT|DELETE) (/[^`]*)` \|", DAEMON_DOC, re.M))
+    assert documented == served
+
+
+def test_every_metric_and_state_is_documented():
+    from rolloutd.metrics import Metrics
+    from rolloutd.states import ServerState
+    names = {m.name.removeprefix("rolloutd_") for m in Metrics().registry.collect()}
+    names = {n + "_total" if n in ("pull_bytes", "pulls", "update_failures", "updates", "server_restarts",
+                                   "heartbeat_failures") else n for n in names}
+    for name in names:
+        assert f"`{name}" in DAEMON_DOC, name
+    for state in ServerState:
+        assert f"| {state.name} |" in DAEMON_DOC or f"| {state.name}," in DAEMON_DOC or f", {state.name} |" in DAEMON_DOC
