@@ -60,7 +60,8 @@ Reading is strict, so a typo cannot pass silently: an unknown key, a key given t
 value of the wrong type (`"80"` or `true` for an integer) is an error. Units are in the
 names: `_s` is seconds (an integer or a decimal number), `_bytes` a byte size (an integer, or a
 string such as `"32GiB"` or `"500MB"`). Numbers in `command`, `args` and `env` are taken as
-text, so `[--max-model-len, 8192]` needs no quotes.
+text, so `[--max-model-len, 8192]` needs no quotes. File and directory paths (`state_dir`,
+`mirror.dir`, the token files) must be absolute: the daemon runs from `/` under systemd.
 
 ## Checking a file
 
