@@ -158,12 +158,12 @@ class Daemon:
 
     def _report(self) -> None:
         """READY=1 once the API is bound and every server is SERVING or gave up; STATUS= always."""
-        states = {name: r.supervisor for name, r in self.servers.items()}
-        if not self.ready and self.admin.started and all(s.state in (S.SERVING, S.FATAL) for s in states.values()):
+        self.notifier.status(self._status_line())
+        states = [r.supervisor.state for r in self.servers.values()]
+        if not self.ready and self.admin.started and all(s in (S.SERVING, S.FATAL) for s in states):
             self.ready = True
             self.notifier.ready()
             log.info("ready: %s", self._status_line())
-        self.notifier.status(self._status_line())
 
     def _status_line(self) -> str:
         parts = []

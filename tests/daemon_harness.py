@@ -103,8 +103,9 @@ class DaemonProcess:
         self.cfg = cfg
         self.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
 
-    def start(self) -> DaemonProcess:
+    def start(self, **extra_env: str) -> DaemonProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(extra_env)
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(self.path)],
                                          cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,

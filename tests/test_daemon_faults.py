@@ -11,7 +11,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -20,7 +22,7 @@ from rolloutd import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port
-from .daemon_harness import DaemonProcess, alive, config, tagged_pids
+from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -52,7 +54,7 @@ def daemons(tmp_path, registry):
     yield start
     for daemon in started:
         daemon.kill_everything()
-        assert tagged_pids(daemon.tag) == []
+        wait_until(lambda d=daemon: tagged_pids(d.tag) == [], 10, "every process of the daemon gone")
 
 
 def server(daemon: DaemonProcess) -> dict:
@@ -199,3 +201,108 @@ def test_an_admin_port_in_use_fails_before_anything_starts(daemons, tmp_path):
         assert f"cannot listen on 127.0.0.1:{busy}" in d.log_text()
         assert "Traceback" not in d.log_text()
         assert tagged_pids(d.tag) == []
+
+
+# -- rollout, reload, systemd ------------------------------------------------------------------------
+def test_a_rolling_update_pauses_one_server_at_a_time(daemons, registry):
+    d = daemons(servers=3, update={"strategy": "rolling", "max_unavailable": 1})
+    d.wait_versions({"s0": 1, "s1": 1, "s2": 1}, 30)
+    registry.publish(2, tinymodel.state_dict(tinymodel.TINY, 2), shard_bytes=600_000, chunk_bytes=1 << 16)
+    try:
+        d.wait_versions({"s0": 2, "s1": 2, "s2": 2}, 30)
+    finally:
+        registry.retire(2)
+    updating, most = set(), 0
+    for name, arrow in re.findall(r"state (s\d): (SERVING -> UPDATING|UPDATING -> \w+)", d.log_text()):
+        (updating.add if arrow.endswith("UPDATING") else updating.discard)(name)
+        most = max(most, len(updating))
+    assert most == 1
+    assert d.log_text().count("-> UPDATING") == 3
+
+
+def test_a_bad_config_on_reload_keeps_the_running_one(daemons):
+    d = daemons(servers=1)
+    before = d.wait_versions({"s0": 1}, 30)["servers"][0]
+    good = d.path.read_text()
+    d.path.write_text(good.replace("servers:", "servers_typo:"))
+    d.signal(signal.SIGHUP)
+    wait_until(lambda: "reload failed, the running configuration stays" in d.log_text(), 10, "the failed reload")
+    r = d.action("/reload")
+    assert r.status_code == 409 and "servers_typo" in r.json()["error"]["message"], r.text
+    after = d.status()["servers"][0]
+    assert (after["pid"], after["incarnation"], after["state"]) == (before["pid"], before["incarnation"], "SERVING")
+    d.path.write_text(good)
+    r = d.action("/reload")
+    assert r.status_code == 200 and "restarted none" in r.json()["message"], r.text
+
+
+def test_a_second_sigterm_kills_at_once(daemons):
+    d = daemons("ignore_term", servers=1, shutdown={"server_grace_s": 60, "kill_wait_s": 5})
+    d.wait_versions({"s0": 1}, 30)
+    d.signal(signal.SIGTERM)
+    time.sleep(1)
+    assert d.proc.poll() is None  # waiting out the grace period
+    t0 = time.monotonic()
+    d.signal(signal.SIGTERM)
+    assert d.proc.wait(20) == 0 and time.monotonic() - t0 < 10
+    assert tagged_pids(d.tag) == []
+    assert "stop asked again: killing every server's process group now" in d.log_text()
+
+
+def test_the_systemd_notify_protocol(daemons, tmp_path):
+    """A datagram socket stands in for systemd: READY=1 only once the servers serve, STATUS= on
+    changes, WATCHDOG=1 at half of WATCHDOG_USEC, RELOADING=1 then READY=1 on SIGHUP,
+    STOPPING=1 on SIGTERM; the children never see NOTIFY_SOCKET."""
+    import socket as sk
+    path = str(tmp_path / "notify.sock")
+    sock = sk.socket(sk.AF_UNIX, sk.SOCK_DGRAM)
+    sock.bind(path)
+    sock.settimeout(0.2)
+    got: list[tuple[float, str]] = []
+    listening = True
+
+    def listen() -> None:  # each datagram with its arrival time
+        while listening:
+            try:
+                got.append((time.monotonic(), sock.recv(4096).decode()))
+            except TimeoutError:
+                continue
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+
+    def drain() -> None:
+        time.sleep(0.3)
+
+    d = daemons(servers=2, restart={"start_timeout_s": 10, "backoff_initial_s": 0.2, "max_retries": 2})
+    d.proc.kill()  # restart it with the notify environment (the fixture started it without)
+    d.proc.wait()
+    d.start(NOTIFY_SOCKET=path, WATCHDOG_USEC="1000000")
+    st = d.wait_versions({"s0": 1, "s1": 1}, 30)
+    time.sleep(2)
+    drain()
+    messages = [m for _, m in got]
+    ready = messages.index("READY=1")
+    statuses = [m for m in messages if m.startswith("STATUS=")]
+    before = [m for m in messages[:ready] if m.startswith("STATUS=")]
+    assert any("s0 STARTING" in m for m in before), messages[:ready]
+    assert before[-1] == "STATUS=s0 SERVING v1; s1 SERVING v1; registry ok", before
+    assert all(m.count("SERVING") < 2 for m in before[:-1]), before
+    assert messages.count("READY=1") == 1 and len(statuses) == len(set(statuses))
+    pings = [t for t, m in got if m == "WATCHDOG=1"]
+    assert len(pings) >= 4 and max(b - a for a, b in zip(pings, pings[1:], strict=False)) < 0.9, pings
+    env = Path(f"/proc/{st['servers'][0]['pid']}/environ").read_bytes()
+    assert b"NOTIFY_SOCKET" not in env and b"WATCHDOG_USEC" not in env
+    got.clear()
+    d.signal(signal.SIGHUP)
+    time.sleep(1.5)
+    drain()
+    messages = [m for _, m in got]
+    reloading = next(i for i, m in enumerate(messages) if m.startswith("RELOADING=1"))
+    assert "MONOTONIC_USEC=" in messages[reloading] and "READY=1" in messages[reloading:]
+    got.clear()
+    assert d.stop(30) == 0
+    drain()
+    assert "STOPPING=1" in [m for _, m in got]
+    listening = False
+    listener.join(5)
+    sock.close()
