@@ -31,11 +31,12 @@ from pathlib import Path
 from .config import Config
 from .metrics import Metrics
 from .mirror import Mirror
-from .puller import Puller, PullError, PullResult
+from .puller import Puller, PullError, PullResult, PullState
 from .registry import errors
 from .registry.client import HeartbeatReply, LatestInfo, RegistryClient
 
 log = logging.getLogger("rolloutd.updater")
+PROGRESS_EVERY_S = 10  # a long pull logs its progress this often
 
 
 @dataclass(frozen=True)
@@ -287,10 +288,20 @@ class Updater:
         return result
 
     async def _report_rate(self) -> None:
+        """The pull's rate in the metrics every second; a progress line every PROGRESS_EVERY_S."""
+        ticks = 0
         while True:
             await asyncio.sleep(1.0)
-            if self.puller.progress is not None:
-                self._metrics.pull_rate.set(self.puller.progress.rate_bytes_per_s)
+            p = self.puller.progress
+            if p is None:
+                continue
+            self._metrics.pull_rate.set(p.rate_bytes_per_s)
+            ticks += 1
+            if ticks % PROGRESS_EVERY_S == 0 and p.state is PullState.PULLING and p.bytes_total:
+                eta = f"ETA {p.eta_s:.0f} s" if p.eta_s is not None else "ETA unknown"
+                log.info("pull version %s: %.0f%% (%.1f of %.1f MiB), %.0f MiB/s, %s", p.version,
+                         100 * p.bytes_done / p.bytes_total, p.bytes_done / 2**20, p.bytes_total / 2**20,
+                         p.rate_bytes_per_s / 2**20, eta)
 
     async def _publish(self, target: Target) -> None:
         async with self._changed:
