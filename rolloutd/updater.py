@@ -299,7 +299,7 @@ class Updater:
             ticks += 1
             if ticks % PROGRESS_EVERY_S == 0 and p.state is PullState.PULLING and p.bytes_total:
                 eta = f"ETA {p.eta_s:.0f} s" if p.eta_s is not None else "ETA unknown"
-                log.info("pull version %s: %.0f%% (%.1f of %.1f MiB), %.0f MiB/s, %s", p.version,
+                log.info("pull version %s: %.0f%% (%.1f of %.1f MiB), %.1f MiB/s, %s", p.version,
                          100 * p.bytes_done / p.bytes_total, p.bytes_done / 2**20, p.bytes_total / 2**20,
                          p.rate_bytes_per_s / 2**20, eta)
 
