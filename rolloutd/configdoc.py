@@ -95,9 +95,9 @@ server's `env` do not set `CUDA_VISIBLE_DEVICES` (use `gpus`) or `VLLM_SERVER_DE
 A file that does not validate is refused and the running configuration stays. A server
 restarts only when its own entry in `servers` or the `vllm` section changed; servers added to
 or removed from the list are started or stopped. `update`, `heartbeat`, `health`, `restart`,
-`shutdown` and the `pull` timeouts apply without restarting any server. `node`, `registry`,
-`admin`, `mirror`, `state_dir`, `pull.streams` and `pull.request_bytes` take effect only when
-rolloutd itself restarts (a reload that changes them says so).
+`shutdown` and `pull.timeout_s` apply without restarting any server. `node`, `registry`,
+`admin`, `mirror`, `state_dir` and the rest of `pull` take effect only when rolloutd itself
+restarts (a reload that changes them says so).
 
 This reference and `etc/rolloutd.yaml` are generated from the model in `rolloutd/config.py`
 by `{REGENERATE}`."""

@@ -17,8 +17,8 @@ released), stop the admin API.
 
 Reload: a bad new file keeps the old configuration running and says so. A server restarts
 only when its own entry or the ``vllm`` section changed; servers are added and removed;
-``update``, ``pull`` timeouts, ``heartbeat``, ``health``, ``restart`` and ``shutdown`` apply
-at once. ``node``, ``registry``, ``admin``, ``mirror``, ``state_dir`` and ``pull`` streams
+``update``, ``pull.timeout_s``, ``heartbeat``, ``health``, ``restart`` and ``shutdown`` apply
+at once. ``node``, ``registry``, ``admin``, ``mirror``, ``state_dir`` and the rest of ``pull``
 need a restart of the daemon: a reload that changes them keeps the running values and says so.
 """
 
@@ -237,8 +237,8 @@ class Daemon:
         self.notifier.reloading()
         old = self.cfg
         kept = [s for s in FIXED_SECTIONS if getattr(old, s) != getattr(new, s)]
-        if old.pull.streams != new.pull.streams or old.pull.request_bytes != new.pull.request_bytes:
-            kept.append("pull (streams, request_bytes)")
+        if old.pull.model_copy(update={"timeout_s": 0}) != new.pull.model_copy(update={"timeout_s": 0}):
+            kept.append("pull (all but timeout_s)")  # the puller and the client are built at start
         if kept:
             log.warning("reload: %s changed; these take effect when rolloutd restarts", ", ".join(kept))
             new = new.model_copy(update={s: getattr(old, s) for s in FIXED_SECTIONS})

@@ -234,6 +234,11 @@ def test_a_bad_config_on_reload_keeps_the_running_one(daemons):
     d.path.write_text(good)
     r = d.action("/reload")
     assert r.status_code == 200 and "restarted none" in r.json()["message"], r.text
+    # a section that cannot change while running: kept, and said so
+    d.write({**d.cfg, "pull": {"streams": 2}, "heartbeat": {**d.cfg["heartbeat"], "interval_s": 0.7}})
+    r = d.action("/reload")
+    assert r.status_code == 200, r.text
+    assert r.json()["message"].endswith("needs a restart of rolloutd: pull (all but timeout_s)"), r.text
 
 
 def test_a_second_sigterm_kills_at_once(daemons):
