@@ -74,6 +74,7 @@ class Daemon:
         self.ready = False
         self._stop = asyncio.Event()
         self._reload = asyncio.Event()
+        self._changing = asyncio.Lock()  # reloads and restarts change self.servers
         self._terms = 0
         self._tick = time.monotonic()
         self._slots: tuple[tuple, asyncio.Semaphore] | None = None
@@ -213,11 +214,12 @@ class Daemon:
 
     # -- admin actions ----------------------------------------------------------------------------------
     async def restart_server(self, name: str) -> str:
-        running = self.servers[name]  # KeyError: unknown server (the API answers 404)
-        log.info("restart %s: asked through the admin API", name)
-        await _cancel(running.task)
-        running.supervisor.reset_failures()
-        running.task = self._tg.create_task(running.supervisor.run(), name=f"server-{name}")
+        async with self._changing:
+            running = self.servers[name]  # KeyError: unknown server (the API answers 404)
+            log.info("restart %s: asked through the admin API", name)
+            await _cancel(running.task)
+            running.supervisor.reset_failures()
+            running.task = self._tg.create_task(running.supervisor.run(), name=f"server-{name}")
         return f"server {name} restarted"
 
     async def update_now(self) -> str:
@@ -226,6 +228,10 @@ class Daemon:
 
     async def reload(self) -> dict:
         """Re-read the config file; apply what changed (see the module docstring)."""
+        async with self._changing:  # a SIGHUP and an admin reload, or a restart, one at a time
+            return await self._reload_now()
+
+    async def _reload_now(self) -> dict:
         if self.config_path is None:
             return {"ok": False, "message": "no config file to reload (started with an embedded config)"}
         try:
