@@ -128,10 +128,19 @@ def _gpu_problems(gpus: list[int]) -> list[tuple[Loc, str]]:
     return [((i,), f"GPU {gpu} is listed twice") for i, gpu in enumerate(gpus) if gpu in gpus[:i]]
 
 
-def _checked(value: Any, problems_of: Any) -> Any:
-    if problems := problems_of(value):
-        raise _problems(problems)
-    return value
+def _checked(problems_of: Any) -> AfterValidator:
+    """A validator raising every problem ``problems_of(value)`` finds, each at its own place."""
+    def check(value: Any) -> Any:
+        if problems := problems_of(value):
+            raise _problems(problems)
+        return value
+    return AfterValidator(check)
+
+
+# Extra vLLM arguments and environment, for every server (``vllm``) or one (``servers[i]``).
+Args = Annotated[list[Word], _checked(_args_problems)]
+Env = Annotated[dict[str, Word], _checked(_env_problems)]
+Gpus = Annotated[list[Annotated[int, Field(ge=0)]], _checked(_gpu_problems)]
 
 
 class _Section(BaseModel):
@@ -270,20 +279,10 @@ class Vllm(_Section):
     command: Annotated[list[Word], BeforeValidator(_split_command)] = Field(
         ["vllm", "serve"], min_length=1, description="the command that starts one server, as a list or one "
         "string split like a shell does; rolloutd appends the model, the port and its own flags")
-    args: list[Word] = Field([], description="extra arguments for every server (not --host, --port, "
+    args: Args = Field([], description="extra arguments for every server (not --host, --port, "
                              "--weight-transfer-config, --enable-scale-out: rolloutd sets those)")
-    env: dict[str, Word] = Field({}, description="extra environment variables for every server (not "
+    env: Env = Field({}, description="extra environment variables for every server (not "
                                  "CUDA_VISIBLE_DEVICES, VLLM_SERVER_DEV_MODE)")
-
-    @field_validator("args")
-    @classmethod
-    def _check_args(cls, args: list[str]) -> list[str]:
-        return _checked(args, _args_problems)
-
-    @field_validator("env")
-    @classmethod
-    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        return _checked(env, _env_problems)
 
 
 class Server(_Section):
@@ -293,27 +292,13 @@ class Server(_Section):
                        "name); the registry's versions then replace its weights")
     port: int = Field(ge=1, le=65535, description="loopback port of this server; unique on the node and not "
                       "the admin port")
-    gpus: list[Annotated[int, Field(ge=0)]] = Field([], description="GPU indices the server uses (its "
+    gpus: Gpus = Field([], description="GPU indices the server uses (its "
                                                    "CUDA_VISIBLE_DEVICES); no GPU in two servers; []: the "
                                                    "variable is left as rolloutd found it")
-    args: list[Word] = Field([], description="extra arguments for this server, after vllm.args")
-    env: dict[str, Word] = Field({}, description="extra environment variables for this server, over "
+    args: Args = Field([], description="extra arguments for this server, after vllm.args")
+    env: Env = Field({}, description="extra environment variables for this server, over "
                                  "vllm.env")
 
-    @field_validator("args")
-    @classmethod
-    def _check_args(cls, args: list[str]) -> list[str]:
-        return _checked(args, _args_problems)
-
-    @field_validator("env")
-    @classmethod
-    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
-        return _checked(env, _env_problems)
-
-    @field_validator("gpus")
-    @classmethod
-    def _check_gpus(cls, gpus: list[int]) -> list[int]:
-        return _checked(gpus, _gpu_problems)
 
     @property
     def cuda_visible_devices(self) -> str | None:
