@@ -20,6 +20,8 @@ from urllib.parse import quote
 
 import httpx
 
+from .units import size
+
 DEFAULT_URL = "http://127.0.0.1:9100"
 ERROR_WIDTH = 60  # the ERROR column is cut here; `--json` has the whole message
 COLUMNS = ("NAME", "STATE", "PID", "PORT", "GPUS", "VERSION", "TARGET", "RESTARTS", "UPDATED", "HEARTBEAT", "ERROR")
@@ -219,15 +221,15 @@ def _pull_line(p: dict | None) -> str:
         return "pull: none yet"
     name = _v(p["version"]) if p["version"] is not None else str(p["target"])
     state, done, total = p["state"], p["bytes_done"], p["bytes_total"]
-    line = f"pull {name}: {state}, {_bytes(done)} of {_bytes(total)}"
+    line = f"pull {name}: {state}, {size(done)} of {size(total)}"
     if state == "pulling":
         pct = 100 * done / total if total else 0
         eta = f"ETA {_age(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown"
-        line += f" ({pct:.0f}%), {_bytes(p['rate_bytes_per_s'])}/s, {eta}"
+        line += f" ({pct:.0f}%), {size(p['rate_bytes_per_s'])}/s, {eta}"
     else:
         line += f" in {p['seconds']:.1f} s"
         if state == "done" and p["seconds"] > 0:
-            line += f" ({_bytes(p['rate_bytes_per_s'])}/s)"
+            line += f" ({size(p['rate_bytes_per_s'])}/s)"
     if p["retries"]:
         line += f", {p['retries']} retries"
     if p["error"]:
@@ -237,7 +239,7 @@ def _pull_line(p: dict | None) -> str:
 
 def _mirror_line(m: dict) -> str:
     versions = ", ".join(_v(v) for v in m["versions"]) or "none"
-    return f"mirror {m['dir']}: {_bytes(m['usage_bytes'])} of {_bytes(m['max_bytes'])}, versions {versions}"
+    return f"mirror {m['dir']}: {size(m['usage_bytes'])} of {size(m['max_bytes'])}, versions {versions}"
 
 
 def _server_row(s: dict, now_unix: float) -> tuple[str, ...]:
@@ -274,11 +276,3 @@ def _age(seconds: float) -> str:
     if s < 86400:
         return f"{s // 3600}h{s % 3600 // 60:02d}m"
     return f"{s // 86400}d{s % 86400 // 3600:02d}h"
-
-
-def _bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            break
-        n /= 1024
-    return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"

@@ -13,6 +13,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .registry import errors
+from .units import size
 
 log = logging.getLogger("rolloutd")
 
@@ -76,16 +77,8 @@ class ProgressLine:
         self.last = now
         rate = done / max(now - self.start, 1e-6)
         eta = (total - done) / rate if rate > 0 else float("inf")
-        print(f"{self.label}: {_size(done)} / {_size(total)} ({100 * done / max(total, 1):.0f}%), "
-              f"{_size(rate)}/s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
-
-
-def _size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
+        print(f"{self.label}: {size(done)} / {size(total)} ({100 * done / max(total, 1):.0f}%), "
+              f"{size(rate)}/s, ETA {eta:.0f} s", file=sys.stderr, flush=True)
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
@@ -99,7 +92,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     finally:
         reg.close()
     print(f"published version {manifest.version}: {len(manifest.files)} files, "
-          f"{_size(manifest.total_bytes)}, digest {manifest.digest}")
+          f"{size(manifest.total_bytes)}, digest {manifest.digest}")
     return 0
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from .registry.manifest import Manifest, ManifestError, verify_file
+from .units import size
 
 log = logging.getLogger("rolloutd.mirror")
 
@@ -212,12 +213,12 @@ class Mirror:
         after = usage - sum(b for v, b in sizes.items() if v not in keep)  # once gc has run
         if after + needed_bytes > self.max_bytes:
             kept = {v: b for v, b in sizes.items() if v in keep}
-            held = ", ".join(f"v{v} {_size(b)}" for v, b in sorted(kept.items())) or "none"
+            held = ", ".join(f"v{v} {size(b)}" for v, b in sorted(kept.items())) or "none"
             raise MirrorFull(
-                f"mirror {self.dir} cannot take {_size(needed_bytes)} more: max_bytes is "
-                f"{_size(self.max_bytes)} and {_size(after)} stays after removing every version "
+                f"mirror {self.dir} cannot take {size(needed_bytes)} more: max_bytes is "
+                f"{size(self.max_bytes)} and {size(after)} stays after removing every version "
                 f"not kept (kept: {held}; in use: {sorted(in_use) or 'none'}; other files: "
-                f"{_size(after - sum(kept.values()))})")
+                f"{size(after - sum(kept.values()))})")
         return self.gc(in_use)
 
     # -- helpers ----------------------------------------------------------------------------------
@@ -246,11 +247,11 @@ def _mismatch(vdir: Path, version: int, manifest: Manifest) -> str | None:
         return f"{MANIFEST_NAME} is for version {manifest.version}"
     for entry in manifest.files:
         try:
-            size = os.stat(vdir / entry.name).st_size
+            actual = os.stat(vdir / entry.name).st_size
         except OSError:
             return f"file {entry.name} is missing"
-        if size != entry.size:
-            return f"file {entry.name} has {size} bytes, the manifest says {entry.size}"
+        if actual != entry.size:
+            return f"file {entry.name} has {actual} bytes, the manifest says {entry.size}"
     return None
 
 
@@ -301,10 +302,3 @@ def _fsync_dir(path: Path) -> None:
 
 def _short(e: Exception) -> str:
     return str(e).splitlines()[0][:200] if str(e) else type(e).__name__
-
-
-def _size(n: int) -> str:
-    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
-        if n >= 1 << shift:
-            return f"{n / (1 << shift):.1f} {unit}"
-    return f"{n} B"
