@@ -299,7 +299,6 @@ class Daemon:
         servers = []
         for r in self.servers.values():
             snap = r.supervisor.snapshot()
-            snap["endpoint"] = f"http://{self.cfg.advertise_host}:{r.supervisor.spec.port}"
             age = r.heartbeater.age_s()
             snap["heartbeat_age_s"] = None if age is None else round(age, 3)
             servers.append(snap)

@@ -41,7 +41,7 @@ class Heartbeater:
         cfg, snap = self._conf(), self.server.snapshot()
         timings = snap["last_update"]["phases_s"] if snap["last_update"] else {}
         return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap["state"],
-                         endpoint=f"http://{cfg.advertise_host}:{self.server.spec.port}",
+                         endpoint=snap["endpoint"],
                          version=snap["version"], target=snap["target"], incarnation=snap["incarnation"],
                          registry_instance=self._updater.registry.instance, timings=timings)
 

@@ -273,10 +273,15 @@ class Supervisor:
     def _version_text(self) -> str:
         return str(self.loaded.version) if self.loaded else "of the start model"
 
+    @property
+    def endpoint(self) -> str:
+        """Where the registry tells trainers to send this server's generation requests."""
+        return f"http://{self._conf().advertise_host}:{self.spec.port}"
+
     def snapshot(self) -> dict:
         target = self.loading or self.updater.target
         return {"name": self.name, "state": self.state.name, "pid": self.child.pid if self.child and self.state.running
-                else None, "port": self.spec.port, "gpus": list(self.spec.gpus),
+                else None, "port": self.spec.port, "gpus": list(self.spec.gpus), "endpoint": self.endpoint,
                 "version": self.loaded.version if self.loaded else None,
                 "target": target.version if target else None,
                 "incarnation": self.incarnation, "restarts": self.restarts,

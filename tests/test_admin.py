@@ -184,7 +184,7 @@ def test_status_model_takes_what_the_daemon_parts_produce():
     sup = Supervisor(Config.model_validate(CONFIG).servers[0], lambda: Config.model_validate(CONFIG),
                      SimpleNamespace(target=None), slots=asyncio.Semaphore, records=None, plugin_dir=Path("/p"),
                      metrics=Metrics())
-    # What the daemon adds to each supervisor's snapshot (see Daemon.status).
+    # What the daemon adds to each supervisor's snapshot (see Daemon.status); endpoint is already there.
     doc["servers"][1] = sup.snapshot() | {"endpoint": "http://node7:8001", "heartbeat_age_s": None}
     st = NodeStatus.model_validate(doc)
     assert st.pull.state is PullState.LEASING and st.registry.reachable is False
