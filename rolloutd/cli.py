@@ -1,10 +1,11 @@
-"""The ``rolloutd`` command: one subcommand per job."""
+"""rolloutd: keeps a node's vLLM servers on a trainer's newest policy weights (one subcommand per job)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from . import __version__
 from .registry import errors
 from .units import size
 
@@ -19,9 +21,33 @@ log = logging.getLogger("rolloutd")
 
 
 def setup_logging(verbose: bool = False) -> None:
-    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JournalFormatter() if _stderr_is_journal() else
+                         logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, handlers=[handler])
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request is noise
+
+
+class JournalFormatter(logging.Formatter):
+    """For stderr connected to journald: no timestamp (the journal has its own), and a
+    ``<N>`` syslog priority prefix, so ``journalctl -p warning`` finds warnings and errors."""
+
+    PRIORITY = {logging.DEBUG: 7, logging.INFO: 6, logging.WARNING: 4, logging.ERROR: 3, logging.CRITICAL: 2}
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"<{self.PRIORITY.get(record.levelno, 6)}>{super().format(record)}"
+
+
+def _stderr_is_journal() -> bool:
+    """systemd sets JOURNAL_STREAM=<dev>:<inode> of the stream it connected to the journal."""
+    try:
+        st = os.fstat(sys.stderr.fileno())
+    except (OSError, ValueError):
+        return False
+    return os.environ.get("JOURNAL_STREAM") == f"{st.st_dev}:{st.st_ino}"
 
 
 # -- rolloutd registry ---------------------------------------------------------------------------
@@ -143,6 +169,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rolloutd", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"rolloutd {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("registry", help="run a standalone weight registry")

@@ -274,6 +274,11 @@ class Shutdown(_Section):
                                           "the registry's directory")
     admin_grace_s: Seconds = Field(2.0, description="longest wait for admin API requests in flight")
 
+    @property
+    def longest_s(self) -> float:
+        """The longest an ordered stop can take (the unit's TimeoutStopSec must be above it)."""
+        return self.server_grace_s + self.kill_wait_s + self.deregister_timeout_s + self.admin_grace_s
+
 
 class Vllm(_Section):
     command: Annotated[list[Word], BeforeValidator(_split_command)] = Field(

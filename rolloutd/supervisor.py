@@ -42,7 +42,7 @@ S = ServerState
 
 # The daemon's own systemd and socket-activation variables must not reach vLLM.
 _PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
-                "INVOCATION_ID")
+                "INVOCATION_ID", "JOURNAL_STREAM")
 
 
 class ServerFailed(Exception):

@@ -117,6 +117,7 @@ def build(directory: Path, shape: Shape = TINY, seed: int = 0) -> Path:
     (directory / "generation_config.json").write_text(json.dumps(
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}))
     write_tokenizer(directory, shape.vocab)
-    save_file(state_dict(shape, seed), str(directory / "model.safetensors"),
-              metadata={"format": "pt"})  # one key: the header's map order is not stable
+    weights = directory / "model.safetensors"
+    save_file(state_dict(shape, seed), str(weights), metadata={"format": "pt"})  # one key: the header's map order is not stable
+    weights.chmod(0o644)  # safetensors writes 0600; a model is read by servers running as another user
     return directory
