@@ -154,8 +154,12 @@ def cmd_check_config(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     """The node daemon (what systemd runs): supervise the configured servers until SIGTERM."""
+    import faulthandler
+
     from .config import ConfigError, load_config
     from .daemon import run_daemon
+    # A frozen daemon gets SIGABRT from systemd's watchdog: its Python stacks go to the journal.
+    faulthandler.enable()
     try:
         cfg = load_config(args.config, check_files=True)
     except ConfigError as e:

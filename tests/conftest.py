@@ -89,3 +89,11 @@ def standalone(tmp_path):
 
 def registry_log(tmp_path: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("registry-*.log"))
+
+
+@pytest.fixture(scope="session")
+def debs(tmp_path_factory) -> dict[str, Path]:
+    """The .deb built by packaging/build-deb, as revisions 1 and 2 (for upgrades)."""
+    from .nspawn import build_deb
+    out = tmp_path_factory.mktemp("debs")
+    return {"1": build_deb(out, "1"), "2": build_deb(out, "2")}

@@ -227,7 +227,7 @@ class Machine:
         return sorted(int(p) for p in out.split())
 
     def processes(self, pattern: str) -> list[str]:
-        """``pid user args`` of every guest process whose command line matches ``pattern``."""
+        """``pid args`` of every guest process whose command line matches ``pattern`` (a regex)."""
         out = self.run("pgrep", "-a", "-f", pattern, check=False).stdout
         return [line for line in out.splitlines() if line.strip()]
 

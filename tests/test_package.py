@@ -22,18 +22,12 @@ import yaml
 
 from rolloutd.config import Shutdown
 
-from .nspawn import ROOT, Machine, build_deb, debian_root
+from .nspawn import ROOT, Machine, debian_root
 
 pytestmark = pytest.mark.timeout(900)
 
 UNIT = "rolloutd.service"
 APT = {"DEBIAN_FRONTEND": "noninteractive"}
-
-
-@pytest.fixture(scope="module")
-def debs(tmp_path_factory) -> dict[str, Path]:
-    out = tmp_path_factory.mktemp("debs")
-    return {"1": build_deb(out, "1"), "2": build_deb(out, "2")}
 
 
 @pytest.fixture(scope="module")
