@@ -118,6 +118,7 @@ def build(directory: Path, shape: Shape = TINY, seed: int = 0) -> Path:
         {"bos_token_id": BOS_ID, "eos_token_id": EOS_ID}))
     write_tokenizer(directory, shape.vocab)
     weights = directory / "model.safetensors"
-    save_file(state_dict(shape, seed), str(weights), metadata={"format": "pt"})  # one key: the header's map order is not stable
+    # One metadata key: the header's map order is not stable.
+    save_file(state_dict(shape, seed), str(weights), metadata={"format": "pt"})
     weights.chmod(0o644)  # safetensors writes 0600; a model is read by servers running as another user
     return directory

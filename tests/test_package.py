@@ -108,7 +108,8 @@ def test_unit_passes_verify_silently(guest):
 
 
 def test_unit_settings_as_loaded(guest):
-    props = guest.show(UNIT, "Type", "NotifyAccess", "KillMode", "Restart", "RestartUSec", "TimeoutStartUSec", "TimeoutStopUSec", "LimitMEMLOCK", "User", "ExecReload",
+    props = guest.show(UNIT, "Type", "NotifyAccess", "KillMode", "Restart", "RestartUSec", "TimeoutStartUSec",
+                       "TimeoutStopUSec", "LimitMEMLOCK", "User", "ExecReload",
                        "DevicePolicy", "DeviceAllow", "PrivateDevices", "RestartPreventExitStatus")
     assert props["Type"] == "notify" and props["NotifyAccess"] == "main"
     assert props["KillMode"] == "mixed" and props["Restart"] == "on-failure" and props["RestartUSec"] == "5s"
