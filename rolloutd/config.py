@@ -196,6 +196,24 @@ class Admin(_Section):
                                        "need `Authorization: Bearer <token>`")
 
 
+class Gateway(_Section):
+    host: str = Field("0.0.0.0", min_length=1, description="address every server's gateway listens on: the "
+                      "node's public address (vLLM itself only ever listens on loopback)")
+    token_file: LaxPath | None = Field(None, description="file holding the gateway's token; when set, every "
+                                       "request needs `Authorization: Bearer <token>`; null: open to anyone "
+                                       "who can reach the node")
+    while_paused: Literal["hold", "reject"] = Field("hold", description="a request that arrives while its "
+                                                    "server is paused for an update: held until the server "
+                                                    "resumes (at most hold_max_s), or answered 503 with "
+                                                    "Retry-After at once")
+    hold_max_s: Seconds = Field(60.0, description="hold: longest a request waits for its server to resume; "
+                                "then 503 with Retry-After")
+    retry_after_s: int = Field(2, ge=0, le=3600, description="Retry-After of a 503 (server paused, starting "
+                               "or restarting)")
+    max_body_bytes: ByteSize = Field(ByteSize(16 * MiB), ge=1 * KiB, description="largest request body "
+                                     "accepted (413 above it)")
+
+
 class Mirror(_Section):
     dir: LaxPath = Field(Path("/dev/shm/rolloutd"), description="the node's host mirror: one directory per "
                          "pulled version, shared by every server (memory-backed tmpfs is fastest)")
@@ -295,8 +313,11 @@ class Server(_Section):
                       "letters, digits, - and _; unique on the node")
     model: str = Field(min_length=1, description="the model `vllm serve` starts with (a path or a model "
                        "name); the registry's versions then replace its weights")
-    port: int = Field(ge=1, le=65535, description="loopback port of this server; unique on the node and not "
-                      "the admin port")
+    port: int = Field(ge=1, le=65535, description="loopback port of this `vllm serve`; unique on the node "
+                      "and not the admin port")
+    public_port: int | None = Field(None, ge=1, le=65535, description="port of this server's gateway on "
+                                    "gateway.host: where trainers send generation requests, and the endpoint "
+                                    "the registry lists; null: port + 1000")
     gpus: Gpus = Field([], description="GPU indices the server uses (its "
                                                    "CUDA_VISIBLE_DEVICES); no GPU in two servers; []: the "
                                                    "variable is left as rolloutd found it")
@@ -306,6 +327,11 @@ class Server(_Section):
 
 
     @property
+    def gateway_port(self) -> int:
+        """The gateway's port: ``public_port``, else ``port + 1000``."""
+        return self.public_port if self.public_port is not None else self.port + 1000
+
+    @property
     def cuda_visible_devices(self) -> str | None:
         """``CUDA_VISIBLE_DEVICES`` for this server, e.g. ``"0,1"``; None leaves the variable as it is."""
         return ",".join(str(g) for g in self.gpus) if self.gpus else None
@@ -313,7 +339,7 @@ class Server(_Section):
 
 # -- the whole file ------------------------------------------------------------------------------
 
-SECTIONS = ("node", "registry", "admin", "mirror", "pull", "update", "heartbeat", "health", "restart",
+SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "pull", "update", "heartbeat", "health", "restart",
             "shutdown", "vllm")
 
 
@@ -321,6 +347,8 @@ class Config(_Section):
     node: Node = Field(default_factory=Node, description="who this node is")
     registry: Registry = Field(description="the trainer's weight registry (required)")
     admin: Admin = Field(default_factory=Admin, description="the local admin API")
+    gateway: Gateway = Field(default_factory=Gateway, description="the servers' gateways: the only way to a "
+                             "server from other hosts, an allow-list of generation routes")
     state_dir: LaxPath = Field(Path("/var/lib/rolloutd"), description="the daemon's own state: records of "
                                "running servers, the plugin copy servers import")
     mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
@@ -349,17 +377,24 @@ class Config(_Section):
 
     def _server_conflicts(self) -> Iterator[tuple[Loc, str]]:
         names: dict[str, int] = {}
-        ports: dict[int, int] = {}
+        ports: dict[int, str] = {}
         gpus: dict[int, int] = {}
         for i, s in enumerate(self.servers):
             if s.name in names:
                 yield ("servers", i, "name"), f"{s.name!r} is also the name of servers[{names[s.name]}]"
             names.setdefault(s.name, i)
-            if s.port == self.admin.port:
-                yield ("servers", i, "port"), f"{s.port} is the admin API's port (admin.port)"
-            elif s.port in ports:
-                yield ("servers", i, "port"), f"{s.port} is also the port of servers[{ports[s.port]}]"
-            ports.setdefault(s.port, i)
+            for key, port in (("port", s.port), ("public_port", s.gateway_port)):
+                where = ("servers", i, key)
+                if key == "public_port" and s.public_port is None and s.port in ports and ports[s.port] != \
+                        f"the port of servers[{i}]":
+                    continue  # port + 1000 of a port already refused: one message is enough
+                if port > 65535:
+                    yield where, f"the gateway would listen on port + 1000 = {port}: set public_port"
+                elif port == self.admin.port:
+                    yield where, f"{port} is the admin API's port (admin.port)"
+                elif port in ports:
+                    yield where, f"{port} is also {ports[port]}"
+                ports.setdefault(port, f"the {key} of servers[{i}]")
             for k, gpu in enumerate(s.gpus):
                 if gpu in gpus:
                     yield ("servers", i, "gpus", k), f"GPU {gpu} is also used by servers[{gpus[gpu]}]"
@@ -516,7 +551,7 @@ def _keys_at(loc: Loc) -> list[str]:
 
 
 def _file_problems(cfg: Config) -> Iterator[tuple[Loc, str]]:
-    for section in ("registry", "admin"):
+    for section in ("registry", "admin", "gateway"):
         try:
             read_token(getattr(cfg, section).token_file)
         except ConfigError as e:

@@ -36,6 +36,7 @@ from pathlib import Path
 from . import __version__
 from .admin import AdminServer, create_app
 from .config import Config, ConfigError, load_config, read_token
+from .gateway import Gateway, GatewayError
 from .heartbeat import Heartbeater
 from .metrics import Metrics
 from .mirror import Mirror
@@ -51,7 +52,7 @@ log = logging.getLogger("rolloutd")
 S = ServerState
 
 # Sections a running daemon cannot change: they name its identity, its sockets and its files.
-FIXED_SECTIONS = ("node", "registry", "admin", "mirror", "state_dir")
+FIXED_SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "state_dir")
 
 
 @dataclass
@@ -60,6 +61,7 @@ class Running:
 
     supervisor: Supervisor
     heartbeater: Heartbeater
+    gateway: Gateway
     task: asyncio.Task | None = None
     beats: asyncio.Task | None = None
 
@@ -87,6 +89,7 @@ class Daemon:
     async def run(self) -> int:
         cfg = self.cfg
         registry_token, admin_token = read_token(cfg.registry.token_file), read_token(cfg.admin.token_file)
+        self.gateway_token = read_token(cfg.gateway.token_file)
         self.records = ChildRecords(cfg.state_dir / "children")
         for line in await self.records.reap_leftovers(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
             log.warning("clean %s", line)
@@ -98,6 +101,18 @@ class Daemon:
             connect_s=cfg.registry.connect_timeout_s, request_s=cfg.registry.request_timeout_s,
             read_s=cfg.pull.read_timeout_s))
         self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use)
+        gateways = {}
+        try:
+            for spec in cfg.servers:  # every public port bound before anything is spawned
+                gateways[spec.name] = await self._open_gateway(spec)
+        except GatewayError:
+            await asyncio.gather(*(g.stop() for g in gateways.values()))
+            self.admin.stop()
+            await self.client.close()
+            raise
+        if self.gateway_token is None and cfg.gateway.host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("gateway: no token_file: generation on %s is open to anyone who can reach this node",
+                        cfg.gateway.host)
         log.info("start rolloutd %s: node %s, %d server(s) (%s), registry %s, admin on %s:%d, mirror %s",
                  __version__, cfg.node_name, len(cfg.servers), ", ".join(s.name for s in cfg.servers),
                  cfg.registry.url, cfg.admin.host, self.admin.port, cfg.mirror.dir)
@@ -108,7 +123,7 @@ class Daemon:
                 admin = tg.create_task(self.admin.serve(), name="admin")
                 updater = tg.create_task(self.updater.run(), name="updater")
                 for spec in cfg.servers:
-                    self._start_server(spec)
+                    self._start_server(spec, gateways[spec.name])
                 await self._main()
                 await self._shutdown(updater, admin)
         finally:
@@ -181,10 +196,17 @@ class Daemon:
             self._report()
 
     # -- servers ----------------------------------------------------------------------------------------
-    def _start_server(self, spec) -> Running:
+    async def _open_gateway(self, spec) -> Gateway:
+        gateway = Gateway(spec.name, spec.port, spec.gateway_port, self.cfg.gateway, self.gateway_token,
+                          self.metrics)
+        await gateway.start()
+        return gateway
+
+    def _start_server(self, spec, gateway: Gateway) -> Running:
         sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, records=self.records,
-                         plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state)
-        running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater))
+                         plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state,
+                         gateway=gateway)
+        running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)
         running.task = self._tg.create_task(sup.run(), name=f"server-{spec.name}")
         running.beats = self._tg.create_task(running.heartbeater.run(), name=f"heartbeat-{spec.name}")
         self.servers[spec.name] = running
@@ -194,6 +216,7 @@ class Daemon:
         await _cancel(running.task)
         if deregister:
             await _cancel(running.beats)
+        await running.gateway.stop()
 
     def _rollout_slots(self) -> asyncio.Semaphore:
         """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise."""
@@ -257,7 +280,7 @@ class Daemon:
         return {"ok": True, "message": message}
 
     async def _apply_servers(self, old: Config, new: Config) -> str:
-        before = {s.name: s for s in old.servers}
+        before = {name: r.supervisor.spec for name, r in self.servers.items()}  # what runs (a failed start: not)
         after = {s.name: s for s in new.servers}
         removed = [n for n in before if n not in after]
         added = [n for n in after if n not in before]
@@ -267,11 +290,16 @@ class Daemon:
             self.metrics.forget_server(n)
         for n in changed:
             await self._stop_server(self.servers.pop(n))
-            self._start_server(after[n])
-        for n in added:
-            self._start_server(after[n])
-        return (f"servers added {added or 'none'}, removed {removed or 'none'}, restarted {changed or 'none'}, "
-                f"unchanged {[n for n in after if n not in added and n not in changed] or 'none'}")
+        failed = []
+        for n in changed + added:
+            try:
+                self._start_server(after[n], await self._open_gateway(after[n]))
+            except GatewayError as e:
+                log.error("reload: server %s not started: %s", n, e)
+                failed.append(f"{n} ({e})")
+        message = (f"servers added {added or 'none'}, removed {removed or 'none'}, restarted {changed or 'none'}, "
+                   f"unchanged {[n for n in after if n not in added and n not in changed] or 'none'}")
+        return message + (f"; not started: {', '.join(failed)}" if failed else "")
 
     # -- shutdown ---------------------------------------------------------------------------------------
     async def _shutdown(self, updater: asyncio.Task, admin: asyncio.Task) -> None:
@@ -279,6 +307,7 @@ class Daemon:
         log.info("stop: %d server(s), then heartbeats, the updater and the admin API", len(self.servers))
         await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
         await asyncio.gather(*(_cancel(r.beats) for r in self.servers.values()))
+        await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
         await _cancel(updater)
         self.admin.stop()
         with contextlib.suppress(TimeoutError):

@@ -51,6 +51,7 @@ def demo_config(work: Path, registry_url: str, vllm: str, model: Path) -> Config
         "node": {"name": "demo-node", "advertise_host": "127.0.0.1"},
         "registry": {"url": registry_url, "long_poll_s": 10},
         "admin": {"port": _free_port()},
+        "gateway": {"host": "127.0.0.1"},
         "state_dir": str(work / "state"),
         "mirror": {"dir": str(work / "mirror"), "max_bytes": "256MiB"},
         "heartbeat": {"interval_s": 1},
@@ -60,7 +61,7 @@ def demo_config(work: Path, registry_url: str, vllm: str, model: Path) -> Config
                  "args": ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
                           "--kv-cache-memory-bytes", str(64 << 20)],
                  "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
-        "servers": [{"name": "cpu0", "model": str(model), "port": _free_port()}],
+        "servers": [{"name": "cpu0", "model": str(model), "port": _free_port(), "public_port": _free_port()}],
     })
 
 
@@ -90,9 +91,10 @@ async def _wait_serving(admin: str, version: int, timeout_s: float) -> dict:
     raise TimeoutError(f"the server was not serving version {version} within {timeout_s:.0f} s")
 
 
-async def _generate(port: int) -> dict:
+async def _generate(endpoint: str) -> dict:
+    """Generation as a trainer does it: at the endpoint the registry lists (the server's gateway)."""
     async with httpx.AsyncClient(timeout=60) as c:
-        r = await c.post(f"http://127.0.0.1:{port}/inference/v1/generate", json={
+        r = await c.post(f"{endpoint}/inference/v1/generate", json={
             "token_ids": PROMPT, "stream": False,
             "sampling_params": {"max_tokens": 12, "temperature": 0, "ignore_eos": True}})
         r.raise_for_status()
@@ -104,10 +106,11 @@ def _show(st: dict, gen: dict) -> None:
     phases = (s["last_update"] or {}).get("phases_s", {})
     say(f"status: {s['name']} {s['state']} version {s['version']} (incarnation {s['incarnation']}, pid {s['pid']}); "
         f"last update: " + (", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()) or "none"))
-    say(f"generate {PROMPT} -> {gen['token_ids']}  weight_versions {json.dumps(gen['weight_versions'])}")
+    say(f"generate at {s['endpoint']} (the gateway) {PROMPT} -> {gen['token_ids']}  "
+        f"weight_versions {json.dumps(gen['weight_versions'])}")
 
 
-async def _drive(daemon: Daemon, reg: EmbeddedRegistry, port: int, timeout_s: float) -> list[list[int]]:
+async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> list[list[int]]:
     while not hasattr(daemon, "admin") or not daemon.admin.started:
         await asyncio.sleep(0.1)
     admin = f"http://127.0.0.1:{daemon.admin.port}"
@@ -117,7 +120,7 @@ async def _drive(daemon: Daemon, reg: EmbeddedRegistry, port: int, timeout_s: fl
                                     shard_bytes=600_000, chunk_bytes=1 << 16)
         say(f"trainer: published version {version} ({m.total_bytes / 2**20:.1f} MiB in {len(m.files)} files)")
         st = await _wait_serving(admin, version, timeout_s)
-        gen = await _generate(port)
+        gen = await _generate(st["servers"][0]["endpoint"])
         _show(st, gen)
         outputs.append(gen["token_ids"])
         assert gen["weight_versions"][0]["version"] == str(version), gen
@@ -136,7 +139,7 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
             f"(about 30 s on CPU)")
         run = asyncio.create_task(daemon.run())
         try:
-            outputs = await _drive(daemon, reg, cfg.servers[0].port, args.timeout_s)
+            outputs = await _drive(daemon, reg, args.timeout_s)
         finally:
             daemon.request_stop()
             await run

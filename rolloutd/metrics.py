@@ -55,6 +55,11 @@ class Metrics:
         self.registry_reachable = Gauge("rolloutd_registry_reachable", "1 when the registry answered last time",
                                         registry=r)
         self.mirror_bytes = Gauge("rolloutd_mirror_bytes", "Bytes held by the node mirror", registry=r)
+        self.gateway_requests = Counter("rolloutd_gateway_requests", "Requests answered by a server's gateway, "
+                                        "by route (other: not on the allow-list) and HTTP status",
+                                        ["server", "route", "code"], registry=r)
+        self.gateway_held = Counter("rolloutd_gateway_held", "Requests a gateway held while its server was "
+                                    "paused for an update", ["server"], registry=r)
         for result in PULL_RESULTS:
             self.pulls.labels(result=result)
         for phase in UPDATE_PHASES:
@@ -65,7 +70,7 @@ class Metrics:
     @property
     def _per_server(self) -> tuple:
         return (self.pause_seconds, self.updates, self.restarts, self.heartbeat_failures, self.server_state,
-                self.server_version)
+                self.server_version, self.gateway_held)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""
@@ -76,3 +81,8 @@ class Metrics:
         for metric in self._per_server:
             with contextlib.suppress(KeyError):  # a server may not have every series yet
                 metric.remove(name)
+        for family in self.gateway_requests.collect():
+            for sample in family.samples:
+                if sample.labels.get("server") == name and sample.name.endswith("_total"):
+                    with contextlib.suppress(KeyError):
+                        self.gateway_requests.remove(name, sample.labels["route"], sample.labels["code"])

@@ -30,6 +30,7 @@ from pathlib import Path
 from .apply import Applier, ApplyFailed, UpdateRecord
 from .config import Config
 from .config import Server as ServerConfig
+from .gateway import Gateway
 from .metrics import Metrics
 from .plugin_path import child_env
 from .process import Child, ChildError, ChildRecords
@@ -68,8 +69,9 @@ def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dic
 class Supervisor:
     def __init__(self, spec: ServerConfig, conf: Callable[[], Config], updater: Updater, *,
                  slots: Callable[[], asyncio.Semaphore], records: ChildRecords, plugin_dir: Path, metrics: Metrics,
-                 on_state: Callable[[str, ServerState, ServerState], None] | None = None):
-        self.spec, self._conf, self.updater = spec, conf, updater
+                 on_state: Callable[[str, ServerState, ServerState], None] | None = None,
+                 gateway: Gateway | None = None):
+        self.spec, self._conf, self.updater, self.gateway = spec, conf, updater, gateway
         self._slots, self._records, self._plugin_dir, self.metrics = slots, records, plugin_dir, metrics
         self.lifecycle = Lifecycle(spec.name, on_change=self._changed, log=log)
         self._on_state = on_state
@@ -95,6 +97,8 @@ class Supervisor:
 
     def _changed(self, name: str, old: ServerState, new: ServerState) -> None:
         self.metrics.server_state.labels(server=name).state(new.name)
+        if self.gateway is not None:
+            self.gateway.on_state(new)
         if self._on_state is not None:
             self._on_state(name, old, new)
 
@@ -275,13 +279,14 @@ class Supervisor:
 
     @property
     def endpoint(self) -> str:
-        """Where the registry tells trainers to send this server's generation requests."""
-        return f"http://{self._conf().advertise_host}:{self.spec.port}"
+        """Where the registry tells trainers to send this server's generation requests: its gateway."""
+        return f"http://{self._conf().advertise_host}:{self.spec.gateway_port}"
 
     def snapshot(self) -> dict:
         target = self.loading or self.updater.target
         return {"name": self.name, "state": self.state.name, "pid": self.child.pid if self.child and self.state.running
-                else None, "port": self.spec.port, "gpus": list(self.spec.gpus), "endpoint": self.endpoint,
+                else None, "port": self.spec.port, "public_port": self.spec.gateway_port,
+                "gpus": list(self.spec.gpus), "endpoint": self.endpoint,
                 "version": self.loaded.version if self.loaded else None,
                 "target": target.version if target else None,
                 "incarnation": self.incarnation, "restarts": self.restarts,

@@ -54,8 +54,8 @@ def _zombie(proc_dir: str) -> bool:
 
 def vllm_server(name: str, model: Path, port: int, cpus: str, **extra) -> dict:
     """A config entry for a real ``vllm serve`` (CPU build) bound to ``cpus``."""
-    return {"name": name, "model": str(model), "port": port, "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus},
-            **extra}
+    return {"name": name, "model": str(model), "port": port, "public_port": _free_port(),
+            "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus}, **extra}
 
 
 def config(tmp: Path, registry_url: str, servers: list[dict], *, fake: bool = False, tag: str | None = None,
@@ -67,6 +67,7 @@ def config(tmp: Path, registry_url: str, servers: list[dict], *, fake: bool = Fa
         "node": {"name": "node-a", "advertise_host": "node-a.test"},
         "registry": {"url": registry_url, "long_poll_s": 5, "retry_initial_s": 0.2, "retry_max_s": 2},
         "admin": {"host": "127.0.0.1", "port": _free_port()},
+        "gateway": {"host": "127.0.0.1"},
         "state_dir": str(tmp / "state"),
         "mirror": {"dir": str(tmp / "mirror"), "max_bytes": "1GiB"},
         "heartbeat": {"interval_s": 0.5, "timeout_s": 2},
@@ -75,7 +76,7 @@ def config(tmp: Path, registry_url: str, servers: list[dict], *, fake: bool = Fa
         "shutdown": {"server_grace_s": 10, "kill_wait_s": 10},
         "vllm": {"command": command, "args": [] if fake else list(FAST_CPU_FLAGS),
                  "env": {"ROLLOUTD_TEST_TAG": tag, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
-        "servers": servers,
+        "servers": [{"public_port": _free_port(), **s} for s in servers],
     }
     for section, values in sections.items():
         cfg[section] = {**cfg.get(section, {}), **values} if isinstance(values, dict) else values

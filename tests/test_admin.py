@@ -53,13 +53,13 @@ STATUS = {
              "seconds": 2.0, "error": None},
     "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "versions": [10, 11]},
     "servers": [
-        {"name": "gpu0", "state": "SERVING", "pid": 5001, "port": 8001, "gpus": [0, 1],
+        {"name": "gpu0", "state": "SERVING", "pid": 5001, "port": 8001, "public_port": 9001, "gpus": [0, 1],
          "endpoint": "http://node7:8001", "version": 11, "target": 12, "incarnation": 1, "restarts": 0,
          "state_age_s": 182.0, "last_error": None,
          "last_update": {"version": 11, "ok": True, "at_unix": NOW - 300, "phases_s": {"pause": 0.01, "load": 0.4},
                          "error": None},
          "heartbeat_age_s": 2.0},
-        {"name": "gpu1", "state": "BACKOFF", "pid": None, "port": 8002, "gpus": [2],
+        {"name": "gpu1", "state": "BACKOFF", "pid": None, "port": 8002, "public_port": 9002, "gpus": [2],
          "endpoint": "http://node7:8002", "version": None, "target": 12, "incarnation": 3, "restarts": 2,
          "state_age_s": 4.5, "last_error": "exited with status 1 before /health passed: CUDA out of memory "
                                            "while loading the model's weights on GPU 2",

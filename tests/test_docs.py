@@ -59,7 +59,8 @@ def test_every_metric_and_state_is_documented():
     from rolloutd.states import ServerState
     names = {m.name.removeprefix("rolloutd_") for m in Metrics().registry.collect()}
     names = {n + "_total" if n in ("pull_bytes", "pulls", "update_failures", "updates", "server_restarts",
-                                   "heartbeat_failures") else n for n in names}
+                                   "heartbeat_failures", "gateway_requests", "gateway_held") else n
+             for n in names}
     for name in names:
         assert f"`{name}" in DAEMON_DOC, name
     table = re.findall(r"^\| ([A-Z, ]+) \|", DAEMON_DOC, re.M)
