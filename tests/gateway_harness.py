@@ -1,0 +1,47 @@
+"""A real :class:`rolloutd.gateway.Gateway` on its own event loop in a thread, in front of a
+server, for tests and benchmarks; the test plays the supervisor and sets the server's state."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+from rolloutd.config import Gateway as GatewaySettings
+from rolloutd.gateway import Gateway
+from rolloutd.metrics import Metrics
+from rolloutd.states import ServerState
+
+
+class GatewayThread:
+    def __init__(self, upstream_port: int, port: int, *, token: str | None = None, name: str = "gpu0",
+                 **settings):
+        self.metrics = Metrics()
+        self.settings = GatewaySettings.model_validate({"host": "127.0.0.1", **settings})
+        self.url = f"http://{self.settings.host}:{port}"
+        self._loop = asyncio.new_event_loop()
+        self.gateway = Gateway(name, upstream_port, port, self.settings, token, self.metrics)
+        self._thread = threading.Thread(target=self._loop.run_forever, name=f"gateway-{name}", daemon=True)
+
+    def start(self, state: ServerState = ServerState.SERVING) -> GatewayThread:
+        self._thread.start()
+        self._call(self.gateway.start())
+        self.set_state(state)
+        return self
+
+    def set_state(self, state: ServerState) -> None:
+        """The server's new state, as its supervisor would report it (applied before returning)."""
+        async def apply() -> None:
+            self.gateway.on_state(state)
+        self._call(apply())
+
+    def stop(self) -> None:
+        self._call(self.gateway.stop())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _call(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    def requests(self, route: str, code: int) -> float:
+        return self.metrics.registry.get_sample_value(
+            "rolloutd_gateway_requests_total", {"server": self.gateway.name, "route": route, "code": str(code)}) or 0

@@ -1,0 +1,311 @@
+"""The gateway in front of a real ``vllm serve`` (CPU build): allow-list, token, streaming, and
+the policy for requests that arrive while the server is paused.
+
+The gateway runs on its own event loop (tests/gateway_harness.py); the test plays the
+supervisor: it pauses vLLM through vLLM's own route and tells the gateway the server's state,
+as the daemon does. vLLM 0.33 refuses new requests during a pause with 503 where 0.32 (the
+build here) queues them; ``Fake033`` is a small stand-in with 0.33's behaviour, to show the
+gateway gives the same answers on both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+import httpx
+import pytest
+from aiohttp import web
+
+from rolloutd.plugin_path import install_plugin
+from rolloutd.states import ServerState as S
+from rolloutd.tinymodel import TINY, build
+
+from .conftest import free_port
+from .gateway_harness import GatewayThread
+from .vllm_server import VllmServer
+
+pytestmark = pytest.mark.timeout(600)
+
+TOKEN = "gw-secret-4b1d"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROMPT = [1, 5, 9, 13, 40]
+# vLLM's own routes that must never be reachable through the gateway (dev mode is on).
+DEV_ROUTES = [("POST", "/pause"), ("POST", "/resume"), ("GET", "/is_paused"), ("POST", "/start_weight_update"),
+              ("POST", "/update_weights"), ("POST", "/finish_weight_update"), ("GET", "/weight_info"),
+              ("POST", "/init_weight_transfer_engine"), ("POST", "/collective_rpc"), ("GET", "/get_world_size"),
+              ("POST", "/reset_prefix_cache"), ("POST", "/sleep"), ("POST", "/wake_up"), ("GET", "/metrics"),
+              ("GET", "/server_info"), ("GET", "/openapi.json"), ("GET", "/docs"), ("POST", "/v1/load_lora_adapter"),
+              ("GET", "/version"), ("POST", "/scale_elastic_ep")]
+# Spellings of a dev route that a path-normalising proxy could let through.
+TRICKS = ["/v1/../pause", "//pause", "/%70ause", "/v1/completions/../../pause", "/health/../pause", "/PAUSE",
+          "/pause/", "/./pause", "/inference/v1/generate/../../../pause", "/inference/v1/generate/", "/health%00",
+          "/v1/completions%2f..%2fpause"]
+
+
+def generate_body(max_tokens: int = 12, stream: bool = False) -> dict:
+    return {"token_ids": PROMPT, "stream": stream,
+            "sampling_params": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def raw_request(url: str, method: str, path: str, headers: dict | None = None) -> int:
+    """Status of a request whose path is sent exactly as given (httpx would normalise it)."""
+    host, port = url.removeprefix("http://").split(":")
+
+    async def go() -> int:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n{extra}Connection: close\r\n\r\n"
+                     .encode())
+        await writer.drain()
+        status = int((await reader.readline()).split()[1])
+        writer.close()
+        return status
+    return asyncio.run(go())
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gateway")
+    server = VllmServer(build(d / "model", TINY, seed=3), free_port(), d / "vllm.log",
+                        pythonpath=[install_plugin(d / "plugin")]).wait_healthy()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def gateway(vllm):
+    made = []
+
+    def make(**settings) -> GatewayThread:
+        g = GatewayThread(vllm.port, free_port(), **settings).start()
+        made.append(g)
+        return g
+    yield make
+    for g in made:
+        g.stop()
+
+
+# -- the allow-list -------------------------------------------------------------------------------
+
+def test_allowed_routes_answer_as_vllm_does(vllm, gateway):
+    gw = gateway(token=TOKEN)
+    with httpx.Client(timeout=60) as c:
+        direct = c.post(vllm.url + "/inference/v1/generate", json=generate_body()).json()
+        via = c.post(gw.url + "/inference/v1/generate", json=generate_body(), headers=AUTH)
+        assert via.status_code == 200 and via.json()["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
+        model = c.get(gw.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
+        completion = c.post(gw.url + "/v1/completions", headers=AUTH,
+                            json={"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0})
+        assert completion.status_code == 200 and completion.json()["choices"][0]["text"] is not None
+        chat = c.post(gw.url + "/v1/chat/completions", headers=AUTH,
+                      json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        assert chat.status_code == c.post(vllm.url + "/v1/chat/completions", json={
+            "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code
+        tokens = c.post(gw.url + "/tokenize", headers=AUTH, json={"model": model, "prompt": "hello"}).json()
+        direct_tokens = c.post(vllm.url + "/tokenize", json={"model": model, "prompt": "hello"}).json()["tokens"]
+        assert tokens["tokens"] == direct_tokens
+        text = c.post(gw.url + "/detokenize", headers=AUTH, json={"model": model, "tokens": tokens["tokens"]})
+        assert text.status_code == 200 and "prompt" in text.json()
+        abort = c.post(gw.url + "/inference/v1/abort_requests", headers=AUTH, json={"request_ids": ["none"]})
+        assert abort.status_code == c.post(vllm.url + "/inference/v1/abort_requests",
+                                           json={"request_ids": ["none"]}).status_code
+        assert c.get(gw.url + "/health", headers=AUTH).status_code == 200
+    assert gw.requests("/inference/v1/generate", 200) == 1
+
+
+def test_dev_routes_and_their_disguises_are_404(vllm, gateway):
+    gw = gateway(token=TOKEN)
+    assert httpx.get(vllm.url + "/is_paused").status_code == 200  # vLLM has them (dev mode) ...
+    for method, path in DEV_ROUTES:  # ... the gateway does not, with or without the token
+        assert raw_request(gw.url, method, path, AUTH) == 404, path
+        assert raw_request(gw.url, method, path) == 404, path
+    for path in TRICKS:
+        assert raw_request(gw.url, "POST", path, AUTH) == 404, path
+    assert httpx.get(vllm.url + "/is_paused").json() == {"is_paused": False}  # nothing reached vLLM
+    assert gw.requests("other", 404) == 2 * len(DEV_ROUTES) + len(TRICKS)
+
+
+def test_token_is_required_and_not_passed_on(gateway, caplog):
+    gw = gateway(token=TOKEN)
+    with httpx.Client(timeout=60) as c:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN},
+                        {"Authorization": f"Basic {TOKEN}"}, {"Authorization": f"Bearer {TOKEN}x"}):
+            r = c.post(gw.url + "/inference/v1/generate", json=generate_body(), headers=headers)
+            assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer", headers
+            assert r.json()["error"]["code"] == "unauthorized" and TOKEN not in r.text
+        assert c.get(gw.url + "/health").status_code == 401
+        assert c.post(gw.url + "/inference/v1/generate", json=generate_body(), headers=AUTH).status_code == 200
+    assert TOKEN not in caplog.text
+
+
+def test_wrong_method_and_large_body(gateway):
+    gw = gateway(max_body_bytes="4KiB")
+    r = httpx.get(gw.url + "/v1/completions")
+    assert r.status_code == 405 and r.headers["Allow"] == "POST"
+    big = httpx.post(gw.url + "/inference/v1/generate", content=b"x" * 5000,
+                     headers={"Content-Type": "application/json"})
+    assert big.status_code == 413 and big.json()["error"]["code"] == "too_large"
+
+
+# -- streaming ----------------------------------------------------------------------------------
+
+def stream_arrivals(url: str, headers: dict | None = None) -> tuple[list[float], bytes]:
+    """Arrival times (s since the request) of each chunk of a streamed generation, and the body."""
+    times, body = [], b""
+    t0 = time.perf_counter()
+    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/inference/v1/generate",
+                                               json=generate_body(max_tokens=48, stream=True),
+                                               headers=headers or {}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        for chunk in r.iter_raw():
+            times.append(time.perf_counter() - t0)
+            body += chunk
+    return times, body
+
+
+def test_streaming_is_passed_on_as_it_comes(vllm, gateway):
+    gw = gateway()
+    direct_times, direct_body = stream_arrivals(vllm.url)
+    times, body = stream_arrivals(gw.url)
+
+    def tokens(raw: bytes) -> list[int]:
+        out = []
+        for line in raw.decode().splitlines():
+            if line.startswith("data: {"):
+                out += json.loads(line[6:])["choices"][0]["token_ids"]
+        return out
+    assert tokens(body) == tokens(direct_body) and len(tokens(body)) == 48
+    # Not buffered: many chunks, and the first long before the last (as directly from vLLM).
+    assert len(times) >= 10, times
+    assert times[0] < 0.5 * times[-1], (times[0], times[-1])
+    assert len(times) >= 0.5 * len(direct_times)
+
+
+# -- paused, starting, restarting ---------------------------------------------------------------
+
+def post_in_thread(url: str, **kw) -> dict:
+    """POST from a thread; the result dict gets status, body, headers and seconds."""
+    result: dict = {}
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        r = httpx.post(url, timeout=60, **kw)
+        result.update(status=r.status_code, json=r.json(), headers=r.headers, seconds=time.perf_counter() - t0)
+    thread = threading.Thread(target=run)
+    thread.start()
+    result["thread"] = thread
+    return result
+
+
+def test_hold_while_paused_then_forward(vllm, gateway):
+    gw = gateway(while_paused="hold", hold_max_s=30)
+    expected = httpx.post(vllm.url + "/inference/v1/generate", json=generate_body(), timeout=60).json()
+    gw.set_state(S.UPDATING)
+    assert httpx.post(vllm.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+    try:
+        held = post_in_thread(gw.url + "/inference/v1/generate", json=generate_body())
+        time.sleep(1.5)
+        assert held["thread"].is_alive()  # held at the gateway
+    finally:
+        httpx.post(vllm.url + "/resume", timeout=30)
+        gw.set_state(S.SERVING)
+    held["thread"].join(60)
+    assert held["status"] == 200 and held["seconds"] >= 1.5
+    assert held["json"]["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+    assert gw.metrics.registry.get_sample_value("rolloutd_gateway_held_total", {"server": "gpu0"}) == 1
+
+
+def test_hold_has_a_bound_then_503(gateway):
+    gw = gateway(while_paused="hold", hold_max_s=0.5, retry_after_s=7)
+    gw.set_state(S.UPDATING)
+    t0 = time.perf_counter()
+    r = httpx.post(gw.url + "/inference/v1/generate", json=generate_body(), timeout=30)
+    assert r.status_code == 503 and r.headers["Retry-After"] == "7"
+    assert 0.5 <= time.perf_counter() - t0 < 3
+    assert "still UPDATING after 0.5 s" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("state, settings", [(S.UPDATING, {"while_paused": "reject"}), (S.SYNCING, {}),
+                                             (S.STARTING, {}), (S.BACKOFF, {}), (S.STOPPING, {})])
+def test_503_with_retry_after_when_not_serving(gateway, state, settings):
+    gw = gateway(retry_after_s=3, **settings)
+    gw.set_state(state)
+    t0 = time.perf_counter()
+    r = httpx.post(gw.url + "/inference/v1/generate", json=generate_body(), timeout=30)
+    assert (r.status_code, r.headers["Retry-After"]) == (503, "3")
+    assert time.perf_counter() - t0 < 1
+    assert r.json()["error"] == {"code": "unavailable", "message": f"server gpu0 is {state.name}"}
+
+
+class Fake033:
+    """A fake server with vLLM 0.33's pause behaviour (not runnable here): a new request during
+    a pause is refused with 503 (after ``refuse_after_s``) instead of queued."""
+
+    def __init__(self, refuse_after_s: float = 0.3):
+        self.paused = False
+        self.refuse_after_s = refuse_after_s
+        self.seen = 0
+        app = web.Application()
+        app.router.add_post("/inference/v1/generate", self.generate)
+        self.port = free_port()
+        self.runner = web.AppRunner(app)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+
+    async def generate(self, request: web.Request) -> web.Response:
+        self.seen += 1
+        if self.paused:
+            await asyncio.sleep(self.refuse_after_s)
+            return web.json_response({"error": {"message": "paused"}}, status=503)
+        return web.json_response({"choices": [{"token_ids": [7, 7, 7]}]})
+
+    def __enter__(self) -> Fake033:
+        self.thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        return self
+
+    async def _start(self) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+def test_a_request_refused_by_a_pausing_033_server_is_held_and_sent_again():
+    with Fake033() as fake:
+        gw = GatewayThread(fake.port, free_port(), while_paused="hold", hold_max_s=30).start()
+        try:
+            fake.paused = True  # vLLM paused a moment before the gateway heard of it
+            held = post_in_thread(gw.url + "/inference/v1/generate", json=generate_body())
+            time.sleep(0.1)
+            gw.set_state(S.UPDATING)
+            time.sleep(1.0)
+            assert held["thread"].is_alive()
+            fake.paused = False
+            gw.set_state(S.SERVING)
+            held["thread"].join(30)
+        finally:
+            gw.stop()
+    assert held["status"] == 200 and held["json"]["choices"][0]["token_ids"] == [7, 7, 7]
+    assert fake.seen == 2  # refused once while pausing, then sent again after the resume
+
+
+def test_same_answers_on_032_and_033_while_paused(vllm, gateway):
+    """While paused, new requests never reach either server: held, or 503 with reject."""
+    with Fake033() as fake:
+        for settings, expect in (({"while_paused": "reject"}, 503), ({"while_paused": "hold", "hold_max_s": 0.3}, 503)):
+            answers = []
+            for port in (vllm.port, fake.port):
+                gw = GatewayThread(port, free_port(), **settings).start(S.UPDATING)
+                try:
+                    r = httpx.post(gw.url + "/inference/v1/generate", json=generate_body(), timeout=30)
+                    answers.append((r.status_code, r.headers.get("Retry-After"), r.json()["error"]["code"]))
+                finally:
+                    gw.stop()
+            assert answers[0] == answers[1] == (expect, "2", "unavailable"), answers
+        assert fake.seen == 0
