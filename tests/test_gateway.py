@@ -309,3 +309,25 @@ def test_same_answers_on_032_and_033_while_paused(vllm, gateway):
                     gw.stop()
             assert answers[0] == answers[1] == (expect, "2", "unavailable"), answers
         assert fake.seen == 0
+
+
+def vllm_gauge(vllm, name: str) -> float:
+    text = httpx.get(vllm.url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_a_client_that_leaves_ends_the_request_at_vllm(vllm, gateway):
+    gw = gateway()
+    before = vllm_gauge(vllm, "vllm:generation_tokens_total")
+    with httpx.Client(timeout=60) as c, c.stream("POST", gw.url + "/inference/v1/generate",
+                                               json=generate_body(max_tokens=240, stream=True)) as r:
+        chunks = r.iter_raw()
+        for _ in range(3):
+            next(chunks)
+    # The client closed its connection after 3 chunks: vLLM stops generating (no one to read it).
+    deadline = time.monotonic() + 10
+    while vllm_gauge(vllm, "vllm:num_requests_running") > 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert vllm_gauge(vllm, "vllm:num_requests_running") == 0
+    generated = vllm_gauge(vllm, "vllm:generation_tokens_total") - before
+    assert 3 <= generated < 120, generated  # not the 240 asked for

@@ -1,0 +1,267 @@
+"""What the gateway costs: streamed generation through it and straight to vLLM, side by side.
+
+A real ``vllm serve`` (CPU build, small model) on core 0, and rolloutd's gateway in front of it
+in a process of its own on core 1 (uvloop, as in the daemon). The same client measures both
+paths in the same run, alternating request by request so that the machine's noise falls on
+both alike:
+
+- **latency**: sequential streamed generations (``/inference/v1/generate``, ``stream: true``,
+  ``--tokens`` tokens): time to the first chunk and to the end, p50 and p99, per path; the
+  gateway's added latency is the difference. ``GET /health`` (no generation at all) shows the
+  proxying cost alone.
+- **throughput**: ``--concurrency`` streams at once for ``--seconds`` per block, blocks
+  alternating direct / gateway twice; generated tokens per second per path.
+
+Goals (ratios printed against them): at most 1 ms added at p50; at least 0.95x the direct
+throughput.
+
+    .venv/bin/python bench/gateway.py            # about 2 minutes
+    .venv/bin/python bench/gateway.py --quick    # about 1 minute
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+
+from rolloutd import tinymodel  # noqa: E402
+from rolloutd.plugin_path import install_plugin  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+from tests.vllm_server import VllmServer  # noqa: E402
+
+RESULTS = ROOT / "bench" / "results"
+PROMPT = [1, 5, 9, 13, 40]
+
+
+def serve_gateway(upstream: int, port: int) -> None:
+    """The gateway alone, as the daemon runs it (``--serve-gateway``)."""
+    import uvloop
+
+    from rolloutd.config import Gateway as Settings
+    from rolloutd.gateway import Gateway
+    from rolloutd.metrics import Metrics
+    from rolloutd.states import ServerState
+
+    async def main() -> None:
+        gw = Gateway("bench", upstream, port, Settings(host="127.0.0.1"), None, Metrics())
+        await gw.start()
+        gw.on_state(ServerState.SERVING)
+        print("ready", flush=True)
+        await asyncio.Event().wait()
+    uvloop.run(main())
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def body(tokens: int) -> dict:
+    return {"token_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}
+
+
+def one_stream(c: httpx.Client, url: str, tokens: int) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    first = None
+    with c.stream("POST", url + "/inference/v1/generate", json=body(tokens)) as r:
+        r.raise_for_status()
+        for _ in r.iter_raw():
+            if first is None:
+                first = time.perf_counter() - t0
+    return first, time.perf_counter() - t0
+
+
+def latency(urls: dict[str, str], n: int, tokens: int) -> dict[str, dict[str, list[float]]]:
+    """Per path, per kind (first chunk, whole stream, /health): n samples in ms, taken in turns
+    (sample i of every path one right after the other, so pairs share the machine's state)."""
+    out = {name: {"first": [], "total": [], "health": []} for name in urls}
+    with httpx.Client(timeout=60) as c:
+        for url in urls.values():  # warm both paths (connections, vLLM's first requests)
+            for _ in range(5):
+                one_stream(c, url, tokens)
+        for _ in range(n):
+            for name, url in urls.items():
+                first, total = one_stream(c, url, tokens)
+                out[name]["first"].append(first * 1e3)
+                out[name]["total"].append(total * 1e3)
+        for _ in range(5 * n):
+            for name, url in urls.items():
+                t0 = time.perf_counter()
+                c.get(url + "/health").raise_for_status()
+                out[name]["health"].append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def summary(samples: dict[str, dict[str, list[float]]], proxy: str) -> dict:
+    """A proxy's added latency: p50 and p99 of its paired differences to the direct samples."""
+    out = {}
+    for kind, direct in samples["direct"].items():
+        diffs = [b - a for a, b in zip(direct, samples[proxy][kind], strict=True)]
+        out[f"{kind}_p50"], out[f"{kind}_p99"] = round(pct(diffs, 0.5), 3), round(pct(diffs, 0.99), 3)
+    return out
+
+
+async def throughput_block(url: str, concurrency: int, seconds: float, tokens: int) -> float:
+    """Generated tokens per second with ``concurrency`` streams for ``seconds``."""
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def worker(c: httpx.AsyncClient) -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            async with c.stream("POST", url + "/inference/v1/generate", json=body(tokens)) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        done += len(json.loads(line[6:])["choices"][0]["token_ids"])
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as c:
+        await asyncio.gather(*(worker(c) for _ in range(concurrency)))
+    return done / (time.perf_counter() - t0)
+
+
+def cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def throughput(urls: dict[str, str], concurrency: int, seconds: float, tokens: int, rounds: int,
+               gateway_pid: int) -> tuple[dict, dict, float]:
+    """Tokens/s per path (median of rounds), each proxy's median ratio to the direct block of the
+    same round, and the gateway process's CPU (share of one core) while it carried load."""
+    rates = {name: [] for name in urls}
+    busy = wall = 0.0
+    for i in range(rounds):
+        order = list(urls) if i % 2 == 0 else list(reversed(urls))  # neither path always goes first
+        for name in order:
+            c0, t0 = cpu_s(gateway_pid), time.perf_counter()
+            rates[name].append(asyncio.run(throughput_block(urls[name], concurrency, seconds, tokens)))
+            if name == "gateway":
+                busy, wall = busy + cpu_s(gateway_pid) - c0, wall + time.perf_counter() - t0
+    ratios = {name: round(statistics.median(r / d for r, d in zip(rates[name], rates["direct"], strict=True)), 3)
+              for name in urls if name != "direct"}
+    return {name: round(statistics.median(r), 1) for name, r in rates.items()}, ratios, round(busy / wall, 3)
+
+
+NGINX_CONF = """daemon off; worker_processes 1; pid {dir}/nginx.pid; error_log {dir}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+  access_log off;
+  client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy;
+  fastcgi_temp_path {dir}/fcgi; uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
+  upstream vllm {{ server 127.0.0.1:{upstream}; keepalive 32; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{ proxy_pass http://vllm; proxy_http_version 1.1; proxy_set_header Connection "";
+                 proxy_buffering off; proxy_request_buffering off; }}
+  }}
+}}
+"""
+
+
+def start_nginx(work: Path, upstream: int, port: int, core: int) -> subprocess.Popen | None:
+    """The peer: nginx as a streaming reverse proxy (no buffering, kept-alive upstream), when installed."""
+    if not shutil.which("nginx"):
+        print("nginx not found: the peer is skipped (apt-get install nginx-light)", file=sys.stderr)
+        return None
+    conf = work / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=work, upstream=upstream, port=port))
+    proc = subprocess.Popen(["taskset", "-c", str(core), "nginx", "-c", str(conf), "-p", str(work)])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(f"http://127.0.0.1:{port}/", timeout=1)
+            return proc
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    raise RuntimeError(f"nginx did not start: {(work / 'error.log').read_text()}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer requests, shorter blocks")
+    p.add_argument("--serve-gateway", nargs=2, type=int, metavar=("UPSTREAM", "PORT"), help=argparse.SUPPRESS)
+    p.add_argument("--tokens", type=int, default=16, help="tokens per generation (latency)")
+    p.add_argument("--concurrency", type=int, default=8)
+    args = p.parse_args()
+    if args.serve_gateway:
+        serve_gateway(*args.serve_gateway)
+        return 0
+    n, seconds, rounds = (60, 2.0, 4) if args.quick else (200, 3.0, 12)
+
+    work = Path(tempfile.mkdtemp(prefix="rolloutd-bench-gateway."))
+    model = tinymodel.build(work / "model", seed=0)
+    server = VllmServer(model, free_port(), work / "vllm.log", pythonpath=[install_plugin(work / "plugin")], cpus="0")
+    # vLLM (every process of it: it forks its engine later, which inherits this) on core 0; the
+    # client and the proxies on the other core. On a GPU node generation does not compete with
+    # a proxy for the CPU; here it would, and would measure the machine rather than the proxy.
+    subprocess.run(["taskset", "-a", "-p", "-c", "0", str(server.proc.pid)], check=True, capture_output=True)
+    os.sched_setaffinity(0, {1 % os.cpu_count()})
+    gw_port = free_port()
+    gateway = subprocess.Popen(["taskset", "-c", str(1 % os.cpu_count()), sys.executable, __file__,
+                                "--serve-gateway", str(server.port), str(gw_port)], stdout=subprocess.PIPE, text=True)
+    nginx = None
+    try:
+        assert gateway.stdout.readline().strip() == "ready"
+        server.wait_healthy()
+        urls = {"direct": server.url, "gateway": f"http://127.0.0.1:{gw_port}"}
+        nginx_port = free_port()
+        nginx = start_nginx(work, server.port, nginx_port, 1 % os.cpu_count())
+        if nginx is not None:
+            urls["nginx"] = f"http://127.0.0.1:{nginx_port}"
+        tput, ratio, gateway_cpu = throughput(urls, args.concurrency, seconds, 64, rounds, gateway.pid)
+        samples = latency(urls, n, args.tokens)
+    finally:
+        for proc in (gateway, nginx):
+            if proc is not None:
+                proc.terminate()
+                proc.wait(10)
+        server.stop()
+    proxies = [name for name in urls if name != "direct"]
+    added = {name: summary(samples, name) for name in proxies}
+    quantiles = (("p50", 0.5), ("p99", 0.99))
+    lat = {name: {f"{kind}_{q}": round(pct(v, p), 3) for kind, v in kinds.items() for q, p in quantiles}
+           for name, kinds in samples.items()}
+    g = added["gateway"]
+    result = {"requests_per_path": n, "tokens": args.tokens, "throughput_rounds": rounds, "latency_ms": lat,
+              "added_ms": added,
+              "throughput_tokens_per_s": tput, "throughput_ratio": ratio, "gateway_cpu_share_of_a_core": gateway_cpu,
+              "goal": {"added_p50_ms_max": 1.0, "throughput_ratio_min": 0.95},
+              "ratios_to_goal": {"added_first_chunk_p50": round(g["first_p50"] / 1.0, 3),
+                                 "added_total_p50": round(g["total_p50"] / 1.0, 3),
+                                 "throughput": round(ratio["gateway"] / 0.95, 3)}}
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / "gateway.json").write_text(json.dumps(result, indent=1))
+    for name in urls:
+        d = lat[name]
+        print(f"{name:8} first chunk p50 {d['first_p50']:.2f} ms p99 {d['first_p99']:.2f} ms | "
+              f"whole stream p50 {d['total_p50']:.2f} ms p99 {d['total_p99']:.2f} ms | "
+              f"/health p50 {d['health_p50']:.3f} ms | {tput[name]:.0f} tokens/s")
+    for name in proxies:
+        a = added[name]
+        print(f"added by {name} (paired): first chunk p50 {a['first_p50']:+.2f} ms, p99 {a['first_p99']:+.2f} ms; "
+              f"whole stream p50 {a['total_p50']:+.2f} ms, p99 {a['total_p99']:+.2f} ms; "
+              f"/health p50 {a['health_p50']:+.3f} ms; throughput {ratio[name]:.3f}x direct")
+    print(f"goal: <= 1 ms added at p50 (gateway: {g['first_p50'] / 1.0:.2f}x, {g['total_p50'] / 1.0:.2f}x of "
+          f"it), >= 0.95x throughput (gateway: {ratio['gateway'] / 0.95:.2f}x of it); the gateway used "
+          f"{gateway_cpu * 100:.1f} % of a core under load")
+    ok = g["first_p50"] <= 1.0 and g["total_p50"] <= 1.0 and ratio["gateway"] >= 0.95
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
