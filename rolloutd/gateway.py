@@ -79,13 +79,16 @@ class Gateway:
         self._serving = asyncio.Event()
         self._runner: web.ServerRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._counters: dict[tuple[str, int], object] = {}
 
     # -- life -----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Listen on ``gateway.host:port``; GatewayError with the reason when that fails."""
+        # Only what a relay needs: no cookies, no redirects, bytes passed on as they are.
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            auto_decompress=False, skip_auto_headers=("User-Agent", "Content-Type"),
+            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+            skip_auto_headers=("User-Agent", "Content-Type"),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
         self._runner = web.ServerRunner(web.Server(self._handle), access_log=None)
         await self._runner.setup()
@@ -172,7 +175,8 @@ class Gateway:
         while True:
             await self._ready(deadline)
             try:
-                upstream = await self._session.request(request.method, url, headers=headers, data=body or None)
+                upstream = await self._session.request(request.method, url, headers=headers, data=body or None,
+                                                       allow_redirects=False)
             except aiohttp.ClientError as e:
                 if not self._serving.is_set():
                     continue  # the server left SERVING meanwhile: the policy decides
@@ -213,8 +217,12 @@ class Gateway:
         return response
 
     def _count(self, path: str, response: web.StreamResponse) -> web.StreamResponse:
-        route = path if path in ROUTES else "other"
-        self.metrics.gateway_requests.labels(server=self.name, route=route, code=str(response.status)).inc()
+        key = (path if path in ROUTES else "other", response.status)
+        counter = self._counters.get(key)
+        if counter is None:  # labels() costs more than the count: keep each child
+            counter = self._counters[key] = self.metrics.gateway_requests.labels(
+                server=self.name, route=key[0], code=str(key[1]))
+        counter.inc()
         return response
 
 
