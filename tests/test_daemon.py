@@ -177,7 +177,7 @@ def test_servers_follow_versions_pulled_once_per_node(node):
     for s in st["servers"]:
         r = reps[s["name"]]
         assert (r["state"], r["version"], r["incarnation"], r["node"]) == ("SERVING", 3, s["incarnation"], "node-a")
-        assert r["endpoint"] == f"http://node-a.test:{s['port']}" == s["endpoint"]
+        assert r["endpoint"] == f"http://node-a.test:{s['public_port']}" == s["endpoint"]  # the gateway's
         assert set(s["last_update"]["phases_s"]) >= {"pause", "start", "load", "finish", "check", "resume", "paused"}
     assert st["target"]["version"] == 3 and st["mirror"]["versions"][-1] == 3
 

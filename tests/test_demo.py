@@ -23,7 +23,7 @@ def test_demo_follows_two_versions_and_leaves_nothing(tmp_path):
         assert f"trainer: published version {v}" in out
         assert re.search(rf"status: cpu0 SERVING version {v} \(incarnation 1, pid \d+\)", out), out
         assert f'"version": "{v}"' in out  # the tokens are labelled with the version
-    gens = re.findall(r"generate \[.*?\] -> (\[.*?\])", out)
+    gens = re.findall(r"generate at http://127.0.0.1:\d+ \(the gateway\) \[.*?\] -> (\[.*?\])", out)
     assert len(gens) == 2 and gens[0] != gens[1], out
     assert "demo: done" in out
     assert "stop rolloutd: every server stopped" in run.stderr
