@@ -127,7 +127,15 @@ class Machine:
     # -- lifecycle ------------------------------------------------------------------------------
 
     def boot(self, timeout_s: float = 60) -> Machine:
+        """Start the guest and wait for its systemd; on any failure nothing is left running."""
         require_tools()
+        try:
+            return self._boot(timeout_s)
+        except BaseException:
+            self.halt()
+            raise
+
+    def _boot(self, timeout_s: float) -> Machine:
         for hierarchy in CGROUP_HIERARCHIES:
             os.mkdir(f"{hierarchy}/{self.cgroup}")
         argv = ["systemd-nspawn", "-b", "-D", str(self.root), "--register=no", "--keep-unit",
@@ -216,7 +224,7 @@ class Machine:
         return self.run("journalctl", "-u", unit, "--no-pager", "-o", "cat").stdout
 
     def write(self, path: str, text: str, mode: str = "0644") -> None:
-        self.run("sh", "-ec", f'cat > "$1" && chmod {mode} "$1"', "sh", path, input=text)
+        self.run("sh", "-ec", f'mkdir -p "$(dirname "$1")" && cat > "$1" && chmod {mode} "$1"', "sh", path, input=text)
 
     def unit_pids(self, unit: str) -> list[int]:
         """Processes of the unit's cgroup (pids as the guest sees them)."""

@@ -79,13 +79,13 @@ class Node:
 
 
 def open_for_service_user(machine: Machine, script: Path) -> None:
-    """Let other users reach ``script`` and its interpreter inside the guest: this checkout and
-    its Python may sit under a private directory such as /root. Only the guest's overlay
-    changes."""
+    """Let other users reach ``script`` and its interpreter inside the guest: the interpreter may
+    sit under a private directory such as /root. Only the guest's overlay changes."""
     interpreter = Path(script.read_text().splitlines()[0].removeprefix("#!").split()[0])
-    for target in {script, interpreter, interpreter.resolve()}:
+    for target in (script, interpreter, interpreter.resolve()):
         for parent in reversed(target.parents):
-            machine.run("chmod", "o+x", str(parent))
+            if not parent.stat().st_mode & 0o001:
+                machine.run("chmod", "o+x", str(parent))
 
 
 @pytest.fixture(scope="module")
@@ -102,12 +102,21 @@ def node(debs, tmp_path_factory):
     log = tmp_path_factory.mktemp("guest") / "console.log"
     try:
         with host_root() as root:
-            machine = Machine(root, log, masked=enabled_host_units(), binds_ro=[(debs["1"].parent, "/mnt/pkg")])
+            # The checkout (vLLM's environment, the model) at its own path: under /tmp it would be
+            # hidden by the guest's own /tmp.
+            machine = Machine(root, log, masked=enabled_host_units(),
+                              binds_ro=[(debs["1"].parent, "/mnt/pkg"), (ROOT, str(ROOT))])
             machine.boot()
             try:
                 machine.run("apt-get", "install", "-y", f"/mnt/pkg/{debs['1'].name}",
                             env={"DEBIAN_FRONTEND": "noninteractive"}, timeout_s=300)
                 open_for_service_user(machine, VLLM)
+                if ROOT.is_relative_to("/tmp"):
+                    # The unit's PrivateTmp= hides a checkout under /tmp from the service: a
+                    # drop-in shows it again (what an operator would do for such a vLLM).
+                    machine.write("/etc/systemd/system/rolloutd.service.d/checkout.conf",
+                                  f"[Service]\nBindReadOnlyPaths={ROOT}\n")
+                    machine.run("systemctl", "daemon-reload")
                 machine.write("/etc/rolloutd.yaml", yaml.safe_dump(cfg, sort_keys=False))
                 machine.run("runuser", "-u", "rolloutd", "--", "rolloutd", "check-config")
                 yield Node(machine, registry, cfg)
