@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
+from pydantic import ValidationError
 
 from .mirror import Mirror, Partial
 from .registry import errors
@@ -267,7 +268,13 @@ class Puller:
         log.warning("abandon pull of %s: %s", self.progress.version or self.progress.target, error)
 
     async def _manifest(self, lease: LeaseInfo) -> Manifest:
-        manifest = await self.client.manifest(lease.version)
+        try:
+            manifest = await self.client.manifest(lease.version)
+        except ValidationError as e:  # one line, as every pull error: it goes to /status and the log
+            problems = "; ".join(f"{'.'.join(str(x) for x in p['loc']) or 'manifest'}: {p['msg']}"
+                                 for p in e.errors()[:5])
+            raise PullError(f"version {lease.version}: the manifest served is not valid: "
+                            f"{' '.join(problems.split())[:1000]}") from None
         try:
             manifest = manifest.sealed()  # checks the digest it came with
         except ManifestError as e:

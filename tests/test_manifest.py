@@ -13,6 +13,8 @@ from rolloutd.registry.manifest import (
     bad_chunks,
     build_manifest,
     digest,
+    duplicate_tensors,
+    safetensors_names,
     valid_file_name,
     verify_file,
 )
@@ -53,7 +55,7 @@ def test_sha256_is_allowed(tmp_path):
     assert len(m.digest) == 64 and len(m.files[0].chunks[0]) == 64
 
 
-@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "..", "", "a b", "x" * 201, "é.bin"])
+@pytest.mark.parametrize("name", ["../x", "a/b", ".hidden", "..", "", "a b", "x" * 201, "é.bin", "manifest.json"])
 def test_unsafe_file_names_are_refused(name):
     assert not valid_file_name(name)
     with pytest.raises(ValidationError, match="invalid file name"):
@@ -91,3 +93,25 @@ def test_verify_file_names_the_bad_chunks(tmp_path):
     assert verify_file(p, m.files[0], m) == [1]
     assert bad_chunks(bytes(data[:-1]), m.files[0], m) == [0, 1, 2]  # truncated: all suspect
     assert verify_file(tmp_path / "missing", m.files[0], m) == [0, 1, 2]
+
+
+def header_file(header: bytes, payload: bytes = b"") -> bytes:
+    return len(header).to_bytes(8, "little") + header + payload
+
+
+DEEP = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+@pytest.mark.parametrize("data", [b"", b"short", os.urandom(4096), header_file(b"[1, 2]"), header_file(b"{x"),
+                                  header_file(DEEP), (1 << 40).to_bytes(8, "little") + b"{}"])
+def test_bytes_that_are_not_safetensors_have_no_tensor_names(data):
+    assert safetensors_names(lambda o, n: data[o:o + n], len(data)) is None
+
+
+def test_tensor_names_keep_repeats_and_duplicates_are_named():
+    data = header_file(b'{"__metadata__": {"a": "b"}, "w": {}, "v": {}, "w": {}}', b"\0" * 8)
+    assert safetensors_names(lambda o, n: data[o:o + n], len(data)) == ["w", "v", "w"]
+    assert duplicate_tensors([("a.safetensors", ["w", "v", "w"]), ("b.safetensors", None),
+                              ("c.safetensors", ["v", "u"])]) == [
+        "tensor 'w' is twice in a.safetensors", "tensor 'v' is in a.safetensors and c.safetensors"]
+    assert duplicate_tensors([("a.safetensors", ["w"]), ("b.safetensors", ["v"])]) == []

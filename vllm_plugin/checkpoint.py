@@ -3,9 +3,10 @@
 Standard library only, so it runs in any vLLM environment and is tested without vLLM.
 Contract (design §5): ``<mirror>/<version>/`` holds ``manifest.json`` and the version's
 safetensors files; the daemon passes the directory and the manifest's digest. A directory is
-loaded only if its manifest has exactly that digest and every file has exactly the size the
-manifest gives; the puller already checked every chunk's digest on the way in, and a
-half-written (hidden ``.partial``) directory is refused by name.
+loaded only if its manifest has exactly that digest and lists each file once, every file has
+exactly the size the manifest gives, and no tensor name comes twice (in one header or across
+files: a loader would silently keep one of them); the puller already checked every chunk's
+digest on the way in, and a half-written (hidden ``.partial``) directory is refused by name.
 """
 
 from __future__ import annotations
@@ -64,7 +65,18 @@ def check_version(path: str | Path, digest: str) -> list[Path]:
     if actual != digest:
         raise MirrorError(f"{d}: manifest digest is {actual}, not the requested {digest}: "
                           "refusing to load a different version")
-    return [_check_file(d, entry) for entry in manifest.get("files", [])]
+    files = [_check_file(d, entry) for entry in manifest["files"]]
+    if len(set(files)) != len(files):
+        twice = sorted({p.name for p in files if files.count(p) > 1})
+        raise MirrorError(f"{d / MANIFEST}: lists {', '.join(twice)[:200]} more than once")
+    first: dict[str, Path] = {}
+    for p in files:  # every header parsed and every tensor proven inside its file, before any is loaded
+        for t in tensors(p):
+            if t.name in first:
+                raise MirrorError(f"{d}: tensor {t.name[:200]!r} is in both {first[t.name].name} and {p.name}: "
+                                  "refusing to load one of them over the other")
+            first[t.name] = p
+    return files
 
 
 def _read_manifest(d: Path) -> dict:
@@ -72,8 +84,8 @@ def _read_manifest(d: Path) -> dict:
         manifest = json.loads((d / MANIFEST).read_bytes())
     except FileNotFoundError:
         raise MirrorError(f"{d}: no {MANIFEST}: not a complete mirror of a version") from None
-    except (OSError, ValueError) as e:
-        raise MirrorError(f"{d / MANIFEST}: unreadable: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise MirrorError(f"{d / MANIFEST}: unreadable: {str(e)[:200]}") from None
     if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), list) or not manifest["files"]:
         raise MirrorError(f"{d / MANIFEST}: not a manifest (no list of files)")
     return manifest
@@ -82,7 +94,8 @@ def _read_manifest(d: Path) -> dict:
 def _check_file(d: Path, entry: object) -> Path:
     name = entry.get("name") if isinstance(entry, dict) else None
     size = entry.get("size") if isinstance(entry, dict) else None
-    if not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or not isinstance(size, int):
+    if (not isinstance(name, str) or not _FILE_NAME_RE.fullmatch(name) or name == MANIFEST
+            or not isinstance(size, int) or isinstance(size, bool)):
         raise MirrorError(f"{d / MANIFEST}: bad file entry {str(entry)[:200]}")
     p = d / name
     try:
@@ -92,7 +105,6 @@ def _check_file(d: Path, entry: object) -> Path:
     if actual != size:
         raise MirrorError(f"{p}: {actual} bytes, the manifest says {size}: "
                           f"{'truncated' if actual < size else 'longer than published'}")
-    tensors(p)
     return p
 
 
@@ -107,13 +119,17 @@ def tensors(p: Path) -> list[Tensor]:
         if not 0 < n <= min(_MAX_HEADER_BYTES, size - 8):
             raise MirrorError(f"{p}: not a safetensors file (header length {n})")
         try:
-            header = json.loads(f.read(n))
-        except ValueError as e:
-            raise MirrorError(f"{p}: safetensors header is not JSON: {e}") from None
-    if not isinstance(header, dict):
+            pairs = json.loads(f.read(n), object_pairs_hook=_Pairs)  # keeps a repeated name
+        except (ValueError, RecursionError) as e:
+            raise MirrorError(f"{p}: safetensors header is not JSON: {str(e)[:200]}") from None
+    if not isinstance(pairs, _Pairs):
         raise MirrorError(f"{p}: safetensors header is not an object")
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        twice = next(name for i, name in enumerate(names) if name in names[:i])
+        raise MirrorError(f"{p}: tensor {twice[:200]!r} is twice in the safetensors header")
     base = 8 + n
-    out = [_tensor(p, name, meta, base, size) for name, meta in header.items() if name != "__metadata__"]
+    out = [_tensor(p, name, _object(meta), base, size) for name, meta in pairs if name != "__metadata__"]
     return sorted(out, key=lambda t: t.start)
 
 
@@ -132,6 +148,15 @@ def _tensor(p: Path, name: str, meta: object, base: int, size: int) -> Tensor:
         raise MirrorError(f"{p}: tensor {name!r} ({dtype} {shape}) needs {numel * ITEMSIZE[dtype]} bytes, "
                           f"its offsets span {offsets[1] - offsets[0]}")
     return Tensor(p, name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+
+
+class _Pairs(list):
+    """A JSON object read as its (key, value) pairs, in order, repeated keys kept."""
+
+
+def _object(value: object) -> object:
+    """A header value read as pairs, back as a dict (anything else as it is)."""
+    return dict(value) if isinstance(value, _Pairs) else value
 
 
 def layer_rank(name: str) -> tuple[int, int]:

@@ -3,7 +3,8 @@
 Both stores follow one rule: bytes are *staged* per version while they arrive, and only
 ``commit`` makes them part of a version, in one atomic step. On disk::
 
-    <root>/staging/<v>/<name>          uploaded files (each written as <name>.<rand>.part, then renamed)
+    <root>/staging/<v>/<name>          uploaded files (each written as .<name>.<rand>.part, then renamed;
+                                       a file name never starts with '.', so the two never meet)
     <root>/versions/<v>/<name>         committed files
     <root>/versions/<v>/manifest.json  written before the rename, so a version dir is always complete
     <root>/trash/                      versions being deleted (renamed away first, never half-visible)
@@ -46,11 +47,18 @@ class BlobReader(Protocol):
 
 
 class Upload(Protocol):
-    """One file arriving for a staged version; invisible until ``finish``."""
+    """One file arriving for a staged version; invisible until ``finish``. ``sync`` makes the
+    bytes durable (the slow part); ``finish`` then puts the file in place in one quick step, or
+    raises :class:`StagingDropped`."""
 
     def write(self, data: bytes) -> None: ...
+    def sync(self) -> None: ...
     def finish(self) -> int: ...
     def abort(self) -> None: ...
+
+
+class StagingDropped(Exception):
+    """The version's staged files were dropped while a file was arriving for it."""
 
 
 async def stream_range(blob: Blob, start: int, end: int, piece: int = READ_BYTES
@@ -101,13 +109,19 @@ class _MemoryReader:
 
 
 class _MemoryUpload:
-    def __init__(self, slot: dict[str, bytearray], name: str):
-        self._slot, self._name, self._buf = slot, name, bytearray()
+    def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str):
+        self._staging, self._version, self._name, self._buf = staging, version, name, bytearray()
+        self._slot = staging.setdefault(version, {})
 
     def write(self, data: bytes) -> None:
         self._buf += data
 
+    def sync(self) -> None:
+        pass
+
     def finish(self) -> int:
+        if self._staging.get(self._version) is not self._slot:
+            raise StagingDropped(f"the staged files of version {self._version} were dropped meanwhile")
         self._slot[self._name] = self._buf
         return len(self._buf)
 
@@ -125,7 +139,10 @@ class MemoryStore:
         return "memory"
 
     def upload(self, version: int, name: str) -> Upload:
-        return _MemoryUpload(self._staging.setdefault(version, {}), name)
+        return _MemoryUpload(self._staging, version, name)
+
+    def read_staged(self, version: int, name: str, offset: int, length: int) -> bytes:
+        return bytes(self._staging[version][name][offset:offset + length])
 
     def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
         self._staging.setdefault(version, {})[name] = bytearray(data) if isinstance(data, bytes) else data
@@ -179,20 +196,33 @@ class _DiskReader:
         os.close(self._fd)
 
 
+def _part_path(final: Path) -> Path:
+    """Where ``final`` is written first: hidden, so never taken for a staged file of that name."""
+    return final.with_name(f".{final.name}.{secrets.token_hex(4)}.part")
+
+
 class _DiskUpload:
     def __init__(self, final: Path):
         self._final = final
-        self._part = final.with_name(f"{final.name}.{secrets.token_hex(4)}.part")
+        self._part = _part_path(final)
         self._f = open(self._part, "wb")
 
     def write(self, data: bytes) -> None:
         self._f.write(data)
 
+    def sync(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())  # a committed version must survive a crash of the host
+            self._f.close()
+
     def finish(self) -> int:
-        self._f.flush()
-        os.fsync(self._f.fileno())  # a committed version must survive a crash of the host
-        self._f.close()
-        os.replace(self._part, self._final)
+        self.sync()
+        try:
+            os.replace(self._part, self._final)
+        except FileNotFoundError:  # the staging directory was removed or committed meanwhile
+            raise StagingDropped(f"the staged files of version {self._final.parent.name} were dropped "
+                                 "meanwhile") from None
         return self._final.stat().st_size
 
     def abort(self) -> None:
@@ -234,7 +264,7 @@ class DiskStore:
     def stage_file(self, version: int, path: Path) -> None:
         """Stage a copy (a hard link would change with the trainer's file if it were rewritten)."""
         final = self.staging_dir(version) / path.name
-        part = final.with_name(f"{final.name}.{secrets.token_hex(4)}.part")
+        part = _part_path(final)
         shutil.copyfile(path, part)
         os.replace(part, final)
 
@@ -242,7 +272,14 @@ class DiskStore:
         d = self._staging / str(version)
         if not d.is_dir():
             return {}
-        return {p.name: p.stat().st_size for p in d.iterdir() if not p.name.endswith(".part")}
+        return {p.name: p.stat().st_size for p in d.iterdir() if not p.name.startswith(".")}
+
+    def read_staged(self, version: int, name: str, offset: int, length: int) -> bytes:
+        fd = os.open(self._staging / str(version) / name, os.O_RDONLY)
+        try:
+            return os.pread(fd, length, offset)
+        finally:
+            os.close(fd)
 
     def verify_staged(self, manifest: Manifest) -> dict[str, list[int]]:
         d = self._staging / str(manifest.version)

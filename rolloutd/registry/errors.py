@@ -115,6 +115,12 @@ class ManifestDigestMismatch(RegistryError):
     status = 422
 
 
+class DuplicateTensor(RegistryError):
+    """The version's safetensors files give one tensor name more than once."""
+    code = "duplicate_tensor"
+    status = 422
+
+
 class LeaseUnknown(RegistryError):
     """No such lease (never granted, or released)."""
     code = "lease_unknown"
@@ -150,7 +156,7 @@ BY_CODE: dict[str, type[RegistryError]] = {
         InvalidRequest, Unauthorized, RouteNotFound, MethodNotAllowed, BodyTooLarge, NoVersions,
         VersionUnknown, VersionRetired, VersionNotNewer, VersionConflict, FileUnknown,
         RangeNotSatisfiable, UploadIncomplete, DigestMismatch, ManifestDigestMismatch,
-        LeaseUnknown, LeaseExpired, DemandAhead, Internal, RegistryUnavailable)
+        DuplicateTensor, LeaseUnknown, LeaseExpired, DemandAhead, Internal, RegistryUnavailable)
 }
 
 

@@ -93,7 +93,7 @@ class Guard:
             err.headers = {"www-authenticate": "Bearer"}
             return err
         declared = _header(scope, b"content-length")
-        if declared is not None and not declared.isdigit():
+        if declared is not None and not (declared.isascii() and declared.isdigit()):
             return errors.InvalidRequest("bad Content-Length")
         if declared is not None and int(declared) > limit:
             return errors.BodyTooLarge(f"body over {limit} bytes")

@@ -39,10 +39,13 @@ _HASHERS: dict[str, Callable[[bytes | memoryview], str]] = {
 
 # One path component, no leading dot: ".." and "a/b" can never be a file name.
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
+# The name a version directory keeps its own manifest under (registry and node mirror alike).
+RESERVED_NAMES = frozenset({"manifest.json"})
+MAX_HEADER_BYTES = 100 << 20  # the largest safetensors header read (safetensors' own limit)
 
 
 def valid_file_name(name: str) -> bool:
-    return bool(FILE_NAME_RE.fullmatch(name))
+    return bool(FILE_NAME_RE.fullmatch(name)) and name not in RESERVED_NAMES
 
 
 def digest(hash_name: str, data: bytes | memoryview) -> str:
@@ -85,8 +88,9 @@ class FileEntry(BaseModel):
     @classmethod
     def _name_is_safe(cls, name: str) -> str:
         if not valid_file_name(name):
-            raise ValueError(f"invalid file name {name!r}: one path component of "
-                             "letters, digits, '.', '_', '-', not starting with '.'")
+            raise ValueError(f"invalid file name {name[:210]!r}: one path component of "
+                             "letters, digits, '.', '_', '-', not starting with '.', and not "
+                             f"{' or '.join(sorted(RESERVED_NAMES))}")
         return name
 
 
@@ -236,3 +240,41 @@ def safetensors_files(directory: Path) -> list[Path]:
     if not files:
         raise ManifestError(f"no .safetensors files in {directory}")
     return files
+
+
+# -- safetensors headers ---------------------------------------------------------------------------
+
+def safetensors_names(read: Callable[[int, int], bytes], size: int) -> list[str] | None:
+    """The tensor names in the header of a safetensors file of ``size`` bytes, in header order
+    (a name the header gives twice comes twice); None when the bytes are not a safetensors file.
+    ``read(offset, length)`` reads the file."""
+    if size < 10:
+        return None
+    n = int.from_bytes(read(0, 8), "little")
+    if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
+        return None
+    raw = bytes(read(8, n))
+    if raw[:1] != b"{":
+        return None
+    try:
+        pairs = json.loads(raw, object_pairs_hook=lambda kv: kv)  # keeps repeated keys, unlike a dict
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(pairs, list):
+        return None
+    return [k for k, _ in pairs if k != "__metadata__"]
+
+
+def duplicate_tensors(headers: Iterable[tuple[str, list[str] | None]]) -> list[str]:
+    """One line per tensor name given more than once across the (file name, tensor names) of one
+    version, in order: a loader would take one and silently drop the other."""
+    first: dict[str, str] = {}
+    problems = []
+    for file, names in headers:
+        for name in names or ():
+            if name in first:
+                where = f"twice in {file}" if first[name] == file else f"in {first[name]} and {file}"
+                problems.append(f"tensor {name[:200]!r} is {where}")
+            else:
+                first[name] = file
+    return problems

@@ -20,7 +20,15 @@ from typing import Any
 import httpx
 
 from . import errors
-from .manifest import DEFAULT_CHUNK_BYTES, FileEntry, Manifest, build_manifest, hash_chunks, safetensors_files
+from .manifest import (
+    DEFAULT_CHUNK_BYTES,
+    MAX_VERSION,
+    FileEntry,
+    Manifest,
+    build_manifest,
+    hash_chunks,
+    safetensors_files,
+)
 
 log = logging.getLogger("rolloutd.publish")
 
@@ -295,6 +303,8 @@ class EmbeddedRegistry(RegistryHTTP):
     def _check_new(self, version: int) -> None:
         """Fail before any work for a number that can never be published (an existing
         number may still be an identical, no-op re-publish: that is decided on commit)."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_VERSION:
+            raise errors.InvalidRequest(f"version must be an integer from 1 to {MAX_VERSION}, got {version!r:.100}")
         try:
             self.service.store.check_new_number(version)
         except errors.VersionConflict:

@@ -102,7 +102,7 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     first, dash, last = spec.strip().partition("-")
     if unit.strip().lower() != "bytes" or not dash or "," in spec:
         raise unsatisfiable
-    if not (first.isdigit() or first == "") or not (last.isdigit() or last == ""):
+    if not (_digits(first) or first == "") or not (_digits(last) or last == ""):
         raise unsatisfiable
     if first == "":
         if not last or int(last) == 0:
@@ -114,6 +114,11 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     if start >= size or start >= end:
         raise unsatisfiable
     return start, end
+
+
+def _digits(s: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²', which int() refuses."""
+    return s.isascii() and s.isdigit()
 
 
 # -- the app ------------------------------------------------------------------------------------------
@@ -278,7 +283,8 @@ async def _receive_upload(request: Request, service: RegistryService, version: i
                 data, buf = bytes(buf), bytearray()
                 await asyncio.to_thread(up.write, data)
         await asyncio.to_thread(up.write, bytes(buf))
-        size = await asyncio.to_thread(up.finish)
+        await asyncio.to_thread(up.sync)
+        size = service.finish_upload(version, name, up)
     except ClientDisconnect:
         up.abort()
         log.warning("abort upload of version %d file %s: the client disconnected", version, name)

@@ -16,8 +16,8 @@ from pathlib import Path
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from . import errors
-from .blobs import DiskStore, MemoryStore
-from .manifest import Manifest, ManifestError
+from .blobs import DiskStore, MemoryStore, StagingDropped, Upload
+from .manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
 from .settings import RegistrySettings
 from .store import Heartbeat, Store, Version, VersionState
 
@@ -125,6 +125,17 @@ class RegistryService:
         if version in self._publishing:
             raise errors.VersionConflict(f"version {version} is being published; its files are final")
 
+    def finish_upload(self, version: int, name: str, up: Upload) -> int:
+        """Put an uploaded (and synced) file in place, unless its version was published, or began
+        to be, while the bytes arrived. On the loop, in one step with the check: no publish can
+        verify or commit the version's files in between."""
+        self.check_upload(version)
+        try:
+            return up.finish()
+        except StagingDropped:
+            raise errors.UploadIncomplete(f"the uploads of version {version} were dropped while {name} "
+                                          "arrived (DELETE /v1/uploads); upload it again") from None
+
     async def publish(self, manifest: Manifest, verify: bool = True) -> tuple[Version, bool]:
         """Publish the staged bytes of ``manifest``; returns (version, created)."""
         try:
@@ -143,6 +154,9 @@ class RegistryService:
                         detail = "; ".join(f"{n}: chunks {c[:8]}" for n, c in sorted(bad.items()))
                         raise errors.DigestMismatch(f"uploaded bytes differ from the manifest ({detail}); "
                                                     "upload those files again")
+                if dups := await asyncio.to_thread(self._duplicate_tensors, manifest):
+                    raise errors.DuplicateTensor(f"version {manifest.version} gives a tensor name more than "
+                                                 f"once: {'; '.join(dups[:5])}{'; ...' if len(dups) > 5 else ''}")
                 blobs = await asyncio.to_thread(self.blobs.commit, manifest)
             finally:
                 self._publishing.discard(manifest.version)
@@ -160,6 +174,13 @@ class RegistryService:
                 problems.append(f"{f.name} has {sizes[f.name]} bytes, manifest says {f.size}")
         if problems:
             raise errors.UploadIncomplete("; ".join(problems[:20]))
+
+    def _duplicate_tensors(self, manifest: Manifest) -> list[str]:
+        """Tensor names given twice across the safetensors headers of the staged files (files
+        that are not safetensors are not looked into: the registry stores any bytes)."""
+        def names(f) -> list[str] | None:
+            return safetensors_names(lambda o, n: self.blobs.read_staged(manifest.version, f.name, o, n), f.size)
+        return duplicate_tensors((f.name, names(f)) for f in manifest.files)
 
     def abort_upload(self, version: int) -> None:
         self.blobs.discard_staging(version)
