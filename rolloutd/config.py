@@ -177,6 +177,9 @@ class Registry(_Section):
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("expected an http:// or https:// URL with a host, e.g. http://trainer:8700")
         parts.port  # noqa: B018 -- raises ValueError for a port that is not a number in range
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("no user or password in the URL (it would show in logs and /status): "
+                             "put the registry's token in registry.token_file")
         if parts.query or parts.fragment:
             raise ValueError("the registry URL takes no query or fragment")
         return url.rstrip("/")
@@ -477,9 +480,18 @@ def parse_config(text: str, source: str = "<string>", *, check_files: bool = Fal
     return cfg
 
 
+def _unreadable(source: str, e: yaml.reader.ReaderError) -> ConfigError:
+    char = chr(e.character) if isinstance(e.character, int) else e.character
+    return ConfigError(f"{source}: cannot read the YAML: character {char!r} at position {e.position} is not "
+                       "allowed in YAML")
+
+
 def _compose(text: str, source: str) -> tuple[yaml.Node, dict]:
     """The document's node tree and the plain data built from that same tree."""
-    loader = yaml.SafeLoader(text)
+    try:
+        loader = yaml.SafeLoader(text)  # reads the whole text: a control character fails here
+    except yaml.reader.ReaderError as e:
+        raise _unreadable(source, e) from None
     try:
         root = loader.get_single_node()
         data = loader.construct_document(root) if root is not None else None
@@ -487,6 +499,10 @@ def _compose(text: str, source: str) -> tuple[yaml.Node, dict]:
         mark = e.problem_mark or e.context_mark
         where = f"{mark.line + 1}:{mark.column + 1}" if mark else "1"
         raise ConfigError(f"{source}:{where}: YAML syntax error: {e.problem or e.context}") from None
+    except yaml.reader.ReaderError as e:
+        raise _unreadable(source, e) from None
+    except RecursionError:
+        raise ConfigError(f"{source}: cannot read the YAML: nested too deeply") from None
     except (yaml.YAMLError, ValueError) as e:  # a bad date such as 2024-02-30 is a ValueError
         raise ConfigError(f"{source}: cannot read the YAML: {e}") from None
     finally:

@@ -259,7 +259,7 @@ class Daemon:
             return {"ok": False, "message": "no config file to reload (started with an embedded config)"}
         try:
             new = await asyncio.to_thread(load_config, self.config_path)
-        except ConfigError as e:
+        except (ConfigError, RecursionError, MemoryError) as e:  # a reload never takes the daemon down
             log.error("reload failed, the running configuration stays: %s", e)
             self.notifier.status(f"reload failed: {str(e).splitlines()[0]}"[:200])
             return {"ok": False, "message": f"the running configuration stays: {e}"}
