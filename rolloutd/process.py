@@ -195,8 +195,17 @@ class Child:
         self.started_at = time.monotonic()
         self.start_time = start_time(self.pid)
         stream = asyncio.StreamReader(limit=2 * _READ_BYTES)
-        self._transport, _ = await asyncio.get_running_loop().connect_read_pipe(
-            lambda: asyncio.StreamReaderProtocol(stream), open(r, "rb", buffering=0))
+        loop = asyncio.get_running_loop()
+        pipe = open(r, "rb", buffering=0)
+        try:
+            self._transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), pipe)
+        except FileExistsError:
+            # The event loop still watches this descriptor number for a pipe closed a moment ago
+            # (a restart right after a stop): the same pipe under another number.
+            moved = os.dup(pipe.fileno())
+            pipe.close()
+            self._transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream),
+                                                              open(moved, "rb", buffering=0))
         self._reader = asyncio.ensure_future(self._forward(stream))
         if self.records is not None:
             try:
