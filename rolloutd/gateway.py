@@ -10,9 +10,10 @@ routes to the loopback vLLM:
   whether vLLM has such a route or not. A listed path with another method is 405.
 - **Token.** With ``gateway.token_file`` set, every request needs ``Authorization: Bearer
   <token>`` (compared in constant time), else 401. The header is not forwarded to vLLM.
-- **Streaming.** The answer is passed on chunk by chunk as vLLM writes it (SSE included),
-  never buffered whole. A client that goes away closes the connection to vLLM, which aborts
-  the request there.
+- **Streaming.** The answer is passed on piece by piece as vLLM writes it (SSE included),
+  never buffered whole. A client that goes away (closes its side) closes the connection to
+  vLLM, which aborts the request there. If vLLM breaks off an answer, the client's connection
+  is closed before the answer's end, so a cut answer never looks complete.
 - **Server state.** Requests are forwarded while the server is SERVING. While it is UPDATING
   (paused to load a version), ``gateway.while_paused`` decides: ``hold`` keeps new requests at
   the gateway until the server serves again (at most ``hold_max_s``, then 503), ``reject``
@@ -23,18 +24,27 @@ routes to the loopback vLLM:
   again.
 
 Errors are JSON ``{"error": {"code", "message"}}``, as in the admin API and the registry.
+
+It is a relay at the level of asyncio protocols, with llhttp (``httptools``) parsing both
+sides: a streamed generation passes through it once per token, so each request and each piece
+must cost microseconds, not the hundreds a general HTTP client and server spend (see
+bench/README.md, "Gateway cost"). One request per client connection is answered at a time,
+in order (pipelined requests wait their turn); requests to vLLM go over kept-alive loopback
+connections.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import hmac
+import http
 import json
 import logging
+import socket
 import time
 
-import aiohttp
-from aiohttp import web
+import httptools
 
 from .config import Gateway as GatewaySettings
 from .metrics import Metrics
@@ -54,11 +64,18 @@ ROUTES: dict[str, frozenset[str]] = {
     "/health": frozenset({"GET"}),
 }
 
-# Per-connection headers (RFC 9110 7.6.1), the client's token, and what aiohttp sets itself.
-_DROP_REQUEST = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                           "trailer", "transfer-encoding", "upgrade", "host", "authorization", "content-length"})
-_DROP_RESPONSE = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
-                            "trailer", "transfer-encoding", "upgrade", "content-length", "date", "server"})
+HEAD_LIMIT = 64 * 1024  # request line and headers, as most servers allow
+IDLE_UPSTREAM_S = 2.0  # a kept-alive connection to vLLM older than this is not reused (uvicorn drops them at 5 s)
+IDLE_UPSTREAM_MAX = 64
+LINGER_S = 2.0  # after refusing a request whose body still comes: read and drop it this long, then close
+
+# Per-connection headers (RFC 9110 7.6.1), framing (set by the relay itself), the client's token,
+# and what must not pass: the relay answers ``Expect`` itself and names no server.
+_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
+                  b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
+_DROP_REQUEST = _HOP | {b"host", b"authorization", b"expect"}
+_DROP_RESPONSE = _HOP | {b"server"}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 
 class GatewayError(OSError):
@@ -73,41 +90,41 @@ class Gateway:
     def __init__(self, name: str, upstream_port: int, port: int, settings: GatewaySettings, token: str | None,
                  metrics: Metrics):
         self.name, self.port, self.settings, self.metrics = name, port, settings, metrics
-        self._upstream = f"http://127.0.0.1:{upstream_port}"
+        self.upstream_port = upstream_port
+        self.limit = int(settings.max_body_bytes)
+        self.host_header = b"127.0.0.1:%d" % upstream_port
         self._token = token.encode() if token else None
         self.state = ServerState.STOPPED
         self._serving = asyncio.Event()
-        self._runner: web.ServerRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
+        self._server: asyncio.Server | None = None
+        self._clients: set[_Client] = set()
+        self._idle: list[_Upstream] = []  # kept-alive connections to vLLM, newest last
         self._counters: dict[tuple[str, int], object] = {}
 
     # -- life -----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Listen on ``gateway.host:port``; GatewayError with the reason when that fails."""
-        # Only what a relay needs: no cookies, no redirects, bytes passed on as they are.
-        self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=False),
-            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-            skip_auto_headers=("User-Agent", "Content-Type"),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
-        self._runner = web.ServerRunner(web.Server(self._handle), access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, self.settings.host, self.port, reuse_address=True)
+        loop = asyncio.get_running_loop()
         try:
-            await site.start()
+            self._server = await loop.create_server(lambda: _Client(self), self.settings.host, self.port,
+                                                    reuse_address=True)
         except OSError as e:
-            await self.stop()
             raise GatewayError(f"gateway {self.name}: cannot listen on {self.settings.host}:{self.port}: "
                                f"{e.strerror or e}") from None
-        log.info("gateway %s: listening on %s:%d -> %s", self.name, self.settings.host, self.port, self._upstream)
+        log.info("gateway %s: listening on %s:%d -> 127.0.0.1:%d", self.name, self.settings.host, self.port,
+                 self.upstream_port)
 
     async def stop(self) -> None:
-        if self._runner is not None:
-            await self._runner.cleanup()
-            self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Stop listening and end every connection (a request in flight is cut off)."""
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        for client in list(self._clients):
+            client.close()
+        for up in self._idle:
+            up.transport.close()
+        self._idle.clear()
+        await asyncio.sleep(0)  # let the transports' close callbacks run
 
     def on_state(self, new: ServerState) -> None:
         """Follow the server's lifecycle (a listener of its Lifecycle)."""
@@ -117,42 +134,65 @@ class Gateway:
         else:
             self._serving.clear()
 
-    # -- one request ----------------------------------------------------------------------------
-    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        path = request.raw_path.partition("?")[0]
+    # -- what a request gets --------------------------------------------------------------------
+    def refusal(self, method: str, path: str, authorization: bytes | None) -> tuple | None:
+        """The gateway's own answer to a request, or None when it is forwarded."""
         methods = ROUTES.get(path)
         if methods is None:
-            return self._count(path, _error(404, "not_found", "no such route on this gateway"))
-        if self._token is not None and not self._authorized(request):
-            return self._count(path, _error(401, "unauthorized", "missing or wrong bearer token",
-                                            {"WWW-Authenticate": "Bearer"}))
-        if request.method not in methods:
-            return self._count(path, _error(405, "method_not_allowed", f"{path} takes {', '.join(sorted(methods))}",
-                                            {"Allow": ", ".join(sorted(methods))}))
+            return 404, "not_found", "no such route on this gateway", ()
+        if self._token is not None and not self._authorized(authorization):
+            return 401, "unauthorized", "missing or wrong bearer token", ((b"WWW-Authenticate", b"Bearer"),)
+        if method not in methods:
+            allow = ", ".join(sorted(methods))
+            return 405, "method_not_allowed", f"{path} takes {allow}", ((b"Allow", allow.encode()),)
+        return None
+
+    def _authorized(self, authorization: bytes | None) -> bool:
+        scheme, _, given = (authorization or b"").partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token)
+
+    def unavailable(self, message: str) -> tuple:
+        return 503, "unavailable", message, ((b"Retry-After", str(self.settings.retry_after_s).encode()),)
+
+    def count(self, path: str, status: int) -> None:
+        key = (path if path in ROUTES else "other", status)
+        counter = self._counters.get(key)
+        if counter is None:  # labels() costs more than the count: keep each child
+            counter = self._counters[key] = self.metrics.gateway_requests.labels(
+                server=self.name, route=key[0], code=str(status))
+        counter.inc()
+
+    # -- forwarding -----------------------------------------------------------------------------
+    def forward(self, exchange: _Exchange) -> None:
+        """Send a request on to vLLM: at once on a kept-alive connection while serving (the
+        common case, no task at all), else through the policy and a new connection."""
+        if self._serving.is_set():
+            up = self._take_idle()
+            if up is not None:
+                up.send(exchange, reused=True)
+                return
+        exchange.task = asyncio.get_running_loop().create_task(self._forward_later(exchange))
+
+    async def _forward_later(self, exchange: _Exchange) -> None:
         try:
-            body = await self._read_body(request)
-        except ValueError as e:
-            return self._count(path, _error(413, "too_large", str(e)))
-        try:
-            return self._count(path, await self._forward(request, path, body))
+            while True:
+                await self._ready(exchange.deadline)
+                up = reused = self._take_idle()
+                if up is None:
+                    try:
+                        up = await self._connect()
+                    except OSError as e:
+                        if not self._serving.is_set():
+                            continue  # the server left SERVING meanwhile: the policy decides
+                        exchange.client.answer_error(exchange, 502, "upstream",
+                                                     f"server {self.name} did not answer: {e.strerror or e}", ())
+                        return
+                up.send(exchange, reused=reused is not None)
+                return
         except Unavailable as e:
-            return self._count(path, _error(503, "unavailable", str(e),
-                                            {"Retry-After": str(self.settings.retry_after_s)}))
-
-    def _authorized(self, request: web.BaseRequest) -> bool:
-        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), self._token)
-
-    async def _read_body(self, request: web.BaseRequest) -> bytes:
-        limit = int(self.settings.max_body_bytes)
-        if request.content_length is not None and request.content_length > limit:
-            raise ValueError(f"request body of {request.content_length} bytes; the limit is {limit}")
-        body = bytearray()
-        async for chunk in request.content.iter_any():
-            body += chunk
-            if len(body) > limit:
-                raise ValueError(f"request body above the limit of {limit} bytes")
-        return bytes(body)
+            exchange.client.answer_error(exchange, *self.unavailable(str(e)))
+        finally:
+            exchange.task = None
 
     async def _ready(self, deadline: float) -> None:
         """Return once the server serves; Unavailable when it will not within the policy."""
@@ -168,64 +208,396 @@ class Gateway:
             raise Unavailable(f"server {self.name} still {self.state.name} after "
                               f"{self.settings.hold_max_s:g} s") from None
 
-    async def _forward(self, request: web.BaseRequest, path: str, body: bytes) -> web.StreamResponse:
-        deadline = time.monotonic() + self.settings.hold_max_s
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP_REQUEST}
-        url = self._upstream + path + (f"?{request.query_string}" if request.query_string else "")
-        while True:
-            await self._ready(deadline)
-            try:
-                upstream = await self._session.request(request.method, url, headers=headers, data=body or None,
-                                                       allow_redirects=False)
-            except aiohttp.ClientError as e:
-                if not self._serving.is_set():
-                    continue  # the server left SERVING meanwhile: the policy decides
-                return _error(502, "upstream", f"server {self.name} did not answer: {type(e).__name__}")
-            if upstream.status == 503 and not self._serving.is_set() and self.settings.while_paused == "hold":
-                upstream.release()  # refused because it paused just now: hold it and send it again
-                continue
-            return await self._relay(request, upstream)
+    def resend(self, exchange: _Exchange) -> None:
+        """Send a request again: through the policy, on another connection."""
+        exchange.task = asyncio.get_running_loop().create_task(self._forward_later(exchange))
 
-    async def _relay(self, request: web.BaseRequest, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-        """Pass vLLM's answer on as it comes."""
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for key, value in upstream.headers.items():
-            if key.lower() not in _DROP_RESPONSE:
-                response.headers.add(key, value)
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
+    def failed(self, exchange: _Exchange, why: str) -> None:
+        """vLLM dropped a request: the policy decides again when it is no longer serving (it
+        paused or stopped); while it is serving, that is its failure (502)."""
+        if self._serving.is_set():
+            exchange.client.answer_error(exchange, 502, "upstream", f"server {self.name} {why}", ())
+        else:
+            self.resend(exchange)
+
+    def held_again(self, status: int) -> bool:
+        """A 503 from a server that has paused since: hold the request and send it again."""
+        return status == 503 and not self._serving.is_set() and self.settings.while_paused == "hold"
+
+    # -- connections to vLLM --------------------------------------------------------------------
+    async def _connect(self) -> _Upstream:
+        loop = asyncio.get_running_loop()
+        async with asyncio.timeout(5):
+            _, up = await loop.create_connection(lambda: _Upstream(self), "127.0.0.1", self.upstream_port)
+        return up
+
+    def _take_idle(self) -> _Upstream | None:
+        now = time.monotonic()
+        while self._idle:
+            up = self._idle.pop()
+            if not up.transport.is_closing() and now - up.idle_since < IDLE_UPSTREAM_S:
+                return up
+            up.transport.close()
+        return None
+
+    def give_back(self, up: _Upstream) -> None:
+        if len(self._idle) >= IDLE_UPSTREAM_MAX or self._server is None:
+            up.transport.close()
+            return
+        up.idle_since = time.monotonic()
+        self._idle.append(up)
+
+    def forget(self, up: _Upstream) -> None:
+        if up in self._idle:
+            self._idle.remove(up)
+
+
+class _Exchange:
+    """One request from a client and what the gateway does with it."""
+
+    __slots__ = ("client", "method", "target", "path", "headers", "authorization", "length", "expect", "body",
+                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream")
+
+    def __init__(self, client: _Client):
+        self.client = client
+        self.target = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.authorization: bytes | None = None
+        self.length: int | None = None  # Content-Length, when given
+        self.expect = False
+        self.body = bytearray()
+        self.refusal: tuple | None = None
+        self.keep_alive = True
+        self.http10 = False
+        self.task: asyncio.Task | None = None
+        self.upstream: _Upstream | None = None
+
+    def request_bytes(self, host: bytes, connection_tokens: frozenset[bytes]) -> bytes:
+        """The request as sent to vLLM: the same target, method, headers and body; a Host of
+        its own, framing of its own (the whole body is here), nothing per-connection."""
+        lines = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (self.method.encode(), self.target, host)]
+        for name, value in self.headers:
+            low = name.lower()
+            if low not in _DROP_REQUEST and low not in connection_tokens:
+                lines.append(b"%s: %s\r\n" % (name, value))
+        if self.body or self.method != "GET":
+            lines.append(b"Content-Length: %d\r\n" % len(self.body))
+        lines.append(b"\r\n")
+        lines.append(self.body)
+        return b"".join(lines)
+
+
+def _connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """Header names a ``Connection`` header declares per-connection (RFC 9110 7.6.1)."""
+    tokens = [t.strip().lower() for name, value in headers if name.lower() == b"connection" for t in value.split(b",")]
+    return frozenset(tokens)
+
+
+def _error_bytes(status: int, code: str, message: str, extra: tuple, exchange: _Exchange | None) -> bytes:
+    body = json.dumps({"error": {"code": code, "message": message}}).encode()
+    lines = [b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
+             % (status, http.HTTPStatus(status).phrase.encode(), len(body))]
+    lines += [b"%s: %s\r\n" % header for header in extra]
+    lines.append(_connection_header(exchange))
+    return b"".join(lines) + b"\r\n" + body
+
+
+def _connection_header(exchange: _Exchange | None) -> bytes:
+    if exchange is None or not exchange.keep_alive:
+        return b"Connection: close\r\n"
+    return b"Connection: keep-alive\r\n" if exchange.http10 else b""
+
+
+class _Client(asyncio.Protocol):
+    """One connection from a client: parses its requests, answers them in order."""
+
+    def __init__(self, gateway: Gateway):
+        self.gw = gateway
+        self.parser = httptools.HttpRequestParser(self)
+        self.transport: asyncio.Transport | None = None
+        self.reading: _Exchange | None = None  # the request being read
+        self.queue: collections.deque[_Exchange] = collections.deque()  # read, not yet answered; [0] is in hand
+        self.head_bytes = 0  # read while no request, or a request's head, is complete
+        self.in_head = True
+        self.done = False  # answering one last thing, then closing: what comes in is dropped
+        self.last: bytes | None = None  # that last thing, when requests before it are answered first
+
+    # -- the transport's callbacks ----------------------------------------------------------------
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        _nodelay(transport)
+        self.gw._clients.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gw._clients.discard(self)
+        self.done = True
+        for exchange in self.queue:
+            _abandon(exchange)
+        self.queue.clear()
+
+    def eof_received(self) -> bool:
+        # A client that closes its side has left (as nginx takes it): what it asked for is ended
+        # (connection_lost follows), which for a generation aborts it in vLLM.
+        return False
+
+    def pause_writing(self) -> None:  # the client reads slower than vLLM writes: stop reading vLLM
+        up = self.queue[0].upstream if self.queue else None
+        if up is not None:
+            up.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        up = self.queue[0].upstream if self.queue else None
+        if up is not None:
+            up.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.done:
+            return  # lingering after a refusal: dropped
         try:
-            await response.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                await response.write(chunk)
-            await response.write_eof()
-        except ConnectionError:
-            upstream.close()  # the client left: closing the connection to vLLM aborts the request there
-        except aiohttp.ClientError as e:
-            # vLLM broke off mid-answer: break the client's connection too, so a cut answer never
-            # looks complete.
-            log.warning("gateway %s: %s %s: the server broke off its answer: %s", self.name, request.method,
-                        request.path, type(e).__name__)
-            upstream.close()
-            if request.transport is not None:
-                request.transport.close()
-        except asyncio.CancelledError:
-            upstream.close()
-            raise
-        finally:
-            upstream.release()
-        return response
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self.finish(400, "bad_request", "protocol upgrades are not supported")
+        except httptools.HttpParserError:
+            self.finish(400, "bad_request", "not a valid HTTP/1.1 request")
+        else:
+            if self.in_head:
+                self.head_bytes += len(data)
+                if self.head_bytes > HEAD_LIMIT:
+                    self.finish(431, "too_large", f"request line and headers above {HEAD_LIMIT} bytes")
+        if len(self.queue) > 1 and not self.transport.is_closing():
+            self.transport.pause_reading()  # pipelined requests: these are enough for now
 
-    def _count(self, path: str, response: web.StreamResponse) -> web.StreamResponse:
-        key = (path if path in ROUTES else "other", response.status)
-        counter = self._counters.get(key)
-        if counter is None:  # labels() costs more than the count: keep each child
-            counter = self._counters[key] = self.metrics.gateway_requests.labels(
-                server=self.name, route=key[0], code=str(key[1]))
-        counter.inc()
-        return response
+    # -- the parser's callbacks -------------------------------------------------------------------
+    def on_message_begin(self) -> None:
+        self.reading = _Exchange(self)
+
+    def on_url(self, url: bytes) -> None:
+        self.reading.target += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        ex = self.reading
+        ex.headers.append((name, value))
+        low = name.lower()
+        if low == b"authorization":
+            ex.authorization = value
+        elif low == b"content-length":
+            ex.length = int(value)  # llhttp has checked it is a number
+        elif low == b"expect":
+            ex.expect = value.lower() == b"100-continue"
+
+    def on_headers_complete(self) -> None:
+        if self.done:
+            return
+        self.in_head, self.head_bytes = False, 0
+        ex, gw = self.reading, self.gw
+        ex.method = self.parser.get_method().decode("ascii")
+        ex.keep_alive = self.parser.should_keep_alive()
+        ex.http10 = self.parser.get_http_version() == "1.0"
+        ex.path = ex.target.partition(b"?")[0].decode("latin-1")
+        ex.deadline = time.monotonic() + gw.settings.hold_max_s
+        ex.refusal = gw.refusal(ex.method, ex.path, ex.authorization)
+        if ex.refusal is None and ex.length is not None and ex.length > gw.limit:
+            ex.refusal = (413, "too_large", f"request body of {ex.length} bytes; the limit is {gw.limit}", ())
+        if ex.refusal is not None and (ex.expect or ex.refusal[0] == 413) and ex.length:
+            # The body is not wanted: answer now rather than read it all (the client of an Expect
+            # does not even send it), then close.
+            self.finish(*ex.refusal, exchange=ex)
+        elif ex.expect and not self.queue:
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        ex = self.reading
+        if self.done or ex.refusal is not None:
+            return  # a refused request's body is read and dropped
+        ex.body += body
+        if len(ex.body) > self.gw.limit:
+            ex.refusal = (413, "too_large", f"request body above the limit of {self.gw.limit} bytes", ())
+            self.finish(*ex.refusal, exchange=ex)
+
+    def on_message_complete(self) -> None:
+        if self.done:
+            return
+        ex, self.reading, self.in_head = self.reading, None, True
+        self.queue.append(ex)
+        if len(self.queue) == 1:
+            self._answer(ex)
+
+    # -- answering --------------------------------------------------------------------------------
+    def _answer(self, ex: _Exchange) -> None:
+        if ex.refusal is not None:
+            self.answer_error(ex, *ex.refusal)
+        else:
+            self.gw.forward(ex)
+
+    def answer_error(self, ex: _Exchange, status: int, code: str, message: str, extra: tuple) -> None:
+        if self.transport.is_closing():
+            return
+        self.transport.write(_error_bytes(status, code, message, extra, ex))
+        self.answered(ex, status)
+
+    def answered(self, ex: _Exchange, status: int) -> None:
+        """``ex`` (the first in the queue) has its whole answer: on to the next, or close."""
+        self.gw.count(ex.path, status)
+        self.queue.popleft()
+        if not ex.keep_alive:
+            self.transport.close()
+        elif self.queue:
+            self._answer(self.queue[0])
+        elif self.last is not None:
+            self.transport.write(self.last)
+            self._linger()
+        elif not self.done:
+            self.transport.resume_reading()
+
+    def finish(self, status: int, code: str, message: str, extra: tuple = (), exchange: _Exchange | None = None) -> None:
+        """Refuse what is being read, after any request before it, and close: the rest of it is
+        read and dropped for a while first, so that the client gets the answer rather than a
+        reset for the bytes it still sends."""
+        self.done = True
+        self.gw.count(exchange.path if exchange is not None else "other", status)
+        answer = _error_bytes(status, code, message, extra, None)
+        if self.queue:  # the requests before it are answered first
+            self.last = answer
+            return
+        self.transport.write(answer)
+        self._linger()
+
+    def _linger(self) -> None:
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
 
 
-def _error(status: int, code: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(status=status, headers=headers, content_type="application/json",
-                        text=json.dumps({"error": {"code": code, "message": message}}))
+class _Upstream(asyncio.Protocol):
+    """One kept-alive connection to vLLM, relaying one answer at a time to a client."""
+
+    def __init__(self, gateway: Gateway):
+        self.gw = gateway
+        self.transport: asyncio.Transport | None = None
+        self.exchange: _Exchange | None = None
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:
+        self.transport = transport
+        _nodelay(transport)
+
+    def send(self, exchange: _Exchange, reused: bool) -> None:
+        self.exchange, exchange.upstream, self.reused = exchange, self, reused
+        self.parser = httptools.HttpResponseParser(self)
+        self.status, self.reason, self.headers = 0, b"", []
+        self.started = False  # the answer's head has gone to the client
+        self.chunked = False  # the client gets chunked framing made here
+        self.until_close = False  # vLLM ends this answer by closing the connection
+        self.discard = False  # this answer is not passed on (a 503 from a pausing server)
+        self.transport.resume_reading()  # in case a slow client paused it during the last answer
+        self.transport.write(exchange.request_bytes(self.gw.host_header, _connection_tokens(exchange.headers)))
+
+    def data_received(self, data: bytes) -> None:
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            log.warning("gateway %s: the server's answer is not valid HTTP", self.gw.name)
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.gw.forget(self)
+        ex, self.exchange = self.exchange, None
+        if ex is None or ex.client.transport.is_closing():
+            return  # idle, or its client has left
+        ex.upstream = None
+        if self.started and self.until_close:
+            self._end(ex)
+        elif self.started:
+            log.warning("gateway %s: %s %s: the server broke off its answer", self.gw.name, ex.method, ex.path)
+            ex.client.close()  # the client sees the answer cut, never a complete-looking one
+        elif self.discard or (self.reused and not self.status):
+            self.gw.resend(ex)  # a kept-alive connection vLLM had closed meanwhile: once more, anew
+        else:
+            self.gw.failed(ex, "closed the connection without an answer")
+
+    # -- the parser's callbacks -------------------------------------------------------------------
+    def on_status(self, reason: bytes) -> None:
+        self.reason += reason
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        ex = self.exchange
+        self.status = self.parser.get_status_code()
+        if self.status < 200 or self.gw.held_again(self.status):
+            self.discard = True  # an interim answer, or a pausing server's refusal: not passed on
+            return
+        dropped = _connection_tokens(self.headers)
+        lines = [b"HTTP/1.1 %d %s\r\n" % (self.status, self.reason or b"-")]
+        length = framed = None
+        for name, value in self.headers:
+            low = name.lower()
+            if low == b"content-length":
+                length = value
+            elif low == b"transfer-encoding":
+                framed = value
+            elif low not in _DROP_RESPONSE and low not in dropped:
+                lines.append(b"%s: %s\r\n" % (name, value))
+        if length is not None:
+            lines.append(b"Content-Length: %s\r\n" % length)
+        elif self.status not in (204, 304):
+            self.until_close = framed is None
+            if ex.http10:
+                ex.keep_alive = False  # an HTTP/1.0 client knows the end by the close
+            else:
+                lines.append(b"Transfer-Encoding: chunked\r\n")
+                self.chunked = True
+        lines.append(_connection_header(ex))
+        lines.append(b"\r\n")
+        ex.client.transport.write(b"".join(lines))
+        self.started = True
+
+    def on_body(self, body: bytes) -> None:
+        if self.discard:
+            return
+        if self.chunked:
+            self.exchange.client.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        else:
+            self.exchange.client.transport.write(body)
+
+    def on_message_complete(self) -> None:
+        if self.status < 200:  # after an interim answer, the real one follows
+            self.status, self.reason, self.headers, self.discard = 0, b"", [], False
+            return
+        ex, self.exchange = self.exchange, None
+        ex.upstream = None
+        if self.parser.should_keep_alive():
+            self.gw.give_back(self)
+        else:
+            self.transport.close()
+        if self.discard:
+            self.gw.resend(ex)
+        else:
+            self._end(ex)
+
+    def _end(self, ex: _Exchange) -> None:
+        if self.chunked:
+            ex.client.transport.write(b"0\r\n\r\n")
+        ex.client.answered(ex, self.status)
+
+
+def _abandon(exchange: _Exchange) -> None:
+    """The client left: stop waiting for the server, or close the connection to it, which
+    makes vLLM abort the request."""
+    if exchange.task is not None:
+        exchange.task.cancel()
+    up = exchange.upstream
+    if up is not None:
+        up.exchange = None
+        up.transport.close()
+
+
+def _nodelay(transport: asyncio.Transport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
