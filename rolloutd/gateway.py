@@ -317,7 +317,9 @@ class _Client(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.reading: _Exchange | None = None  # the request being read
         self.queue: collections.deque[_Exchange] = collections.deque()  # read, not yet answered; [0] is in hand
-        self.head_bytes = 0  # read while no request, or a request's head, is complete
+        self.head_size = 0  # of the request line and headers read so far
+        self.head_pending = 0  # bytes read while a head is not complete (a bound on what llhttp holds)
+        self.heads = 0  # heads read whole
         self.in_head = True
         self.done = False  # answering one last thing, then closing: what comes in is dropped
         self.last: bytes | None = None  # that last thing, when requests before it are answered first
@@ -353,17 +355,19 @@ class _Client(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.done:
             return  # lingering after a refusal: dropped
+        heads = self.heads
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self.finish(400, "bad_request", "protocol upgrades are not supported")
+            self._no_upgrade()
         except httptools.HttpParserError:
             self.finish(400, "bad_request", "not a valid HTTP/1.1 request")
         else:
-            if self.in_head:
-                self.head_bytes += len(data)
-                if self.head_bytes > HEAD_LIMIT:
-                    self.finish(431, "too_large", f"request line and headers above {HEAD_LIMIT} bytes")
+            if self.in_head and self.heads == heads:  # a head still coming, over more than this piece
+                # (llhttp keeps a header's pieces until it is whole: this bounds that)
+                self.head_pending += len(data)
+                if self.head_pending > HEAD_LIMIT:
+                    self.finish(*self._head_too_large())
         if len(self.queue) > 1 and not self.transport.is_closing():
             self.transport.pause_reading()  # pipelined requests: these are enough for now
 
@@ -373,10 +377,12 @@ class _Client(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.reading.target += url
+        self.head_size += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         ex = self.reading
         ex.headers.append((name, value))
+        self.head_size += len(name) + len(value) + 4
         low = name.lower()
         if low == b"authorization":
             ex.authorization = value
@@ -388,10 +394,16 @@ class _Client(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         if self.done:
             return
-        self.in_head, self.head_bytes = False, 0
+        if self.head_size > HEAD_LIMIT:
+            self.finish(*self._head_too_large())
+            return
+        self.in_head, self.head_size, self.head_pending = False, 0, 0
+        self.heads += 1
         ex, gw = self.reading, self.gw
         ex.method = self.parser.get_method().decode("ascii")
-        ex.keep_alive = self.parser.should_keep_alive()
+        # llhttp stops after a request that asks to upgrade (or a CONNECT): it is answered as any
+        # other (never upgraded), and the connection ends with it.
+        ex.keep_alive = self.parser.should_keep_alive() and not self.parser.should_upgrade()
         ex.http10 = self.parser.get_http_version() == "1.0"
         ex.path = ex.target.partition(b"?")[0].decode("latin-1")
         ex.deadline = time.monotonic() + gw.settings.hold_max_s
@@ -421,6 +433,16 @@ class _Client(asyncio.Protocol):
         self.queue.append(ex)
         if len(self.queue) == 1:
             self._answer(ex)
+
+    def _head_too_large(self) -> tuple:
+        return 431, "too_large", f"request line and headers above {HEAD_LIMIT} bytes"
+
+    def _no_upgrade(self) -> None:
+        """After a request that asks to upgrade, llhttp reads nothing more; that request is
+        answered, not upgraded, and ends the connection (``on_headers_complete``)."""
+        if self.reading is not None:  # not even read whole
+            self.finish(400, "bad_request", "not a valid HTTP/1.1 request")
+        self.done = True
 
     # -- answering --------------------------------------------------------------------------------
     def _answer(self, ex: _Exchange) -> None:
@@ -453,6 +475,8 @@ class _Client(asyncio.Protocol):
         """Refuse what is being read, after any request before it, and close: the rest of it is
         read and dropped for a while first, so that the client gets the answer rather than a
         reset for the bytes it still sends."""
+        if self.done:
+            return
         self.done = True
         self.gw.count(exchange.path if exchange is not None else "other", status)
         answer = _error_bytes(status, code, message, extra, None)

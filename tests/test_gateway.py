@@ -371,3 +371,250 @@ def test_same_answers_on_032_and_033_while_paused(vllm, gateway):
                     gw.stop()
             assert answers[0] == answers[1] == (expect, "2", "unavailable"), answers
         assert fake.seen == 0
+
+
+# -- HTTP as it comes: pipelining, Expect, chunked bodies, HTTP/1.0, bad heads --------------------
+
+def talk(url: str, *parts: bytes, pause_s: float = 0.0, timeout_s: float = 30) -> bytes:
+    """Send ``parts`` on one connection (``pause_s`` between them) and read until the gateway
+    closes it: everything it answered, as bytes."""
+    host, port = url.removeprefix("http://").split(":")
+
+    async def go() -> bytes:
+        reader, writer = await asyncio.open_connection(host, int(port))
+        for i, part in enumerate(parts):
+            if i:
+                await asyncio.sleep(pause_s)
+            writer.write(part)
+            await writer.drain()
+        data = await asyncio.wait_for(reader.read(-1), timeout_s)
+        writer.close()
+        return data
+    return asyncio.run(go())
+
+
+def responses(data: bytes) -> list[tuple[int, dict[str, str], bytes]]:
+    """Split what ``talk`` read into (status, headers, body), framed by Content-Length, chunked
+    encoding, or the end of the data; a 1xx answer is one with no body."""
+    out = []
+    while data:
+        head, _, data = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:])}
+        if status < 200:
+            body = b""
+        elif "content-length" in headers:
+            n = int(headers["content-length"])
+            body, data = data[:n], data[n:]
+        elif headers.get("transfer-encoding") == "chunked":
+            body = b""
+            while True:
+                size, _, data = data.partition(b"\r\n")
+                n = int(size, 16)
+                body, data = body + data[:n], data[n + 2:]
+                if n == 0:
+                    break
+        else:
+            body, data = data, b""
+        out.append((status, headers, body))
+    return out
+
+
+def post(path: str, payload: dict, *, extra: str = "", version: str = "1.1") -> bytes:
+    body = json.dumps(payload).encode()
+    return (f"POST {path} HTTP/{version}\r\nHost: node\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n{extra}\r\n").encode() + body
+
+
+def test_pipelined_requests_are_answered_in_order(vllm, gateway):
+    gw = gateway(token=TOKEN)
+    model = httpx.get(vllm.url + "/v1/models").json()["data"][0]["id"]
+    auth = f"Authorization: Bearer {TOKEN}\r\n"
+    words = ["hello", "pause", "world"]
+    expected = [httpx.post(vllm.url + "/tokenize", json={"model": model, "prompt": w}).json()["tokens"]
+                for w in words]
+    data = talk(gw.url, b"".join([post("/tokenize", {"model": model, "prompt": words[0]}, extra=auth),
+                                  b"POST /pause HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n\r\n",  # 404, in its turn
+                                  post("/tokenize", {"model": model, "prompt": words[2]}, extra=auth),
+                                  post("/tokenize", {"model": model, "prompt": words[1]},
+                                       extra=auth + "Connection: close\r\n")]))
+    answers = responses(data)
+    assert [status for status, _, _ in answers] == [200, 404, 200, 200]
+    assert [json.loads(body)["tokens"] for _, _, body in (answers[0], answers[2], answers[3])] == \
+        [expected[0], expected[2], expected[1]]
+    assert answers[3][1]["connection"] == "close"
+
+
+def test_expect_100_continue(vllm, gateway):
+    gw = gateway(token=TOKEN)
+    body = json.dumps(generate_body()).encode()
+    head = (f"POST /inference/v1/generate HTTP/1.1\r\nHost: node\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\nExpect: 100-continue\r\nConnection: close\r\n").encode()
+    # Allowed: "100 Continue" first, then the body is read and forwarded.
+    answers = responses(talk(gw.url, head + f"Authorization: Bearer {TOKEN}\r\n\r\n".encode(), body, pause_s=0.3))
+    assert [status for status, _, _ in answers] == [100, 200], answers
+    assert len(json.loads(answers[1][2])["choices"][0]["token_ids"]) == 12
+    # Refused: the answer comes at once, without waiting for a body the client holds back.
+    t0 = time.perf_counter()
+    answers = responses(talk(gw.url, head + b"\r\n", timeout_s=5))
+    assert [status for status, _, _ in answers] == [401] and time.perf_counter() - t0 < 2
+
+
+def test_a_chunked_request_body_is_forwarded_whole(vllm, gateway):
+    gw = gateway()
+    model = httpx.get(vllm.url + "/v1/models").json()["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "hello world"}).encode()
+    half = len(body) // 2
+    chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (half, body[:half], len(body) - half, body[half:])
+    head = (b"POST /tokenize HTTP/1.1\r\nHost: node\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
+    [(status, _, answer)] = responses(talk(gw.url, head + chunked[:20], chunked[20:], pause_s=0.2))
+    assert status == 200, answer
+    direct = httpx.post(vllm.url + "/tokenize", content=body, headers={"Content-Type": "application/json"})
+    assert json.loads(answer)["tokens"] == direct.json()["tokens"]
+
+
+def test_http_1_0_clients(vllm, gateway):
+    gw = gateway()
+    # A streamed answer to HTTP/1.0 has no chunked framing: it ends with the connection.
+    data = talk(gw.url, post("/inference/v1/generate", generate_body(max_tokens=5, stream=True), version="1.0"))
+    [(status, headers, body)] = responses(data)
+    assert status == 200 and "transfer-encoding" not in headers and body.rstrip().endswith(b"data: [DONE]")
+    # Keep-alive asked for: kept, and said so.
+    keep = b"GET /v1/models HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
+    answers = responses(talk(gw.url, keep, b"GET /v1/models HTTP/1.0\r\n\r\n", pause_s=0.3))
+    assert [(status, headers.get("connection")) for status, headers, _ in answers] == [(200, "keep-alive"), (200, "close")]
+
+
+def test_what_is_not_http_or_too_large_a_head_is_refused_and_closed(gateway):
+    gw = gateway(token=TOKEN)
+    auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    for raw, status in ((b"hello\r\n\r\n", 400), (b"GET /health HTTP/1.1\r\nHost: x\r\nBad Header: 1\r\n\r\n", 400),
+                        (b"GET /health HTTP/1.1\r\n" + auth + b"X-Pad: " + b"p" * 70_000 + b"\r\n\r\n", 431),
+                        (b"GET /health HTTP/1.1\r\n" + auth + b"X-Pad: " + b"p" * 70_000, 431),  # and more to come
+                        (b"CONNECT node:443 HTTP/1.1\r\nHost: node:443\r\n" + auth + b"\r\n", 404)):
+        [(got, headers, body)] = responses(talk(gw.url, raw, timeout_s=10))
+        assert (got, headers.get("connection")) == (status, "close"), raw[:40]
+        assert json.loads(body)["error"]["code"] in ("bad_request", "too_large", "not_found")
+    # Asked to upgrade: answered as any request, never upgraded, and the connection ends.
+    upgrade = b"GET /health HTTP/1.1\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+    [(got, headers, _)] = responses(talk(gw.url, upgrade + auth + b"\r\n", timeout_s=10))
+    assert (got, headers.get("connection")) == (200, "close")
+    [(got, headers, _)] = responses(talk(gw.url, upgrade + b"\r\n", timeout_s=10))
+    assert (got, headers.get("connection")) == (401, "close")
+    assert httpx.get(gw.url + "/health", headers=AUTH).status_code == 200
+
+
+# -- faults of the server, and slow clients (small fakes: vLLM cannot be made to show them) -------
+
+class FakeRawUpstream:
+    """A fake server scripted at the socket level: ``script(n, reader, writer)`` handles its
+    ``n``-th connection (from 1)."""
+
+    def __init__(self, script):
+        self.script, self.connections, self.sent = script, 0, 0
+        self.port = free_port()
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+
+    async def _start(self) -> None:
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+
+    async def _connection(self, reader, writer) -> None:
+        self.connections += 1
+        try:
+            await self.script(self, self.connections, reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.server.close)
+
+
+async def read_request(reader) -> bytes:
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    return head + await reader.readexactly(length)
+
+
+def test_an_answer_the_server_breaks_off_is_broken_off_for_the_client():
+    async def script(fake, n, reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.2)  # and then the server dies, the stream unfinished
+    fake = FakeRawUpstream(script)
+    gw = GatewayThread(fake.port, free_port()).start()
+    try:
+        with httpx.Client(timeout=10) as c, c.stream("POST", gw.url + "/inference/v1/generate", json={}) as r:
+            chunks = r.iter_raw()
+            assert next(chunks) == b"data: 1\n\n"
+            with pytest.raises(httpx.RemoteProtocolError):
+                next(chunks)
+        # An answer framed by the end of the connection is complete when it ends.
+        fake.script = close_delimited
+        r = httpx.post(gw.url + "/inference/v1/generate", json={}, timeout=10)
+        assert (r.status_code, r.content) == (200, b"all of it")
+    finally:
+        gw.stop()
+        fake.close()
+
+
+async def close_delimited(fake, n, reader, writer):
+    await read_request(reader)
+    writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nall of")
+    await writer.drain()
+    await asyncio.sleep(0.1)
+    writer.write(b" it")
+
+
+def test_a_kept_alive_connection_the_server_drops_is_not_a_failure():
+    """The race of every keep-alive client: the server closes an idle connection just as a
+    request goes out on it. The gateway sends the request again on a new connection."""
+    async def script(fake, n, reader, writer):
+        for i in range(100):
+            await read_request(reader)
+            if n == 1 and i == 1:
+                return  # the second request on the first connection: dropped unanswered
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+    fake = FakeRawUpstream(script)
+    gw = GatewayThread(fake.port, free_port()).start()
+    try:
+        with httpx.Client(timeout=10) as c:
+            assert [c.get(gw.url + "/health").text for _ in range(3)] == ["ok"] * 3
+        assert fake.connections == 2
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_a_slow_client_holds_the_server_back_instead_of_filling_the_gateway():
+    total = 256 << 20
+
+    async def script(fake, n, reader, writer):
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        piece = b"z" * (1 << 20)
+        for _ in range(total // len(piece)):
+            writer.write(piece)
+            await writer.drain()  # blocks while nobody reads
+            fake.sent += len(piece)
+    fake = FakeRawUpstream(script)
+    gw = GatewayThread(fake.port, free_port()).start()
+    try:
+        with httpx.Client(timeout=30) as c, c.stream("GET", gw.url + "/health") as r:
+            time.sleep(1.5)  # the client reads nothing
+            stalled = fake.sent
+            time.sleep(1.0)
+            assert fake.sent == stalled < total // 2, (fake.sent, stalled)  # the server waits
+            assert sum(len(chunk) for chunk in r.iter_raw()) == total  # and everything arrives
+    finally:
+        gw.stop()
+        fake.close()
