@@ -487,6 +487,7 @@ class _Client(asyncio.Protocol):
         self._linger()
 
     def _linger(self) -> None:
+        self.transport.resume_reading()  # reading is what drops the rest (data_received)
         if self.transport.can_write_eof():
             self.transport.write_eof()
         asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
