@@ -471,7 +471,8 @@ class _Client(asyncio.Protocol):
         elif not self.done:
             self.transport.resume_reading()
 
-    def finish(self, status: int, code: str, message: str, extra: tuple = (), exchange: _Exchange | None = None) -> None:
+    def finish(self, status: int, code: str, message: str, extra: tuple = (),
+               exchange: _Exchange | None = None) -> None:
         """Refuse what is being read, after any request before it, and close: the rest of it is
         read and dropped for a while first, so that the client gets the answer rather than a
         reset for the bytes it still sends."""

@@ -1,7 +1,12 @@
-"""A fake network path to the registry, for tests: forwards every request to the registry on
-``upstream_port``, and can slow down byte transfers (``byte_delay_s`` before each byte range).
-When the registry behind it is down, the connection is dropped, as a dead host would.
-Runs on its own event loop in a thread, so a synchronous test drives it."""
+"""Fake network paths to the registry, for tests.
+
+- ``RegistryProxy`` forwards every request to the registry on ``upstream_port``, and can slow
+  down byte transfers (``byte_delay_s`` before each byte range). When the registry behind it is
+  down, the connection is dropped, as a dead host would. It runs on its own event loop in a
+  thread, so a synchronous test drives it.
+- ``InLoopProxy`` is the base of the fakes an async test runs on its own loop (``async with``),
+  each with its own ``_handle`` for every path and an aiohttp session to the registry.
+"""
 
 from __future__ import annotations
 
@@ -67,3 +72,30 @@ class RegistryProxy:
             if request.transport is not None:
                 request.transport.close()  # the registry is down: so is the path to it
             return web.Response(status=503)
+
+
+class InLoopProxy:
+    """Serves ``_handle`` (of a subclass) for every path on an ephemeral loopback port, with
+    ``self._session`` to ``upstream``; ``url`` is set on entering."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
+        self.url = ""
+
+    async def __aenter__(self):
+        self._session = aiohttp.ClientSession(self.upstream)
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5)  # a stalled handler must not hold the test
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._runner.cleanup()
+        await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError

@@ -51,6 +51,7 @@ from vllm_plugin.checkpoint import MirrorError, check_version, manifest_digest
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, tagged_pids, wait_until
+from .registry_proxy import InLoopProxy
 from .test_registry_fuzz import schemathesis
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -851,43 +852,27 @@ def test_the_plugin_refuses_duplicates_and_reserved_names(tmp_path):
     summary("plugin duplicates and reserved names", cases)
 
 
-class ManifestRewriter:
+class ManifestRewriter(InLoopProxy):
     """A fake path to the registry that serves another manifest than the registry's: for the node's
     side of faults a correct registry never shows. Everything else is forwarded as it is; lease
     replies carry ``lease_digest`` when set (as if the registry had published the bad manifest)."""
 
     def __init__(self, upstream: str):
-        self.upstream = upstream
+        super().__init__(upstream)
         self.manifest: dict | None = None
         self.lease_digest: str | None = None
-        self.url = ""
-
-    async def __aenter__(self) -> ManifestRewriter:
-        self._session = httpx.AsyncClient(base_url=self.upstream, timeout=30)
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self._runner.cleanup()
-        await self._session.aclose()
 
     async def _handle(self, request: web.Request) -> web.Response:
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("range", "content-type")}
-        r = await self._session.request(request.method, request.path_qs, headers=headers,
-                                        content=await request.read())
-        body = r.content
+        async with self._session.request(request.method, request.path_qs, headers=headers,
+                                         data=await request.read()) as r:
+            status, body = r.status, await r.read()
+            keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "content-range")}
         if request.method == "GET" and re.fullmatch(r"/v1/versions/\d+", request.path) and self.manifest:
             body = json.dumps(self.manifest).encode()
-        elif request.path == "/v1/leases" and r.status_code == 201 and self.lease_digest:
-            body = json.dumps({**r.json(), "digest": self.lease_digest}).encode()
-        keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "content-range")}
-        return web.Response(status=r.status_code, body=body, headers=keep)
+        elif request.path == "/v1/leases" and status == 201 and self.lease_digest:
+            body = json.dumps({**json.loads(body), "digest": self.lease_digest}).encode()
+        return web.Response(status=status, body=body, headers=keep)
 
 
 async def test_the_puller_refuses_bad_manifests_and_leaves_nothing(tmp_path):

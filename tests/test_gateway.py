@@ -435,7 +435,7 @@ def test_pipelined_requests_are_answered_in_order(vllm, gateway):
     expected = [httpx.post(vllm.url + "/tokenize", json={"model": model, "prompt": w}).json()["tokens"]
                 for w in words]
     data = talk(gw.url, b"".join([post("/tokenize", {"model": model, "prompt": words[0]}, extra=auth),
-                                  b"POST /pause HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n\r\n",  # 404, in its turn
+                                  b"POST /pause HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n\r\n",  # 404, in turn
                                   post("/tokenize", {"model": model, "prompt": words[2]}, extra=auth),
                                   post("/tokenize", {"model": model, "prompt": words[1]},
                                        extra=auth + "Connection: close\r\n")]))
@@ -484,7 +484,8 @@ def test_http_1_0_clients(vllm, gateway):
     # Keep-alive asked for: kept, and said so.
     keep = b"GET /v1/models HTTP/1.0\r\nConnection: keep-alive\r\n\r\n"
     answers = responses(talk(gw.url, keep, b"GET /v1/models HTTP/1.0\r\n\r\n", pause_s=0.3))
-    assert [(status, headers.get("connection")) for status, headers, _ in answers] == [(200, "keep-alive"), (200, "close")]
+    assert [(status, headers.get("connection")) for status, headers, _ in answers] == \
+        [(200, "keep-alive"), (200, "close")]
 
 
 def test_what_is_not_http_or_too_large_a_head_is_refused_and_closed(gateway):

@@ -8,7 +8,6 @@ import logging
 import os
 from collections.abc import Awaitable, Callable
 
-import aiohttp
 import pytest
 from aiohttp import web
 
@@ -18,6 +17,8 @@ from rolloutd.registry import errors
 from rolloutd.registry.client import RegistryClient
 from rolloutd.registry.publish import serialize_shards
 from rolloutd.tinymodel import llama_state_dict
+
+from .registry_proxy import InLoopProxy
 
 CHUNK = 64 << 10
 SHARD = 1 << 20
@@ -33,7 +34,7 @@ def publish(registry, version: int) -> tuple:
     return manifest, dict(serialize_shards(sd, SHARD))
 
 
-class FlippingProxy:
+class FlippingProxy(InLoopProxy):
     """A fake registry front: forwards every request to the real registry. Byte requests can
     be corrupted (one byte flipped in the body of the response whose range starts at a chosen
     offset) or cut (half the body sent, then the connection closed), and ``on_bytes`` runs
@@ -41,35 +42,19 @@ class FlippingProxy:
     version...)."""
 
     def __init__(self, upstream: str):
-        self.upstream = upstream
+        super().__init__(upstream)
         self.flips: dict[tuple[str, int], int | None] = {}  # (file, range start) -> times left; None: always
         self.flipped = 0
         self.cuts: dict[tuple[str, int], int] = {}  # (file, range start) -> times left
         self.cut_count = 0
         self.byte_requests: list[tuple[str, int, int]] = []
         self.on_bytes: Callable[[int], Awaitable[None]] | None = None  # gets the request's number
-        self.url = ""
 
     def flip(self, name: str, start: int, times: int | None = 1) -> None:
         self.flips[(name, start)] = times
 
     def cut(self, name: str, start: int, times: int = 1) -> None:
         self.cuts[(name, start)] = times
-
-    async def __aenter__(self) -> FlippingProxy:
-        self._session = aiohttp.ClientSession(self.upstream)
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)  # a stalled handler must not hold the test
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-        return self
-
-    async def __aexit__(self, *exc) -> None:
-        await self._runner.cleanup()
-        await self._session.close()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         parts = request.path.split("/")
