@@ -1,10 +1,13 @@
 """A real :class:`rolloutd.gateway.Gateway` on its own event loop in a thread, in front of a
-server, for tests and benchmarks; the test plays the supervisor and sets the server's state."""
+server, for tests and benchmarks; the test plays the supervisor and sets the server's state.
+The loop is uvloop's, as in the daemon."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
+
+import uvloop
 
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.gateway import Gateway
@@ -18,7 +21,7 @@ class GatewayThread:
         self.metrics = Metrics()
         self.settings = GatewaySettings.model_validate({"host": "127.0.0.1", **settings})
         self.url = f"http://{self.settings.host}:{port}"
-        self._loop = asyncio.new_event_loop()
+        self._loop = uvloop.new_event_loop()
         self.gateway = Gateway(name, upstream_port, port, self.settings, token, self.metrics)
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"gateway-{name}", daemon=True)
 
