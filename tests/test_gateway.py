@@ -24,6 +24,7 @@ from rolloutd.states import ServerState as S
 from rolloutd.tinymodel import TINY, build
 
 from .conftest import free_port
+from .daemon_harness import wait_until
 from .gateway_harness import GatewayThread
 from .vllm_server import VllmServer
 
@@ -339,14 +340,16 @@ class FakeUpstream:
 
 
 def test_a_request_refused_by_a_pausing_033_server_is_held_and_sent_again():
-    with FakeUpstream() as fake:
+    with FakeUpstream(refuse_after_s=0.5) as fake:
         gw = GatewayThread(fake.port, free_port(), while_paused="hold", hold_max_s=30).start()
         try:
             fake.paused = True  # vLLM paused a moment before the gateway heard of it
             held = post_in_thread(gw.url + "/inference/v1/generate?plain=1", json=generate_body())
-            time.sleep(0.1)
-            gw.set_state(S.UPDATING)
-            time.sleep(1.0)
+            wait_until(lambda: fake.seen == 1, 10, "at the server", every_s=0.01)  # the request is at the server ...
+            gw.set_state(S.UPDATING)  # ... which the gateway then hears has paused
+            wait_until(lambda: gw.metrics.registry.get_sample_value(  # its 503 came back: held
+                "rolloutd_gateway_held_total", {"server": "gpu0"}) == 1, 10, "held")
+            time.sleep(0.5)
             assert held["thread"].is_alive()
             fake.paused = False
             gw.set_state(S.SERVING)
