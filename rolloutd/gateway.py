@@ -185,7 +185,7 @@ class Gateway:
                         if not self._serving.is_set():
                             continue  # the server left SERVING meanwhile: the policy decides
                         exchange.client.answer_error(exchange, 502, "upstream",
-                                                     f"server {self.name} did not answer: {e.strerror or e}", ())
+                                                     f"server {self.name} did not answer: {e.strerror or type(e).__name__}", ())
                         return
                 up.send(exchange, reused=reused is not None)
                 return
