@@ -622,3 +622,26 @@ def test_a_slow_client_holds_the_server_back_instead_of_filling_the_gateway():
     finally:
         gw.stop()
         fake.close()
+
+
+def test_a_server_that_cannot_be_reached_or_drops_the_request_is_a_502():
+    gw = GatewayThread(free_port(), free_port()).start()  # nothing listens on the server's port
+    try:
+        r = httpx.get(gw.url + "/health", timeout=10)
+        assert r.status_code == 502 and r.json()["error"]["code"] == "upstream"
+        assert r.json()["error"]["message"].startswith("server gpu0 did not answer: ")
+    finally:
+        gw.stop()
+
+    async def script(fake, n, reader, writer):
+        await read_request(reader)  # and closes without an answer
+    fake = FakeRawUpstream(script)
+    gw = GatewayThread(fake.port, free_port()).start()
+    try:
+        r = httpx.get(gw.url + "/health", timeout=10)
+        assert (r.status_code, r.json()["error"]["message"]) == \
+            (502, "server gpu0 closed the connection without an answer")
+        assert httpx.get(gw.url + "/health", timeout=10).status_code == 502  # and still answers
+    finally:
+        gw.stop()
+        fake.close()
