@@ -190,8 +190,8 @@ def test_each_chunk_is_passed_on_before_the_next_exists():
         try:
             with httpx.Client(timeout=30) as c, c.stream("POST", gw.url + "/inference/v1/generate", json={}) as r:
                 chunks = r.iter_raw()
-                assert next(chunks) == b"data: 1\n\n"  # while the fake holds "data: 2"
-                assert fake.waiting.is_set()
+                assert next(chunks) == b"data: 1\n\n"  # while the fake holds "data: 2" (until go)
+                assert fake.waiting.wait(5)  # (set by the fake right after it wrote "data: 1")
                 fake.go.set()
                 assert b"".join(chunks) == b"data: 2\n\n"
         finally:
@@ -614,10 +614,11 @@ def test_a_slow_client_holds_the_server_back_instead_of_filling_the_gateway():
     gw = GatewayThread(fake.port, free_port()).start()
     try:
         with httpx.Client(timeout=30) as c, c.stream("GET", gw.url + "/health") as r:
-            time.sleep(1.5)  # the client reads nothing
-            stalled = fake.sent
-            time.sleep(1.0)
-            assert fake.sent == stalled < total // 2, (fake.sent, stalled)  # the server waits
+            stalled, deadline = -1, time.monotonic() + 20
+            while fake.sent != stalled and time.monotonic() < deadline:  # the client reads nothing ...
+                stalled = fake.sent
+                time.sleep(0.5)
+            assert fake.sent == stalled < total // 2, (fake.sent, stalled)  # ... and the server waits
             assert sum(len(chunk) for chunk in r.iter_raw()) == total  # and everything arrives
     finally:
         gw.stop()
