@@ -6,9 +6,9 @@ paths in the same run, alternating request by request so that the machine's nois
 both alike:
 
 - **latency**: sequential streamed generations (``/inference/v1/generate``, ``stream: true``,
-  ``--tokens`` tokens): time to the first chunk and to the end, p50 and p99, per path; the
-  gateway's added latency is the difference. ``GET /health`` (no generation at all) shows the
-  proxying cost alone.
+  ``--tokens`` tokens), the paths in turns whose order rotates every round: time to the first
+  chunk and to the end, p50 and p99, per path; the gateway's added latency is the difference.
+  ``GET /health`` (no generation at all) shows the proxying cost alone.
 - **throughput**: ``--concurrency`` streams at once for ``--seconds`` per block, blocks
   alternating direct / gateway twice; generated tokens per second per path.
 
@@ -90,21 +90,29 @@ def latency(urls: dict[str, str], n: int, tokens: int) -> dict[str, dict[str, li
     """Per path, per kind (first chunk, whole stream, /health): n samples in ms, taken in turns
     (sample i of every path one right after the other, so pairs share the machine's state)."""
     out = {name: {"first": [], "total": [], "health": []} for name in urls}
+    names = list(urls)
     with httpx.Client(timeout=60) as c:
         for url in urls.values():  # warm both paths (connections, vLLM's first requests)
             for _ in range(5):
                 one_stream(c, url, tokens)
-        for _ in range(n):
-            for name, url in urls.items():
-                first, total = one_stream(c, url, tokens)
+        for i in range(n):
+            for name in turns(names, i):
+                first, total = one_stream(c, urls[name], tokens)
                 out[name]["first"].append(first * 1e3)
                 out[name]["total"].append(total * 1e3)
-        for _ in range(5 * n):
-            for name, url in urls.items():
+        for i in range(5 * n):
+            for name in turns(names, i):
                 t0 = time.perf_counter()
-                c.get(url + "/health").raise_for_status()
+                c.get(urls[name] + "/health").raise_for_status()
                 out[name]["health"].append((time.perf_counter() - t0) * 1e3)
     return out
+
+
+def turns(names: list[str], i: int) -> list[str]:
+    """The order of the paths in round ``i``: rotated every round, so that no path always goes
+    first (right after a pause) or last."""
+    k = i % len(names)
+    return names[k:] + names[:k]
 
 
 def summary(samples: dict[str, dict[str, list[float]]], proxy: str) -> dict:
