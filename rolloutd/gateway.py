@@ -184,8 +184,9 @@ class Gateway:
                     except OSError as e:
                         if not self._serving.is_set():
                             continue  # the server left SERVING meanwhile: the policy decides
+                        why = e.strerror or type(e).__name__
                         exchange.client.answer_error(exchange, 502, "upstream",
-                                                     f"server {self.name} did not answer: {e.strerror or type(e).__name__}", ())
+                                                     f"server {self.name} did not answer: {why}", ())
                         return
                 up.send(exchange, reused=reused is not None)
                 return
