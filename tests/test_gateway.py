@@ -53,18 +53,10 @@ def generate_body(max_tokens: int = 12, stream: bool = False) -> dict:
 
 def raw_request(url: str, method: str, path: str, headers: dict | None = None) -> int:
     """Status of a request whose path is sent exactly as given (httpx would normalise it)."""
-    host, port = url.removeprefix("http://").split(":")
-
-    async def go() -> int:
-        reader, writer = await asyncio.open_connection(host, int(port))
-        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
-        writer.write(f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n{extra}Connection: close\r\n\r\n"
-                     .encode())
-        await writer.drain()
-        status = int((await reader.readline()).split()[1])
-        writer.close()
-        return status
-    return asyncio.run(go())
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    [(status, _, _)] = responses(talk(url, f"{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n{extra}"
+                                           "Connection: close\r\n\r\n".encode()))
+    return status
 
 
 @pytest.fixture(scope="module")
