@@ -7,6 +7,11 @@ loaded only if its manifest has exactly that digest and lists each file once, ev
 exactly the size the manifest gives, and no tensor name comes twice (in one header or across
 files: a loader would silently keep one of them); the puller already checked every chunk's
 digest on the way in, and a half-written (hidden ``.partial``) directory is refused by name.
+
+Coverage (design §6, exactness): a version must carry every tensor of the checkpoint the
+server started from, or say ``"partial": true`` in its manifest. Tied embeddings count as one
+tensor under either name: :func:`tie` makes the stream carry both, since vLLM keeps the
+output head's own copy and reloads it only when ``lm_head.weight`` itself arrives.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ import hashlib
 import json
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -50,6 +55,23 @@ class Tensor:
     shape: tuple[int, ...] = ()
     start: int = 0
     end: int = 0
+
+
+@dataclass(frozen=True)
+class Version:
+    """A checked mirror directory: its files in manifest order, every tensor, and whether the
+    manifest declares the version a deliberate subset of the model."""
+
+    files: list[Path]
+    tensors: list[Tensor]
+    partial: bool
+
+
+def open_version(path: str | Path, digest: str) -> Version:
+    """:func:`check_version`, with the tensors and the manifest's ``partial`` flag."""
+    files = check_version(path, digest)
+    partial = _read_manifest(Path(path)).get("partial") is True
+    return Version(files, [t for p in files for t in tensors(p)], partial)
 
 
 def check_version(path: str | Path, digest: str) -> list[Path]:
@@ -171,3 +193,50 @@ def layer_rank(name: str) -> tuple[int, int]:
 def in_layer_order(tensors: list[Tensor]) -> list[Tensor]:
     """Stable: tensors keep their file order within a layer."""
     return sorted(tensors, key=lambda t: layer_rank(t.name))
+
+
+# -- coverage and tied embeddings ---------------------------------------------------------------
+
+# Checkpoint tensors no model loads (old exports carry rotary caches): never required.
+_NOT_WEIGHTS_RE = re.compile(r"(^|\.)rotary_(pos_)?emb\.(inv_freq|cos_cached|sin_cached)$")
+
+
+def checkpoint_names(model_dir: str | Path) -> set[str] | None:
+    """The tensor names of the safetensors checkpoint in ``model_dir`` (what the server started
+    from); None when it is not a local directory of safetensors files (nothing to compare with)."""
+    d = Path(model_dir)
+    files = sorted(d.glob("*.safetensors")) if d.is_dir() else []
+    if not files:
+        return None
+    return {t.name for p in files for t in tensors(p) if not _NOT_WEIGHTS_RE.search(t.name)}
+
+
+def tie(found: list[Tensor], pairs: dict[str, str]) -> list[Tensor]:
+    """``found`` plus, for each tied pair ``{alias: canonical}`` of which the version carries one
+    name only, the same bytes under the other name: both layers then reload from them."""
+    names = {t.name for t in found}
+    by_name = {t.name: t for t in found}
+    extra = []
+    for alias, canonical in pairs.items():
+        for have, want in ((canonical, alias), (alias, canonical)):
+            if have in names and want not in names:
+                extra.append(replace(by_name[have], name=want))
+                names.add(want)
+    return found + extra
+
+
+def missing(expected: set[str] | None, carried: set[str], pairs: dict[str, str]) -> list[str]:
+    """The tensors of ``expected`` that ``carried`` (after :func:`tie`) lacks, sorted."""
+    if expected is None:
+        return []
+    tied = set(pairs) | set(pairs.values())
+    return sorted(n for n in expected - carried if not (n in tied and carried & _pair_of(n, pairs)))
+
+
+def _pair_of(name: str, pairs: dict[str, str]) -> set[str]:
+    return {a for a, c in pairs.items() if name in (a, c)} | {c for a, c in pairs.items() if name in (a, c)}
+
+
+def describe_missing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return f"{shown} and {len(names) - limit} more" if len(names) > limit else shown

@@ -5,13 +5,17 @@ Built by vLLM in each worker after the model loads. One update is vLLM's cycle
 
 - start: layerwise reload begins (vLLM clears the layers and buffers each one's new weights
   until it is complete, then processes it);
-- update: the mirror directory is checked (:mod:`vllm_plugin.checkpoint`) before any layer is
-  touched, then tensors stream in layer order from memory-mapped safetensors files into
+- update: the mirror directory is checked (:mod:`vllm_plugin.checkpoint`) and the version is
+  proven to cover the served model (every tensor of the checkpoint the server started from;
+  tied embeddings under either name) before any weight is loaded, then tensors stream in layer order from memory-mapped safetensors files into
   ``model.load_weights``: the only copy of the bytes is the one into the model. The files are
   mapped with ``MAP_POPULATE`` (page tables filled in one call instead of one fault per page):
   the load takes 19 % less time than through ``safetensors.safe_open``, whose mapping faults
   page by page (bench/pause.py, 342 MB: update 0.19 s against 0.23 s). Everything the
   mapping reads was checked against the header first;
+  Once streamed, a layer that received nothing fails the update: vLLM would only log
+  ``<Layer>: Failed to load weights`` and keep that layer's old tensors (how a tied output head
+  stayed stale). A manifest with ``"partial": true`` skips both coverage checks;
 - finish: layerwise reload is finalised.
 
 On any error during update the engine finalises the reload itself, so every layer that had
@@ -37,7 +41,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from .checkpoint import Tensor, check_version, in_layer_order, tensors
+from .checkpoint import Tensor, checkpoint_names, describe_missing, in_layer_order, missing, open_version, tie
 
 # A child of vLLM's logger, so lines appear in the server's log with vLLM's format.
 log = logging.getLogger("vllm.rolloutd")
@@ -52,6 +56,10 @@ class RolloutdInitInfo(WeightTransferInitInfo):
 class RolloutdUpdateInfo(WeightTransferUpdateInfo):
     path: str
     digest: str
+
+
+class CoverageError(ValueError):
+    """The version leaves part of the served model without new values."""
 
 
 class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo]):
@@ -75,6 +83,8 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
         pass
 
     def start_weight_update(self) -> None:
+        # Before the layers move to the meta device: tied parameters are still one object.
+        self._tied = tied_embeddings(self.model)
         initialize_layerwise_reload(self.model)
 
     def update_weights(self, update_info: dict) -> None:
@@ -95,10 +105,17 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
                  path, time.perf_counter() - t0)
 
     def receive_weights(self, update_info: RolloutdUpdateInfo) -> tuple[int, int]:
-        """Check the mirror directory, then stream it into the model; (bytes, tensors) loaded."""
-        files = check_version(update_info.path, update_info.digest)
-        order = in_layer_order([t for p in files for t in tensors(p)])
-        maps = {p: _map(p) for p in files}
+        """Check the mirror directory and its coverage, then stream it into the model; (bytes,
+        tensors) loaded."""
+        version = open_version(update_info.path, update_info.digest)
+        pairs = getattr(self, "_tied", None)
+        if pairs is None:
+            pairs = self._tied = tied_embeddings(self.model)
+        found = tie(version.tensors, pairs)
+        if not version.partial:
+            self._check_names({t.name for t in found}, pairs, update_info.path)
+        order = in_layer_order(found)
+        maps = {p: _map(p) for p in version.files}
         loaded = 0
 
         def stream() -> Iterator[tuple[str, torch.Tensor]]:
@@ -109,7 +126,35 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
                 yield t.name, tensor
 
         self.model.load_weights(stream())
+        if not version.partial and (empty := self._layers_without_weights()):
+            raise CoverageError(f"{update_info.path}: {len(empty)} layer(s) of the served model received no "
+                                f"weights: {describe_missing(empty)} (a version that carries a subset on purpose "
+                                "says \"partial\": true in its manifest)")
         return loaded, len(order)
+
+    def _check_names(self, carried: set[str], pairs: dict[str, str], path: str) -> None:
+        """Every tensor of the start checkpoint must come with the version."""
+        lacking = missing(checkpoint_names(self.model_config.model), carried, pairs)
+        if lacking:
+            raise CoverageError(f"{path}: the version lacks {len(lacking)} tensor(s) of the served model's "
+                                f"checkpoint: {describe_missing(lacking)} (a version that carries a subset on "
+                                "purpose says \"partial\": true in its manifest)")
+
+    def _layers_without_weights(self) -> list[str]:
+        """Layers still waiting for their first weight after the stream: vLLM would put their
+        old tensors back at finish. Buffer-only layers (rotary caches) and attention layers
+        (processed at finish, no checkpoint weights) are not expected to receive any."""
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+        from vllm.model_executor.model_loader.reload.layerwise import LAYERWISE_INFO
+
+        empty = []
+        for name, layer in self.model.named_modules():
+            info = LAYERWISE_INFO.get(layer)
+            if (info is None or not info.can_load() or info.load_numel > 0 or not info.load_numel_total
+                    or not info.restore_metadata[0] or is_deferred_attention_layer(layer)):
+                continue
+            empty.append(f"{name} ({type(layer).__name__})")
+        return empty
 
     def finish_weight_update(self) -> None:
         finalize_layerwise_reload(self.model, self.model_config)
@@ -128,6 +173,23 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
 
     def shutdown(self) -> None:
         pass
+
+
+def tied_embeddings(model: torch.nn.Module) -> dict[str, str]:
+    """``{alias: canonical}`` for embedding parameters that are one tensor under two names
+    (``lm_head.weight`` tied to ``model.embed_tokens.weight``), canonical first in module order."""
+    from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
+
+    first: dict[int, str] = {}
+    pairs: dict[str, str] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if not isinstance(module, VocabParallelEmbedding):
+            continue
+        for name, param in module.named_parameters(recurse=False, remove_duplicate=False):
+            qualname = f"{prefix}.{name}" if prefix else name
+            if (canonical := first.setdefault(id(param), qualname)) != qualname:
+                pairs[qualname] = canonical
+    return pairs
 
 
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
