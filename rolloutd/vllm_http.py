@@ -1,4 +1,6 @@
-"""The daemon's client for one ``vllm serve`` on loopback: health and the weight-update routes.
+"""The daemon's client for one ``vllm serve`` on loopback: health, the weight-update routes, and
+the prompt logprobs the gate scores (``/v1/completions`` straight to the server, never through
+its gateway).
 
 Every call has its own timeout and raises :class:`VllmError` naming the route on any failure
 (HTTP error, refused connection, timeout). Connections are never reused: vLLM closes the
@@ -72,11 +74,57 @@ class VllmClient:
     async def finish_weight_update(self, label: str, timeout_s: float) -> None:
         await self.call("POST", "/finish_weight_update", timeout_s, json={"weight_version": label})
 
+    async def drop_kv_cache(self, timeout_s: float) -> None:
+        """Drop the prefix cache and the KV of requests frozen by a pause (they are recomputed
+        on resume): nothing generated afterwards reads KV computed with older weights."""
+        body = await self.call("POST", "/reset_prefix_cache?reset_running_requests=true", timeout_s)
+        if not isinstance(body, dict) or body.get("success") is not True:
+            raise VllmError("/reset_prefix_cache", f"the cache was not reset: {str(body)[:200]!r}")
+
     async def weight_version(self, timeout_s: float) -> str:
         body = await self.call("GET", "/weight_info", timeout_s)
         if not isinstance(body, dict) or not isinstance(body.get("weight_version"), str):
             raise VllmError("/weight_info", f"unexpected answer {str(body)[:200]!r}")
         return body["weight_version"]
+
+    # -- the gate ------------------------------------------------------------------------------------
+    async def served_model(self, timeout_s: float) -> str:
+        """The name requests must give as ``model`` (``--served-model-name``, else the model path)."""
+        body = await self.call("GET", "/v1/models", timeout_s)
+        try:
+            return str(body["data"][0]["id"])
+        except (TypeError, KeyError, IndexError):
+            raise VllmError("/v1/models", f"unexpected answer {str(body)[:200]!r}") from None
+
+    async def prompt_logprobs(self, token_ids: list[int], timeout_s: float) -> list[float]:
+        """The server's logprob of each token of ``token_ids`` after the tokens before it: one
+        value per position from 1 on (``len(token_ids) - 1`` values; position 0 has no prefix).
+
+        vLLM 0.32 answers ``choices[0].prompt_logprobs`` as a list: ``null`` for position 0, then
+        one object per position keyed by token id (a string), each ``{"logprob", "rank",
+        "decoded_token"}``; with ``prompt_logprobs: 0`` it holds the prompt's own token (plus
+        the top-1 token when that is another one). Values may be non-finite: the caller checks."""
+        model = await self.served_model(timeout_s)
+        route = "/v1/completions"
+        body = await self.call("POST", route, timeout_s, json={
+            "model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0,
+            "prompt_logprobs": 0})
+        try:
+            positions = body["choices"][0]["prompt_logprobs"]
+        except (TypeError, KeyError, IndexError):
+            raise VllmError(route, f"no prompt_logprobs in the answer {str(body)[:200]!r}") from None
+        if not isinstance(positions, list) or len(positions) != len(token_ids):
+            raise VllmError(route, f"prompt_logprobs has {len(positions) if isinstance(positions, list) else '?'} "
+                            f"entries for {len(token_ids)} prompt tokens")
+        values = []
+        for i in range(1, len(token_ids)):
+            entry = positions[i]
+            try:
+                values.append(float(entry[str(token_ids[i])]["logprob"]))
+            except (TypeError, KeyError, ValueError):
+                raise VllmError(route, f"prompt_logprobs[{i}] has no logprob for token {token_ids[i]}: "
+                                f"{str(entry)[:200]!r}") from None
+        return values
 
 
 def _message(body: Any) -> str:

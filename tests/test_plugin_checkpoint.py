@@ -15,6 +15,7 @@ from rolloutd import tinymodel
 from rolloutd.plugin_path import child_env, install_plugin
 from rolloutd.registry.manifest import build_manifest
 from rolloutd.registry.publish import save_shards
+from vllm_plugin import checkpoint
 from vllm_plugin.checkpoint import MirrorError, Tensor, check_version, in_layer_order, manifest_digest
 
 
@@ -126,3 +127,55 @@ def test_a_tensor_whose_bytes_do_not_fit_its_shape_is_caught(version_dir):
     edit_first_tensor(d / m.files[0].name, one_row_more)
     with pytest.raises(MirrorError, match="needs .* bytes, its offsets span"):
         check_version(d, m.digest)
+
+
+# -- coverage and tied embeddings (the engine's checks, without vLLM) ----------------------------
+TIED = {"lm_head.weight": "model.embed_tokens.weight"}
+
+
+def _t(name: str) -> Tensor:
+    return Tensor(file=None, name=name, start=len(name), end=len(name))
+
+
+@pytest.mark.parametrize("carried", ["model.embed_tokens.weight", "lm_head.weight"])
+def test_a_tied_pair_is_streamed_under_both_names_whichever_the_version_carries(carried):
+    out = checkpoint.tie([_t("model.norm.weight"), _t(carried)], TIED)
+    assert sorted(t.name for t in out) == ["lm_head.weight", "model.embed_tokens.weight", "model.norm.weight"]
+    assert {(t.start, t.end) for t in out if "norm" not in t.name} == {(len(carried), len(carried))}  # same bytes
+
+
+def test_an_untied_model_streams_what_the_version_carries():
+    found = [_t("model.embed_tokens.weight"), _t("lm_head.weight")]
+    assert checkpoint.tie(found, {}) == found
+    assert [t.name for t in checkpoint.tie(found[:1], {})] == ["model.embed_tokens.weight"]
+
+
+def test_missing_names_the_tensors_of_the_start_checkpoint_a_version_lacks():
+    expected = {"model.embed_tokens.weight", "model.layers.0.self_attn.k_proj.weight", "model.norm.weight"}
+    assert checkpoint.missing(expected, {"model.embed_tokens.weight", "model.norm.weight"}, TIED) == [
+        "model.layers.0.self_attn.k_proj.weight"]
+    # a tied pair is covered by either of its names; nothing to compare with: nothing missing
+    assert checkpoint.missing(expected | {"lm_head.weight"}, expected - {"model.embed_tokens.weight"}
+                              | {"lm_head.weight"}, TIED) == []
+    assert checkpoint.missing(None, set(), TIED) == []
+    # untied: the head is a tensor of its own
+    assert checkpoint.missing({"lm_head.weight", "model.norm.weight"}, {"model.norm.weight"}, {}) == ["lm_head.weight"]
+
+
+def test_checkpoint_names_reads_the_start_model_and_ignores_rotary_caches(tmp_path):
+    d = tinymodel.build(tmp_path / "m", seed=0)
+    names = checkpoint.checkpoint_names(d)
+    assert names == set(tinymodel.state_dict(tinymodel.TINY, 0))
+    assert checkpoint.checkpoint_names(tmp_path / "nowhere") is None
+    assert checkpoint.checkpoint_names("org/model-on-a-hub") is None
+
+
+def test_open_version_reads_the_partial_flag(version_dir, tmp_path):
+    d, m = version_dir
+    assert checkpoint.open_version(d, m.digest).partial is False
+    body = json.loads((d / "manifest.json").read_text())
+    body["partial"] = True
+    body["digest"] = manifest_digest(body)
+    (d / "manifest.json").write_text(json.dumps(body))
+    v = checkpoint.open_version(d, body["digest"])
+    assert v.partial is True and {t.name for t in v.tensors} == set(tinymodel.state_dict(tinymodel.TINY, 3))

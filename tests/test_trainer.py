@@ -72,6 +72,30 @@ def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path)
     assert flat == sorted(flat)
 
 
+@pytest.mark.parametrize("publisher", ["embedded", "http"])
+def test_publish_a_state_dict_with_tied_fused_and_strided_tensors(registry, publisher):
+    """What ``model.state_dict()`` of a real model holds: one tensor under two names (tied
+    embeddings), views into one fused weight, transposed (non-contiguous) and bf16 tensors."""
+    import torch
+    g = torch.Generator().manual_seed(7)
+    embed = torch.randn(256, 64, generator=g)
+    fused = torch.randn(192, 64, generator=g)
+    sd = {"lm_head.weight": embed, "model.embed_tokens.weight": embed,  # tied, head listed first
+          "model.layers.0.self_attn.q_proj.weight": fused[:64], "model.layers.0.self_attn.k_proj.weight": fused[64:128],
+          "model.layers.0.self_attn.v_proj.weight": fused[128:],
+          "model.layers.0.mlp.down_proj.weight": torch.randn(128, 64, generator=g).t(),  # strided
+          "model.layers.0.mlp.up_proj.weight": torch.randn(128, 64, generator=g).to(torch.bfloat16),
+          "model.norm.weight": torch.randn(64, generator=g)}
+    client = registry if publisher == "embedded" else RegistryHTTP(registry.url, registry.service.token)
+    m = client.publish(1, sd, shard_bytes=40_000, chunk_bytes=4096)
+    got = read_version(registry.url, m)
+    # the tied tensor is written once, under the name Hugging Face's checkpoints use
+    assert set(got) == set(sd) - {"lm_head.weight"}
+    for k, v in got.items():
+        assert v.dtype == sd[k].dtype and torch.equal(v, sd[k]), k
+    assert embed.data_ptr() == sd["model.embed_tokens.weight"].data_ptr()  # the caller's tensors untouched
+
+
 def test_publish_a_gpu_free_numpy_state_dict_and_a_directory(registry, tmp_path):
     import numpy as np
     sd = {"model.layers.0.w": np.arange(1000, dtype=np.float32)}

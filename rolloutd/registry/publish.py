@@ -23,6 +23,7 @@ from . import errors
 from .manifest import (
     DEFAULT_CHUNK_BYTES,
     MAX_VERSION,
+    Canary,
     FileEntry,
     Manifest,
     build_manifest,
@@ -74,20 +75,72 @@ def _nbytes(t: Any) -> int:
     return t.numel() * t.element_size() if hasattr(t, "element_size") else t.nbytes
 
 
+def _is_torch(t: Any) -> bool:
+    return type(t).__module__.startswith("torch")
+
+
 def _serialize(tensors: dict[str, Any]) -> bytes:
     first = next(iter(tensors.values()))
-    if type(first).__module__.startswith("torch"):
+    if _is_torch(first):
         from safetensors.torch import save  # the only place the trainer side touches torch
-        return save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+        return save(_own_storage(tensors))
     from safetensors.numpy import save as np_save
-    return np_save(tensors)
+    return np_save({k: _np_contiguous(v) for k, v in tensors.items()})
+
+
+def _own_storage(tensors: dict[str, Any]) -> dict[str, Any]:
+    """Detached CPU tensors that safetensors can write: non-contiguous ones made contiguous, and
+    views sharing storage with an earlier tensor (q/k/v sliced from one fused weight) copied,
+    since safetensors refuses tensors that share memory."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen:
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _np_contiguous(a: Any) -> Any:
+    import numpy as np
+    return np.ascontiguousarray(a)
+
+
+def _alias_key(t: Any) -> tuple | None:
+    """What makes two torch tensors one tensor under two names (tied embeddings)."""
+    if not _is_torch(t) or t.device.type == "meta":
+        return None
+    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
+            t.dtype)
+
+
+def drop_aliases(state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    """The state dict with each tensor once: a model with tied embeddings lists one tensor as
+    ``model.embed_tokens.weight`` and ``lm_head.weight``; the name first in layer order stays,
+    as in Hugging Face's own checkpoints (the plugin loads it under both names)."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for name in sorted(state_dict, key=layer_key):
+        key = _alias_key(state_dict[name])
+        if key is not None and key in first:
+            log.debug("publish: %s is %s (tied): written once", name, first[key])
+            continue
+        if key is not None:
+            first[key] = name
+        out[name] = state_dict[name]
+    return out
 
 
 def serialize_shards(state_dict: Mapping[str, Any], shard_bytes: int = DEFAULT_SHARD_BYTES
                      ) -> Iterator[tuple[str, bytes]]:
-    """(file name, safetensors bytes) per shard; torch tensors or numpy arrays."""
+    """(file name, safetensors bytes) per shard; torch tensors (any dtype, strides or device;
+    tied ones written once) or numpy arrays."""
     if not state_dict:
         raise ValueError("state_dict is empty")
+    state_dict = drop_aliases(state_dict)
     plan = shard_plan({k: _nbytes(v) for k, v in state_dict.items()}, shard_bytes)
     for fname, names in zip(shard_names(len(plan)), plan, strict=True):
         yield fname, _serialize({n: state_dict[n] for n in names})
@@ -177,19 +230,23 @@ class RegistryHTTP:
     # -- publishing --------------------------------------------------------------------------------
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+                metadata: dict[str, str] | None = None, progress: Progress | None = None,
+                canary: Canary | None = None) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``."""
         with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
             save_shards(state_dict, Path(tmp), shard_bytes)
             return self.publish_dir(version, Path(tmp), chunk_bytes=chunk_bytes,
-                                    metadata=metadata, progress=progress)
+                                    metadata=metadata, progress=progress, canary=canary)
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+                    metadata: dict[str, str] | None = None, progress: Progress | None = None,
+                    canary: Canary | None = None) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
-        Publishing the same bytes again is a no-op, so a retry after a lost reply is safe."""
+        Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
+        ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
+        that loads the version before it takes traffic again."""
         files = safetensors_files(path)
-        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata)
+        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary)
         try:
             if self.manifest(version).digest == manifest.digest:
                 return manifest
@@ -259,7 +316,8 @@ class EmbeddedRegistry(RegistryHTTP):
 
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+                metadata: dict[str, str] | None = None, progress: Progress | None = None,
+                canary: Canary | None = None) -> Manifest:
         """Serialize, hash and stage shard by shard in the caller's thread (one shard in
         memory at a time), then publish on the registry's loop."""
         total = sum(_nbytes(t) for t in state_dict.values())  # tensor bytes; headers come on top
@@ -272,15 +330,16 @@ class EmbeddedRegistry(RegistryHTTP):
                 if progress:
                     progress(min(total, sum(e.size for e in entries)), total)
             manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
-                                metadata=metadata or {}).sealed()
+                                metadata=metadata or {}, canary=canary).sealed()
             self._commit(manifest)  # hashed from these very bytes
         return manifest
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    metadata: dict[str, str] | None = None, progress: Progress | None = None) -> Manifest:
+                    metadata: dict[str, str] | None = None, progress: Progress | None = None,
+                    canary: Canary | None = None) -> Manifest:
         files = safetensors_files(path)
         with self._staging(version):
-            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata)
+            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary)
             done = 0
             for p in files:
                 self.service.blobs.stage_file(version, p)
