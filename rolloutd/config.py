@@ -255,11 +255,11 @@ class Update(_Section):
     resume_timeout_s: Seconds = Field(30.0, description="longest wait for POST /resume")
     max_reapply: int = Field(1, ge=0, description="a failed load is applied again this many times before "
                             "the server is restarted")
-    keep_kv_cache: bool = Field(False, description="partial-rollout semantics for requests that pause_mode "
-                                "keep froze: their tokens after the update attend to the KV cache computed "
-                                "with the old weights. Off: that KV and the prefix cache are dropped before "
-                                "resuming, and frozen requests are recomputed on the new weights, so no request "
-                                "ever reads KV of an older version")
+    keep_kv_cache: bool = Field(False, description="partial-rollout semantics: keep every KV cache across an "
+                                "update, so requests frozen by pause_mode keep go on attending to KV computed "
+                                "with the old weights, and new requests reuse prefix-cache blocks of the old "
+                                "weights. Off: the prefix cache is dropped and frozen requests are recomputed "
+                                "on the new weights, so no request reads KV of older weights")
 
 
 class Heartbeat(_Section):

@@ -59,8 +59,10 @@ class VllmClient:
             return False
 
     # -- the update sequence, one route each --------------------------------------------------------
-    async def pause(self, mode: str, timeout_s: float) -> None:
-        await self.call("POST", f"/pause?mode={mode}", timeout_s)
+    async def pause(self, mode: str, timeout_s: float, *, clear_cache: bool = True) -> None:
+        """``clear_cache`` (vLLM's default): the prefix cache is dropped, and requests frozen by
+        ``keep`` are recomputed on resume; without it they keep the KV of the weights before."""
+        await self.call("POST", f"/pause?mode={mode}&clear_cache={str(clear_cache).lower()}", timeout_s)
 
     async def resume(self, timeout_s: float) -> None:
         await self.call("POST", "/resume", timeout_s)

@@ -4,12 +4,14 @@ faults a real server cannot be made to show. It is not vLLM: it loads no model.
     python tests/fake_vllm.py serve MODEL --host H --port P [other vllm args, ignored]
 
 Standard library and aiohttp only. Routes (JSON): ``GET /health``, ``POST /pause?mode=``,
-``POST /resume``, ``GET /is_paused``, ``POST /start_weight_update``, ``POST /update_weights``
+``POST /resume``, ``GET /is_paused``, ``POST /reset_prefix_cache``, ``POST /start_weight_update``, ``POST /update_weights``
 ``{"update_info": {"path", "digest"}}`` (the mirror directory is checked by the plugin's own
 ``check_version``), ``POST /finish_weight_update {"weight_version"}`` (sets the label only
 while an update is started), ``GET /weight_info``, ``POST /inference/v1/generate`` (token ids
 derived from the label and the prompt, so a test sees which weights answer; it waits while the
-server is paused). Errors are HTTP 500 ``{"error": {"message": ...}}``. ``POST /fake/health``
+server is paused), ``GET /v1/models``, ``POST /v1/completions`` with ``prompt_logprobs`` (the
+gate's request: every prompt position after the first gets logprob -1.0, or the value of the
+fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). Errors are HTTP 500 ``{"error": {"message": ...}}``. ``POST /fake/health``
 ``{"ok": bool}`` lets a test make a running fake healthy or unhealthy.
 
 Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen``,
@@ -160,6 +162,22 @@ class FakeVllm:
             "choices": [{"index": 0, "finish_reason": "length", "token_ids": tokens,
                          "weight_versions": [{"version": label, "start": 0, "end": len(tokens)}]}]})
 
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": self.model, "object": "model"}]})
+
+    async def completions(self, request: web.Request) -> web.Response:
+        req = await body(request)
+        prompt = req.get("prompt")
+        if req.get("model") != self.model:
+            return error(f"The model `{req.get('model')}` does not exist.", 404)
+        if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
+            return error("the fake takes a prompt of token ids only", 400)
+        await self.resumed.wait()  # vLLM 0.32 queues new requests while paused
+        value = float((self.faults.get("logprob") or ["-1.0"])[-1])
+        positions = [None] + [{str(t): {"logprob": value, "rank": 1, "decoded_token": f"<{t}>"}} for t in prompt[1:]]
+        return web.json_response({"model": self.model, "choices": [
+            {"index": 0, "text": "", "finish_reason": "length", "prompt_logprobs": positions}]})
+
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self.faulty])
         app.add_routes([
@@ -168,8 +186,13 @@ class FakeVllm:
             web.post("/start_weight_update", self.start_weight_update),
             web.post("/update_weights", self.update_weights),
             web.post("/finish_weight_update", self.finish_weight_update),
-            web.get("/weight_info", self.weight_info), web.post("/inference/v1/generate", self.generate)])
+            web.get("/weight_info", self.weight_info), web.post("/inference/v1/generate", self.generate),
+            web.get("/v1/models", self.models), web.post("/v1/completions", self.completions),
+            web.post("/reset_prefix_cache", self.reset_prefix_cache)])
         return app
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        return web.json_response({"success": True})
 
 
 def token_ids(label: str, prompt: list, n: int) -> list[int]:
