@@ -93,13 +93,23 @@ class MirrorStatus(_Model):
     versions: list[int] = Field(description="complete versions it holds")
 
 
+class GateStatus(_Model):
+    ok: bool = Field(description="the server passed the gate")
+    canary: bool = Field(description="the version's canary was scored (false: it has none; only the probe ran)")
+    tokens: int = Field(description="positions scored")
+    tolerance: float | None = Field(description="the canary's tolerance (nats)")
+    max_abs_dlogprob: float | None = Field(description="max |served - expected| logprob over the canary's "
+                                           "continuation (null: no canary, or a non-finite value)")
+
+
 class LastUpdate(_Model):
     version: int = Field(description="the version the update loaded, or tried to")
-    ok: bool = Field(description="the server resumed on that version")
+    ok: bool = Field(description="the server resumed on that version and passed the gate")
     at_unix: float = Field(description="when it began (Unix time)")
     phases_s: dict[str, float] = Field(description="seconds per phase (pause, start, load, finish, check, "
-                                       "resume) and in all paused")
+                                       "resume, gate) and in all paused")
     error: str | None = Field(description="why it failed, if it did")
+    gate: GateStatus | None = Field(None, description="the last gate of this update (null: none ran)")
 
 
 class ServerStatus(_Model):

@@ -3,7 +3,13 @@
 The sequence, each phase under its own timeout (``update.*_timeout_s``)::
 
     pause (mode) -> start_weight_update -> update_weights -> finish_weight_update(label)
-                 -> check /weight_info == label -> resume
+                 -> check /weight_info == label -> resume -> gate
+
+The gate (:mod:`rolloutd.gate`) scores the version's canary, or a probe, on the resumed server
+while the supervisor still holds it out of traffic (UPDATING or SYNCING). A server that fails it
+is an update failure (``update_failures_total{kind="gate"}``): the whole load is applied again
+(pause -> ... -> gate) up to ``update.max_reapply`` times, then :class:`ApplyFailed` with
+``restart=True``; it is never reported SERVING with a failing gate.
 
 A failure before ``start_weight_update`` leaves the server's weights untouched: it is resumed
 and the error reported. A failure from ``start_weight_update`` on may leave a half-loaded model:
@@ -15,12 +21,15 @@ server, which then loads the target during its sync, before it is reported as se
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from .config import Update
+from .gate import GateFailed, GateResult, read_canary, run_gate
 from .metrics import Metrics
 from .updater import Target
 from .vllm_http import VllmClient, VllmError
@@ -43,10 +52,12 @@ class UpdateRecord:
     at_unix: float = field(default_factory=time.time)
     phases_s: dict[str, float] = field(default_factory=dict)
     error: str | None = None
+    gate: GateResult | None = None  # the last gate run for this update
 
     def as_dict(self) -> dict:
         return {"version": self.version, "ok": self.ok, "at_unix": self.at_unix,
-                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()}, "error": self.error}
+                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()}, "error": self.error,
+                "gate": self.gate.as_dict() if self.gate else None}
 
 
 class Applier:
@@ -58,28 +69,80 @@ class Applier:
         self._verify = verify
 
     async def apply(self, target: Target, record: UpdateRecord) -> Target:
-        """Load ``target``; returns the target actually loaded (a re-pulled copy, possibly)."""
+        """Load ``target``; returns the target actually loaded (a re-pulled copy, possibly).
+        Returns only once the server holds it, resumed, and passed the gate."""
         p = self.policy
-        started = time.perf_counter()
+        attempts = 1 + p.max_reapply
+        paused_s = 0.0
+        for attempt in range(1, attempts + 1):
+            started = time.perf_counter()
+            try:
+                await self._phase(record, "pause", self.vllm.pause(p.pause_mode, p.pause_timeout_s,
+                                                                   clear_cache=not p.keep_kv_cache))
+            except VllmError as e:
+                if attempt > 1:  # it runs weights that failed the gate: never serve them
+                    raise ApplyFailed(f"pause failed before loading version {target.version} again: {e}",
+                                      restart=True) from None
+                await self._resume_untouched(record)
+                raise ApplyFailed(f"pause failed: {e}", restart=False) from None
+            target = await self._load(target, record)
+            try:
+                await self._phase(record, "check", self._check(target))
+            except VllmError as e:
+                raise ApplyFailed(f"checking the loaded version failed: {e}", restart=True) from None
+            if not p.keep_kv_cache:
+                try:  # the prefix cache, and the KV of requests frozen by "keep", hold the old weights' work
+                    await self._phase(record, "resume", self.vllm.drop_kv_cache(p.resume_timeout_s))
+                except VllmError as e:
+                    raise ApplyFailed(f"dropping the KV cache of the old weights failed: {e}", restart=True) from None
+            try:
+                await self._phase(record, "resume", self.vllm.resume(p.resume_timeout_s))
+            except VllmError as e:
+                raise ApplyFailed(f"resume failed after loading version {target.version}: {e}",
+                                  restart=True) from None
+            paused_s += time.perf_counter() - started
+            record.phases_s["paused"] = paused_s
+            try:
+                await self._phase(record, "gate", self._gate(target, record))
+            except GateFailed as e:
+                self.metrics.update_failures.labels(kind="gate").inc()
+                record.error = f"{e} (attempt {attempt} of {attempts})"
+                log.error("gate %s: version %d failed: %s; held out of traffic", self.name, target.version,
+                          record.error)
+                if attempt == attempts:
+                    raise ApplyFailed(f"version {target.version} failed the gate {attempts} time(s): {e}",
+                                      restart=True) from None
+                try:
+                    target = await self._verify(target)
+                except Exception as e:  # noqa: BLE001 - any failure to re-pull ends in a restart
+                    raise ApplyFailed(f"version {target.version} could not be re-checked or pulled again: {e}",
+                                      restart=True) from None
+                continue
+            self.metrics.pause_seconds.labels(server=self.name).observe(paused_s)
+            record.ok = True
+            return target
+        raise AssertionError("unreachable")
+
+    async def _gate(self, target: Target, record: UpdateRecord) -> None:
+        """Score the version's canary (or the probe) on the resumed server; GateFailed if it fails."""
+        gauge = self.metrics.gate_max_abs_dlogprob.labels(server=self.name)
         try:
-            await self._phase(record, "pause", self.vllm.pause(p.pause_mode, p.pause_timeout_s))
-        except VllmError as e:
-            await self._resume_untouched(record)
-            raise ApplyFailed(f"pause failed: {e}", restart=False) from None
-        target = await self._load(target, record)
+            canary = await asyncio.to_thread(read_canary, target.path, target.digest)
+        except (OSError, ValueError) as e:
+            record.gate = GateResult(canary=False, error=f"gate: the version's manifest is unreadable: {e}")
+            gauge.set(math.nan)
+            raise GateFailed(record.gate.error, record.gate) from None
         try:
-            await self._phase(record, "check", self._check(target))
-        except VllmError as e:
-            raise ApplyFailed(f"checking the loaded version failed: {e}", restart=True) from None
-        try:
-            await self._phase(record, "resume", self.vllm.resume(p.resume_timeout_s))
-        except VllmError as e:
-            raise ApplyFailed(f"resume failed after loading version {target.version}: {e}", restart=True) from None
-        paused_s = time.perf_counter() - started
-        record.phases_s["paused"] = paused_s
-        self.metrics.pause_seconds.labels(server=self.name).observe(paused_s)
-        record.ok = True
-        return target
+            record.gate = await run_gate(self.vllm, canary, self.policy.finish_timeout_s)
+        except GateFailed as e:
+            record.gate = e.result
+            raise
+        finally:
+            figure = record.gate.max_abs_dlogprob if record.gate else None
+            gauge.set(math.nan if figure is None else figure)
+        log.info("gate %s: version %d passed (%s)", self.name, target.version,
+                 f"canary, max |dlogprob| {record.gate.max_abs_dlogprob:.3g} <= {record.gate.tolerance:g}"
+                 if record.gate.canary else "probe only: the version has no canary")
 
     async def _load(self, target: Target, record: UpdateRecord) -> Target:
         """start → update → finish, re-applied after a failure; never returns half-loaded."""

@@ -111,10 +111,21 @@ def cmd_publish(args: argparse.Namespace) -> int:
     from .registry.publish import RegistryHTTP
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     metadata = dict(kv.split("=", 1) for kv in args.metadata)
+    canary = None
+    if args.canary:
+        from pydantic import ValidationError
+
+        from .registry.canary import load_canary
+        try:
+            canary = load_canary(args.canary)
+        except (OSError, ValidationError) as e:
+            print(f"rolloutd publish: --canary {args.canary}: {e}", file=sys.stderr)
+            return 2
     reg = RegistryHTTP(args.registry, token, timeout_s=args.timeout_s)
     try:
         manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
-                                   metadata=metadata, progress=ProgressLine(f"upload v{args.version}"))
+                                   metadata=metadata, progress=ProgressLine(f"upload v{args.version}"),
+                                   canary=canary)
     finally:
         reg.close()
     print(f"published version {manifest.version}: {len(manifest.files)} files, "
@@ -188,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=int, default=64 << 20, help="digest chunk size")
     p.add_argument("--metadata", type=_metadata, action="append", default=[], metavar="KEY=VALUE",
                    help="label stored in the manifest (repeatable)")
+    p.add_argument("--canary", metavar="FILE.json", help="canary to attach (JSON: prompt_ids, continuation_ids, "
+                   "logprobs, tolerance; rolloutd.registry.canary.save_canary writes one)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     p.set_defaults(func=cmd_publish)
 

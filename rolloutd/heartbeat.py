@@ -19,7 +19,7 @@ from collections.abc import Callable
 from .config import Config
 from .registry import errors
 from .registry.client import RegistryClient
-from .registry.store import Heartbeat
+from .registry.store import GateReport, Heartbeat
 from .supervisor import Supervisor
 from .updater import Updater
 
@@ -33,17 +33,20 @@ class Heartbeater:
         self.replica_id = f"{cfg.node_name}.{server.name}"
         self.last_ok: float | None = None
         self._failing = False
+        self._gate_refused = False  # a registry from before the "gate" field refuses it: leave it out
 
     def age_s(self) -> float | None:
         return None if self.last_ok is None else time.monotonic() - self.last_ok
 
     def heartbeat(self) -> Heartbeat:
         cfg, snap = self._conf(), self.server.snapshot()
-        timings = snap["last_update"]["phases_s"] if snap["last_update"] else {}
+        last = snap["last_update"]
+        timings = last["phases_s"] if last else {}
+        gate = GateReport(**last["gate"]) if last and last.get("gate") and not self._gate_refused else None
         return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap["state"],
                          endpoint=snap["endpoint"],
                          version=snap["version"], target=snap["target"], incarnation=snap["incarnation"],
-                         registry_instance=self._updater.registry.instance, timings=timings)
+                         registry_instance=self._updater.registry.instance, timings=timings, gate=gate)
 
     async def run(self) -> None:
         try:
@@ -59,7 +62,17 @@ class Heartbeater:
     async def beat(self) -> bool:
         cfg = self._conf()
         try:
-            reply = await self._client.heartbeat(self.replica_id, self.heartbeat(), timeout_s=cfg.heartbeat.timeout_s)
+            hb = self.heartbeat()
+            try:
+                reply = await self._client.heartbeat(self.replica_id, hb, timeout_s=cfg.heartbeat.timeout_s)
+            except errors.InvalidRequest as e:
+                if hb.gate is None or "gate" not in str(e):
+                    raise
+                log.warning("heartbeat %s: the registry does not take the gate's figure (%s); sending "
+                            "heartbeats without it", self.replica_id, e)
+                self._gate_refused = True
+                reply = await self._client.heartbeat(self.replica_id, self.heartbeat(),
+                                                     timeout_s=cfg.heartbeat.timeout_s)
         except (errors.RegistryError, errors.RegistryUnavailable) as e:
             self.server.metrics.heartbeat_failures.labels(server=self.server.name).inc()
             if not self._failing:

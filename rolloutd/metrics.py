@@ -22,8 +22,8 @@ PAUSE_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 6
 PULL_BUCKETS = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
 PULL_RESULTS = ("ok", "failed", "reused")
-UPDATE_PHASES = ("pause", "start", "load", "finish", "check", "resume")
-FAILURE_KINDS = ("pull", "pause", "start", "load", "finish", "check", "resume", "timeout", "sync")
+UPDATE_PHASES = ("pause", "start", "load", "finish", "check", "resume", "gate")
+FAILURE_KINDS = ("pull", "pause", "start", "load", "finish", "check", "resume", "timeout", "sync", "gate")
 
 
 class Metrics:
@@ -54,6 +54,10 @@ class Metrics:
                                     "the base model)", ["server"], registry=r)
         self.registry_reachable = Gauge("rolloutd_registry_reachable", "1 when the registry answered last time",
                                         registry=r)
+        self.gate_max_abs_dlogprob = Gauge("rolloutd_gate_max_abs_dlogprob", "Last gate of each server: max "
+                                           "|served - expected| logprob over the version's canary (NaN: no "
+                                           "canary, only the probe; +Inf: a served value was not finite)",
+                                           ["server"], registry=r)
         self.mirror_bytes = Gauge("rolloutd_mirror_bytes", "Bytes held by the node mirror", registry=r)
         self.gateway_requests = Counter("rolloutd_gateway_requests", "Requests answered by a server's gateway, "
                                         "by route (other: not on the allow-list) and HTTP status",
@@ -70,7 +74,7 @@ class Metrics:
     @property
     def _per_server(self) -> tuple:
         return (self.pause_seconds, self.updates, self.restarts, self.heartbeat_failures, self.server_state,
-                self.server_version, self.gateway_held)
+                self.server_version, self.gateway_held, self.gate_max_abs_dlogprob)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

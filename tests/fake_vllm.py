@@ -11,7 +11,8 @@ while an update is started), ``GET /weight_info``, ``POST /inference/v1/generate
 derived from the label and the prompt, so a test sees which weights answer; it waits while the
 server is paused), ``GET /v1/models``, ``POST /v1/completions`` with ``prompt_logprobs`` (the
 gate's request: every prompt position after the first gets logprob -1.0, or the value of the
-fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). Errors are HTTP 500 ``{"error": {"message": ...}}``. ``POST /fake/health``
+fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). Errors are HTTP 500
+``{"error": {"message": ...}}``. ``POST /fake/health``
 ``{"ok": bool}`` lets a test make a running fake healthy or unhealthy.
 
 Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen``,

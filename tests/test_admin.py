@@ -30,6 +30,7 @@ from rolloutd import config as config_mod
 from rolloutd.admin import AdminServer, NodeStatus, create_app
 from rolloutd.adminctl import DEFAULT_URL, add_parsers, render_status, resolve
 from rolloutd.apply import UpdateRecord
+from rolloutd.gate import GateResult
 from rolloutd.config import Config
 from rolloutd.httpserver import run
 from rolloutd.metrics import Metrics
@@ -57,13 +58,15 @@ STATUS = {
          "endpoint": "http://node7:8001", "version": 11, "target": 12, "incarnation": 1, "restarts": 0,
          "state_age_s": 182.0, "last_error": None,
          "last_update": {"version": 11, "ok": True, "at_unix": NOW - 300, "phases_s": {"pause": 0.01, "load": 0.4},
-                         "error": None},
+                         "error": None, "gate": {"ok": True, "canary": True, "tokens": 23, "tolerance": 0.05,
+                                                 "max_abs_dlogprob": 6.7e-06}},
          "heartbeat_age_s": 2.0},
         {"name": "gpu1", "state": "BACKOFF", "pid": None, "port": 8002, "public_port": 9002, "gpus": [2],
          "endpoint": "http://node7:8002", "version": None, "target": 12, "incarnation": 3, "restarts": 2,
          "state_age_s": 4.5, "last_error": "exited with status 1 before /health passed: CUDA out of memory "
                                            "while loading the model's weights on GPU 2",
-         "last_update": {"version": 12, "ok": False, "at_unix": NOW - 40, "phases_s": {}, "error": "load failed"},
+         "last_update": {"version": 12, "ok": False, "at_unix": NOW - 40, "phases_s": {}, "error": "load failed",
+                         "gate": None},
          "heartbeat_age_s": None},
     ],
 }
@@ -180,7 +183,8 @@ def test_status_model_takes_what_the_daemon_parts_produce():
     progress.add(40)
     doc["pull"] = progress.as_dict()
     doc["registry"] = RegistryView("http://trainer:8700").as_dict(time.monotonic())
-    doc["servers"][0]["last_update"] = UpdateRecord(version=3, phases_s={"pause": 0.001}).as_dict()
+    doc["servers"][0]["last_update"] = UpdateRecord(version=3, phases_s={"pause": 0.001}, gate=GateResult(
+        canary=False, ok=True, tokens=4)).as_dict()
     sup = Supervisor(Config.model_validate(CONFIG).servers[0], lambda: Config.model_validate(CONFIG),
                      SimpleNamespace(target=None), slots=asyncio.Semaphore, records=None, plugin_dir=Path("/p"),
                      metrics=Metrics())

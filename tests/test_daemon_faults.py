@@ -63,7 +63,7 @@ def server(daemon: DaemonProcess) -> dict:
 
 def requests_seen(daemon: DaemonProcess, name: str = "s0") -> list[str]:
     """The routes the fake answered (health probes aside), in order, from its lines in the daemon's log."""
-    routes = re.findall(rf"{name}\[\d+\]: .*?(?:GET|POST) (/[a-z_]+)", daemon.log_text())
+    routes = re.findall(rf"{name}\[\d+\]: .*?(?:GET|POST) (/[a-z_0-9/]+)", daemon.log_text())
     return [r for r in routes if r != "/health"]
 
 
@@ -105,9 +105,30 @@ def test_a_missing_vllm_command_is_a_clear_error(daemons, tmp_path):
 def test_the_first_sync_loads_the_newest_version_before_serving(daemons):
     d = daemons()
     st = d.wait_versions({"s0": 1}, 30)
-    assert requests_seen(d)[-6:] == ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update",
-                                     "/weight_info", "/resume"], requests_seen(d)
+    seen = requests_seen(d)
+    load = ["/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/weight_info"]
+    assert seen[seen.index("/pause"):][:5] == load, seen
+    # after the load: resume, then the gate (straight to the server), the last requests before SERVING
+    assert seen[-3:] == ["/resume", "/v1/models", "/v1/completions"], seen
     assert st["servers"][0]["incarnation"] == 1
+    gate = st["servers"][0]["last_update"]["gate"]  # the version has no canary: the probe only
+    assert gate == {"ok": True, "canary": False, "tokens": 4, "tolerance": None, "max_abs_dlogprob": None}
+
+
+def test_non_finite_logprobs_fail_the_gate_and_the_server_is_never_serving(daemons):
+    d = daemons("logprob=nan")
+    states = set()
+
+    def fatal(st: dict) -> bool:
+        states.add(st["servers"][0]["state"])
+        return st["servers"][0]["state"] == "FATAL"
+    st = d.wait(fatal, 60, "FATAL")["servers"][0]
+    assert "SERVING" not in states, states
+    assert "gate: non-finite logprobs at 4 of 4 positions" in st["last_error"], st["last_error"]
+    assert st["last_update"]["gate"]["ok"] is False
+    text = httpx.get(d.url + "/metrics", timeout=10).text
+    # 3 processes (max_retries 2), each: the load and its re-apply
+    assert re.search(r'^rolloutd_update_failures_total\{kind="gate"\} 6\.0$', text, re.M), text
 
 
 def test_a_frozen_server_fails_its_probes_and_is_restarted(daemons):

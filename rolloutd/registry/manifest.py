@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import re
@@ -21,7 +22,16 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import xxhash
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 64 * MiB
@@ -29,6 +39,10 @@ MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 1 << 30
 MAX_VERSION = (1 << 53) - 1  # survives a round trip through any JSON parser
 MAX_FILES = 10_000
+MAX_CANARY_PROMPT = 2048       # token ids of a canary's prompt
+MAX_CANARY_CONTINUATION = 512  # token ids (and expected logprobs) of its continuation
+MAX_TOKEN_ID = (1 << 31) - 1
+DEFAULT_CANARY_TOLERANCE = 0.05
 
 HashName = Literal["xxh3-128", "sha256"]
 _HEX_LEN = {"xxh3-128": 32, "sha256": 64}
@@ -72,6 +86,7 @@ Count = json_int(ge=0)
 ChunkBytes = json_int(ge=MIN_CHUNK_BYTES, le=MAX_CHUNK_BYTES)
 HexDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{32}([0-9a-f]{32})?$", description="lowercase hex")]
 ManifestDigest = Annotated[str, Field(pattern=r"^[0-9a-f]{64}$", description="sha256, lowercase hex")]
+TokenId = json_int(ge=0, le=MAX_TOKEN_ID)
 
 
 class FileEntry(BaseModel):
@@ -94,6 +109,54 @@ class FileEntry(BaseModel):
         return name
 
 
+class Canary(BaseModel):
+    """A correctness check the trainer attaches to a version: a prompt, a continuation, and the
+    log-probability the trainer's own model gives each continuation token after its prefix.
+    A server that loaded the version must reproduce every one within ``tolerance`` (nats)
+    before it takes traffic (docs/daemon.md, "The gate"). Made by
+    :func:`rolloutd.registry.canary.make_canary`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    prompt_ids: list[TokenId] = Field(min_length=1, max_length=MAX_CANARY_PROMPT,
+                                      description="token ids of the prompt")
+    continuation_ids: list[TokenId] = Field(min_length=1, max_length=MAX_CANARY_CONTINUATION,
+                                            description="token ids that follow the prompt")
+    logprobs: list[Annotated[float, Field(le=0)]] = Field(
+        min_length=1, max_length=MAX_CANARY_CONTINUATION,
+        description="expected log-probability (natural log, <= 0) of each continuation token given "
+                    "everything before it")
+    tolerance: float = Field(DEFAULT_CANARY_TOLERANCE, gt=0,
+                             description="largest |served - expected| logprob accepted, in nats")
+
+    @model_validator(mode="after")
+    def _lengths(self) -> Canary:
+        if len(self.logprobs) != len(self.continuation_ids):
+            raise ValueError(f"{len(self.logprobs)} logprobs for {len(self.continuation_ids)} continuation "
+                             "tokens: one each")
+        return self
+
+    def positions(self) -> range:
+        """Indices, in ``prompt_ids + continuation_ids``, of the continuation tokens."""
+        return range(len(self.prompt_ids), len(self.prompt_ids) + len(self.continuation_ids))
+
+    def max_abs_delta(self, served: list[float]) -> float:
+        """max |served - expected| over the continuation (inf if a served value is not finite)."""
+        if len(served) != len(self.logprobs):
+            raise ValueError(f"{len(served)} served logprobs for {len(self.logprobs)} expected")
+        worst = 0.0
+        for got, want in zip(served, self.logprobs, strict=True):
+            if not math.isfinite(got):
+                return math.inf
+            worst = max(worst, abs(got - want))
+        return worst
+
+
+# Optional keys left out of every dump while unset, so that a manifest without them keeps the
+# canonical bytes, and so the digest, it had before they existed (the plugin hashes the raw JSON).
+_OMITTED_WHEN_NONE = ("canary", "partial")
+
+
 class Manifest(BaseModel):
     """A version's table of contents; ``digest`` seals everything else."""
 
@@ -106,6 +169,19 @@ class Manifest(BaseModel):
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64,
                                      description="free-form labels, e.g. the training step")
     digest: ManifestDigest | None = Field(None, description="sha256 of the canonical JSON without this field")
+    canary: Canary | None = Field(None, description="correctness check a server must pass after loading this "
+                                  "version, before it takes traffic (absent: none)")
+    partial: bool | None = Field(None, description="true: this version deliberately carries only some of the "
+                                 "model's tensors; the others keep their values (absent: a full checkpoint)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        data = handler(self)
+        if isinstance(data, dict):
+            for key in _OMITTED_WHEN_NONE:
+                if key in data and data[key] is None:
+                    del data[key]
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Manifest:
@@ -207,12 +283,13 @@ def hash_file(path: Path, chunk_bytes: int, hash_name: str,
 
 
 def build_manifest(version: int, paths: Iterable[Path], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                   hash_name: str = "xxh3-128", metadata: dict[str, str] | None = None) -> Manifest:
+                   hash_name: str = "xxh3-128", metadata: dict[str, str] | None = None,
+                   canary: Canary | None = None) -> Manifest:
     """Hash ``paths`` (in the given order) into a sealed manifest for ``version``."""
     with ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2))) as pool:
         files = [hash_file(Path(p), chunk_bytes, hash_name, pool) for p in paths]
     return Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=files,
-                    metadata=metadata or {}).sealed()
+                    metadata=metadata or {}, canary=canary).sealed()
 
 
 def bad_chunks(data: memoryview | bytes, entry: FileEntry, manifest: Manifest) -> list[int]:

@@ -24,7 +24,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from . import errors
 from .blobs import Blob
@@ -80,6 +80,19 @@ class Lease:
                 "ttl_s": self.ttl_s, "expires_in_s": round(max(0.0, self.expires_at - now), 3)}
 
 
+class GateReport(BaseModel):
+    """The last gate of a server: the check, after a load, that it serves the version's logprobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    ok: bool = Field(description="the server passed")
+    canary: bool = Field(description="the version's canary was scored (false: only the finite-logprob probe)")
+    max_abs_dlogprob: float | None = Field(None, ge=0, description="max |served - expected| logprob over the "
+                                           "canary's continuation (null: no canary, or a non-finite value)")
+    tolerance: float | None = Field(None, gt=0, description="the canary's tolerance")
+    tokens: Count = Field(0, description="positions scored")
+
+
 class Heartbeat(BaseModel):
     """What a node reports for one server (contract with the daemon)."""
 
@@ -95,6 +108,14 @@ class Heartbeat(BaseModel):
     registry_instance: str | None = Field(None, max_length=64, description="instance it synced with")
     timings: dict[str, float] = Field(default_factory=dict, max_length=32,
                                       description="last update's phase durations, seconds")
+    gate: GateReport | None = Field(None, description="last update's gate (absent: none ran yet)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        data = handler(self)  # without a gate, the body is what registries before the field accept
+        if isinstance(data, dict) and data.get("gate", 0) is None:
+            del data["gate"]
+        return data
 
 
 @dataclass
