@@ -125,7 +125,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
     try:
         manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
                                    metadata=metadata, progress=ProgressLine(f"upload v{args.version}"),
-                                   canary=canary)
+                                   canary=canary, partial=args.partial)
     finally:
         reg.close()
     print(f"published version {manifest.version}: {len(manifest.files)} files, "
@@ -199,6 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=int, default=64 << 20, help="digest chunk size")
     p.add_argument("--metadata", type=_metadata, action="append", default=[], metavar="KEY=VALUE",
                    help="label stored in the manifest (repeatable)")
+    p.add_argument("--partial", action="store_true", help="the files carry only some of the model's tensors on "
+                   "purpose (the rest keeps its weights); without it a version lacking a tensor fails to load")
     p.add_argument("--canary", metavar="FILE.json", help="canary to attach (JSON: prompt_ids, continuation_ids, "
                    "logprobs, tolerance; rolloutd.registry.canary.save_canary writes one)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")

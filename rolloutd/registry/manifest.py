@@ -284,12 +284,12 @@ def hash_file(path: Path, chunk_bytes: int, hash_name: str,
 
 def build_manifest(version: int, paths: Iterable[Path], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                    hash_name: str = "xxh3-128", metadata: dict[str, str] | None = None,
-                   canary: Canary | None = None) -> Manifest:
+                   canary: Canary | None = None, partial: bool = False) -> Manifest:
     """Hash ``paths`` (in the given order) into a sealed manifest for ``version``."""
     with ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2))) as pool:
         files = [hash_file(Path(p), chunk_bytes, hash_name, pool) for p in paths]
     return Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=files,
-                    metadata=metadata or {}, canary=canary).sealed()
+                    metadata=metadata or {}, canary=canary, partial=partial or None).sealed()
 
 
 def bad_chunks(data: memoryview | bytes, entry: FileEntry, manifest: Manifest) -> list[int]:

@@ -231,22 +231,26 @@ class RegistryHTTP:
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None) -> Manifest:
+                canary: Canary | None = None, partial: bool = False) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``."""
         with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
             save_shards(state_dict, Path(tmp), shard_bytes)
             return self.publish_dir(version, Path(tmp), chunk_bytes=chunk_bytes,
-                                    metadata=metadata, progress=progress, canary=canary)
+                                    metadata=metadata, progress=progress, canary=canary,
+                                    partial=partial)
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None) -> Manifest:
+                    canary: Canary | None = None, partial: bool = False) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
         Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
         ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
-        that loads the version before it takes traffic again."""
+        that loads the version before it takes traffic again. ``partial``: the files carry only
+        some of the model's tensors on purpose; the rest keeps its weights (without it, a version
+        that lacks a tensor of the served model fails to load, naming it)."""
         files = safetensors_files(path)
-        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary)
+        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
+                                  partial=partial)
         try:
             if self.manifest(version).digest == manifest.digest:
                 return manifest
@@ -317,7 +321,7 @@ class EmbeddedRegistry(RegistryHTTP):
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None) -> Manifest:
+                canary: Canary | None = None, partial: bool = False) -> Manifest:
         """Serialize, hash and stage shard by shard in the caller's thread (one shard in
         memory at a time), then publish on the registry's loop."""
         total = sum(_nbytes(t) for t in state_dict.values())  # tensor bytes; headers come on top
@@ -330,16 +334,18 @@ class EmbeddedRegistry(RegistryHTTP):
                 if progress:
                     progress(min(total, sum(e.size for e in entries)), total)
             manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
-                                metadata=metadata or {}, canary=canary).sealed()
+                                metadata=metadata or {}, canary=canary,
+                                partial=partial or None).sealed()
             self._commit(manifest)  # hashed from these very bytes
         return manifest
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None) -> Manifest:
+                    canary: Canary | None = None, partial: bool = False) -> Manifest:
         files = safetensors_files(path)
         with self._staging(version):
-            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary)
+            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
+                                  partial=partial)
             done = 0
             for p in files:
                 self.service.blobs.stage_file(version, p)
