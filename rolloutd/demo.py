@@ -1,10 +1,14 @@
 """``rolloutd demo``: the whole job on one machine without a GPU, in about a minute.
 
-An embedded registry; a small Llama-shaped model built here (no model hub); the daemon with
-one real ``vllm serve`` (vLLM's CPU build) started on that model; then the trainer publishes
-two versions, and the demo shows, from the admin API and from generations, that the server
-switched to each: its greedy outputs change and every token is labelled with the version
-that produced it. The daemon stops at the end, and no process of it is left.
+An embedded registry; a small Qwen2-shaped model with tied embeddings built here (no model
+hub; the shape of the small Qwen and Llama models RL post-trains); the daemon with one real
+``vllm serve`` (vLLM's CPU build) started on that model; then the trainer publishes three
+versions from the model in memory (``publish(version, model.state_dict())``, each with a
+canary), and the demo shows, from the admin API and from generations through the gateway, that
+the server switched to each: its greedy outputs **equal** transformers' greedy decoding of the
+published weights, computed here, every token is labelled with the version that produced it,
+and the server's canary figure is within its tolerance. The daemon stops at the end, and no
+process of it is left.
 """
 
 from __future__ import annotations
@@ -20,13 +24,15 @@ from pathlib import Path
 
 import httpx
 
-from . import tinymodel
+from . import families
 from .adminctl import render_status
 from .config import Config
 from .daemon import Daemon
 from .registry.publish import EmbeddedRegistry
 
+FAMILY = "qwen2"
 PROMPT = [1, 5, 9, 13, 40]
+NEW_TOKENS = 12
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -96,41 +102,55 @@ async def _generate(endpoint: str) -> dict:
     async with httpx.AsyncClient(timeout=60) as c:
         r = await c.post(f"{endpoint}/inference/v1/generate", json={
             "token_ids": PROMPT, "stream": False,
-            "sampling_params": {"max_tokens": 12, "temperature": 0, "ignore_eos": True}})
+            "sampling_params": {"max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
         r.raise_for_status()
         return r.json()["choices"][0]
 
 
-def _show(st: dict, gen: dict) -> None:
+def _show(st: dict, gen: dict, want: list[int]) -> None:
     s = st["servers"][0]
-    phases = (s["last_update"] or {}).get("phases_s", {})
+    update = s["last_update"] or {}
+    phases = update.get("phases_s", {})
+    gate = update.get("gate") or {}
     say(f"status: {s['name']} {s['state']} version {s['version']} (incarnation {s['incarnation']}, pid {s['pid']}); "
         f"last update: " + (", ".join(f"{k} {v * 1000:.0f} ms" for k, v in phases.items()) or "none"))
+    if gate.get("canary"):
+        say(f"gate: the version's canary scored on the server: max |dlogprob| {gate['max_abs_dlogprob']:.2g} "
+            f"(tolerance {gate['tolerance']:g})")
     say(f"generate at {s['endpoint']} (the gateway) {PROMPT} -> {gen['token_ids']}  "
         f"weight_versions {json.dumps(gen['weight_versions'])}")
+    say(f"transformers on the published weights  -> {want}: "
+        + ("equal" if gen["token_ids"] == want else "DIFFERENT"))
 
 
-async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> list[list[int]]:
+async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> list[bool]:
+    """Publish versions 1, 2, 3 as a trainer does; for each, whether the server's outputs equal
+    transformers' on the published weights."""
+    from .registry.canary import make_canary
+
     while not hasattr(daemon, "admin") or not daemon.admin.started:
         await asyncio.sleep(0.1)
     admin = f"http://127.0.0.1:{daemon.admin.port}"
-    outputs = []
-    for version in (1, 2):
-        m = await asyncio.to_thread(reg.publish, version, tinymodel.state_dict(tinymodel.TINY, seed=version),
-                                    shard_bytes=600_000, chunk_bytes=1 << 16)
-        say(f"trainer: published version {version} ({m.total_bytes / 2**20:.1f} MiB in {len(m.files)} files)")
+    exact = []
+    for version in (1, 2, 3):
+        model = await asyncio.to_thread(families.hf_model, FAMILY, version)  # "the trainer's model"
+        canary = await asyncio.to_thread(make_canary, model, PROMPT)
+        m = await asyncio.to_thread(reg.publish, version, model.state_dict(), canary=canary)
+        say(f"trainer: published version {version} ({m.total_bytes / 2**20:.1f} MiB in {len(m.files)} files, "
+            f"with a canary)")
         st = await _wait_serving(admin, version, timeout_s)
         gen = await _generate(st["servers"][0]["endpoint"])
-        _show(st, gen)
-        outputs.append(gen["token_ids"])
+        want = (await asyncio.to_thread(families.greedy, model, [PROMPT], NEW_TOKENS))[0]
+        _show(st, gen, want)
+        exact.append(gen["token_ids"] == want)
         assert gen["weight_versions"][0]["version"] == str(version), gen
     print(f"\n$ rolloutd status --url {admin}\n{render_status(st)}\n", flush=True)
-    return outputs
+    return exact
 
 
 async def _run(args: argparse.Namespace, work: Path) -> int:
-    say(f"building a small Llama model in {work}")
-    model = await asyncio.to_thread(tinymodel.build, work / "start-model", seed=0)
+    say(f"building a small {FAMILY} model with tied embeddings in {work}")
+    model = await asyncio.to_thread(families.build, work / "start-model", FAMILY, 0)
     with EmbeddedRegistry(port=0) as reg:
         say(f"registry: listening on {reg.url}")
         cfg = demo_config(work, reg.url, args.vllm, model)
@@ -139,15 +159,15 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
             f"(about 30 s on CPU)")
         run = asyncio.create_task(daemon.run())
         try:
-            outputs = await _drive(daemon, reg, args.timeout_s)
+            exact = await _drive(daemon, reg, args.timeout_s)
         finally:
             daemon.request_stop()
             await run
-    if outputs[0] == outputs[1]:
-        say("FAILED: the outputs did not change between versions")
+    if not all(exact):
+        say("FAILED: the served outputs differ from transformers' on the published weights")
         return 1
-    say("done: the server followed versions 1 -> 2 without a restart; its outputs changed with the weights, "
-        "and each token is labelled with the version that produced it")
+    say("done: the server followed versions 1 -> 2 -> 3 without a restart; at each, its outputs equal "
+        "transformers' on the published weights, and each token is labelled with the version that produced it")
     return 0
 
 

@@ -97,3 +97,14 @@ def debs(tmp_path_factory) -> dict[str, Path]:
     from .nspawn import build_deb
     out = tmp_path_factory.mktemp("debs")
     return {"1": build_deb(out, "1"), "2": build_deb(out, "2")}
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """transformers references of tiny models on one thread: next to running vLLM servers on a
+    small machine, torch's thread pool only spins (about 100x slower, measured)."""
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -26,7 +26,7 @@ from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server
 from .test_model_matrix import NEW_TOKENS, generate, reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
 FAMILY = "qwen2"
 MISSING = "model.layers.1.self_attn.k_proj.weight"

@@ -36,7 +36,7 @@ from rolloutd.vllm_http import VllmClient
 from .conftest import free_port
 from .vllm_server import VllmServer
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
 LONG = [1] + [(i * 37) % 500 + 3 for i in range(150)]  # 151 tokens: more than one 128-token block
 SEEDS = range(10)

@@ -1,0 +1,176 @@
+"""Every model family RL post-trains, updated exactly by the daemon, checked against Hugging Face
+transformers.
+
+For each family of :mod:`rolloutd.families` that vLLM's CPU build serves, a real daemon starts a
+real ``vllm serve`` on weights A (seed 0) and the trainer publishes three more versions, each
+a different way a trainer publishes, never going back to weights seen before:
+
+- version 1 = B: ``EmbeddedRegistry.publish(1, model.state_dict())`` from the HF model in memory
+  (fp32; a tied model's state dict holds one tensor under two names);
+- version 2 = C: ``publish_dir`` of ``save_pretrained`` output (a tied checkpoint carries
+  ``model.embed_tokens.weight`` and no ``lm_head.weight``);
+- version 3 = D: the HTTP upload (``RegistryHTTP.publish``) of the model cast to bf16.
+
+After each, the greedy outputs through the server's gateway on :data:`families.PROMPTS` (one
+longer than a KV-cache block, sent before every update so that a stale prefix cache would
+show) must equal transformers' greedy decoding of that version, computed here; and for C, a
+fresh ``vllm serve`` started on C's directory must give the same outputs. The module writes
+``docs/models.md`` from what it saw.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rolloutd import families
+from rolloutd.plugin_path import install_plugin
+from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
+
+from .conftest import free_port
+from .daemon_harness import DaemonProcess, config, vllm_server
+from .vllm_server import VllmServer
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "models.md"
+NEW_TOKENS = 16
+SERVED = [f for f in families.FAMILIES if f not in families.UNSUPPORTED]
+PATHS = {1: "state_dict (fp32, in memory)", 2: "publish_dir (save_pretrained)", 3: "HTTP upload (bf16 state_dict)"}
+
+
+@pytest.fixture(scope="module")
+def report():
+    rows: dict[str, dict] = {}
+    yield rows
+    if set(rows) == set(SERVED):  # a run of some families only leaves the committed page alone
+        write_doc(rows)
+
+
+def generate(url: str, prompts: list[list[int]]) -> tuple[list[list[int]], set[str]]:
+    """Greedy outputs of a server (or its gateway), and the weight versions that produced them."""
+    outs, versions = [], set()
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for p in prompts:
+            r = c.post("/inference/v1/generate", json={"token_ids": p, "sampling_params": {
+                "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
+            r.raise_for_status()
+            choice = r.json()["choices"][0]
+            outs.append(choice["token_ids"])
+            versions |= {span["version"] for span in choice.get("weight_versions") or []}
+    return outs, versions
+
+
+def bf16_rounded(family: str, seed: int):
+    """The float32 model with every parameter rounded to bf16: what a server in float32 holds after
+    loading the bf16 version (``model.to(bf16).float()`` would also round buffers such as rotary
+    frequencies, which no checkpoint carries)."""
+    import torch
+    model = families.hf_model(family, seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return model
+
+
+def reference(model) -> list[list[int]]:
+    """transformers' greedy decoding, with the margins that make token equality a fair test."""
+    assert families.greedy_margin(model, families.PROMPTS, NEW_TOKENS) > 1e-3, "a near tie: pick other weights"
+    return families.greedy(model, families.PROMPTS, NEW_TOKENS)
+
+
+@pytest.mark.parametrize("family", SERVED)
+def test_every_publish_path_updates_the_served_model_exactly(family, tmp_path, report):
+    import torch
+
+    row = report.setdefault(family, {"tied": families.FAMILIES[family].tied, "paths": {}})
+    start = families.build(tmp_path / "A", family, seed=0)
+    c_dir = families.build(tmp_path / "C", family, seed=2)
+    models = {0: families.hf_model(family, 0), 1: families.hf_model(family, 1), 2: families.hf_model(family, 2),
+              3: families.hf_model(family, 3).to(torch.bfloat16)}
+    want = {v: reference(m if v != 3 else bf16_rounded(family, 3)) for v, m in models.items()}
+    assert len({str(w) for w in want.values()}) == 4, "every version must give other outputs"
+
+    with EmbeddedRegistry(port=0) as reg:
+        daemon = DaemonProcess(config(tmp_path, reg.url, [vllm_server("s0", start, free_port(), "0")]), tmp_path)
+        fresh = VllmServer(c_dir, free_port(), tmp_path / "fresh.log", pythonpath=[install_plugin(tmp_path / "pp")],
+                           cpus="1")
+        try:
+            t0 = time.monotonic()
+            daemon.start()
+            st = daemon.wait(lambda s: daemon.server("s0", s)["state"] == "SERVING", 300, "serving A")
+            row["start_s"] = round(time.monotonic() - t0, 1)
+            gateway = f"http://127.0.0.1:{daemon.server('s0', st)['public_port']}"
+            assert generate(gateway, families.PROMPTS)[0] == want[0], "the start model differs from transformers'"
+
+            reg.publish(1, models[1].state_dict())
+            check(daemon, gateway, 1, want[1], row)
+            reg.publish_dir(2, c_dir)
+            check(daemon, gateway, 2, want[2], row)
+            fresh.wait_healthy()
+            assert generate(fresh.url, families.PROMPTS)[0] == want[2], "a fresh server on C differs from transformers'"
+            fresh.stop()  # its core goes back to the daemon's server
+            fresh = None
+            RegistryHTTP(reg.url).publish(3, models[3].state_dict())
+            check(daemon, gateway, 3, want[3], row)
+            assert "Failed to load weights" not in daemon.log_text().replace("RotaryEmbedding: Failed to load", "")
+        finally:
+            if fresh is not None:
+                fresh.stop()
+            daemon.stop()
+            daemon.kill_everything()
+
+
+def check(daemon: DaemonProcess, gateway: str, version: int, want: list[list[int]], row: dict) -> None:
+    st = daemon.wait_versions({"s0": version}, timeout_s=180)
+    got, labels = generate(gateway, families.PROMPTS)
+    update = daemon.server("s0", st)["last_update"]
+    row["paths"][version] = {"exact": got == want, "load_s": update["phases_s"].get("load"),
+                             "paused_s": update["phases_s"].get("paused")}
+    assert labels == {str(version)}, labels
+    assert got == want, f"version {version} ({PATHS[version]}): served {got}, transformers {want}"
+
+
+def write_doc(rows: dict[str, dict]) -> None:
+    """docs/models.md: the matrix as this run saw it."""
+    lines = [
+        "# Model families",
+        "",
+        "Written by `tests/test_model_matrix.py` on every run (do not edit by hand). Each family is a",
+        "tiny model built by `rolloutd.families` (2 layers, hidden 128, vocab 512, every tensor drawn",
+        "from the seed), served by vLLM's CPU build in float32. A real daemon updates the server",
+        "A → B → C → D, one publish path per step; a step is **exact** when the greedy outputs through",
+        "the gateway on four prompts (one longer than a 128-token KV block) equal transformers' greedy",
+        "decoding of that version, computed in the test. C is also checked against a fresh server",
+        "started on C's `save_pretrained` directory.",
+        "",
+        "| family | tied | start (s) | " + " | ".join(f"v{v}: {p}" for v, p in PATHS.items()) + " |",
+        "|---|---|---|" + "---|" * len(PATHS),
+    ]
+    for family in families.FAMILIES:
+        if family in families.UNSUPPORTED:
+            continue
+        row = rows.get(family)
+        if row is None:
+            lines.append(f"| {family} | {'yes' if families.FAMILIES[family].tied else 'no'} | not run |"
+                         + " |" * len(PATHS))
+            continue
+        cells = []
+        for v in PATHS:
+            r = row["paths"].get(v)
+            cells.append("not reached" if r is None else
+                         f"{'exact' if r['exact'] else '**differs**'}, load {r['load_s']:.3f} s, "
+                         f"paused {r['paused_s']:.3f} s")
+        lines.append(f"| {family} | {'yes' if row['tied'] else 'no'} | {row.get('start_s', '–')} | "
+                     + " | ".join(cells) + " |")
+    lines += ["", "## Not served by vLLM's CPU build", ""]
+    if families.UNSUPPORTED:
+        lines += ["| family | vLLM's error |", "|---|---|"]
+        lines += [f"| {f} | `{err}` |" for f, err in families.UNSUPPORTED.items()]
+    else:
+        lines.append("None.")
+    DOC.write_text("\n".join(lines) + "\n")
