@@ -20,6 +20,7 @@ Contract:
 from __future__ import annotations
 
 import difflib
+import ipaddress
 import json
 import re
 import shlex
@@ -42,6 +43,8 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+from .registry.store import REPLICA_ID_RE
 
 DEFAULT_CONFIG_PATH = Path("/etc/rolloutd.yaml")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
@@ -151,7 +154,9 @@ class _Section(BaseModel):
 
 class Node(_Section):
     name: str | None = Field(None, min_length=1, description="this node's name in the registry's replica "
-                             "directory; null: the machine's host name")
+                             "directory (replica ids are <name>.<server>): letters, digits and . _ : @ -, a "
+                             "letter or digit first, the replica id at most 128 characters; null: the "
+                             "machine's host name")
     advertise_host: str | None = Field(None, min_length=1, description="host the registry lists in this "
                                        "node's server endpoints (trainers send generate requests there); "
                                        "null: the machine's host name")
@@ -200,11 +205,14 @@ class Admin(_Section):
 
 
 class Gateway(_Section):
-    host: str = Field("0.0.0.0", min_length=1, description="address every server's gateway listens on: the "
-                      "node's public address (vLLM itself only ever listens on loopback)")
+    host: str = Field("127.0.0.1", min_length=1, description="address every server's gateway listens on: "
+                      "the node's public address (e.g. 0.0.0.0) for trainers on other hosts, which then needs "
+                      "token_file or allow_unauthenticated; vLLM itself only ever listens on loopback")
     token_file: LaxPath | None = Field(None, description="file holding the gateway's token; when set, every "
-                                       "request needs `Authorization: Bearer <token>`; null: open to anyone "
-                                       "who can reach the node")
+                                       "request needs `Authorization: Bearer <token>`; null: no token, which "
+                                       "a host other than loopback refuses unless allow_unauthenticated")
+    allow_unauthenticated: bool = Field(False, description="serve a host other than loopback without "
+                                        "token_file: generation open to anyone who can reach the node")
     while_paused: Literal["hold", "reject"] = Field("hold", description="a request that arrives while its "
                                                     "server is paused for an update: held until the server "
                                                     "resumes (at most hold_max_s), or answered 503 with "
@@ -215,6 +223,35 @@ class Gateway(_Section):
                                "or restarting)")
     max_body_bytes: ByteSize = Field(ByteSize(16 * MiB), ge=1 * KiB, description="largest request body "
                                      "accepted (413 above it)")
+    head_timeout_s: Seconds = Field(10.0, description="longest time to receive a request's line and headers, "
+                                    "from its first byte (from the connection's start for the first "
+                                    "request); then 408 and the connection is closed")
+    body_timeout_s: Seconds = Field(60.0, description="longest silence while a request body comes; then 408 "
+                                    "and the connection is closed")
+    idle_timeout_s: Seconds = Field(60.0, description="a kept-alive client connection with no request for "
+                                    "this long is closed (a request being answered is never timed out)")
+    max_connections: int = Field(4096, ge=1, description="most client connections of one server's gateway; "
+                                 "one more is answered 503 and closed at once")
+
+    @model_validator(mode="after")
+    def _check_open(self) -> Gateway:
+        # Fail closed: the gateway is the way to a server from other hosts; open on a public address
+        # only when the config says so in as many words.
+        if self.token_file is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise _problems([(("token_file",), f"required when gateway.host ({self.host}) is not loopback: "
+                              "set a token file, or gateway.allow_unauthenticated: true to serve anyone "
+                              "who can reach the node")])
+        return self
+
+
+def is_loopback(host: str) -> bool:
+    """``localhost`` or a loopback address (127.0.0.0/8, ::1); a name is not looked up."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class Mirror(_Section):
@@ -379,9 +416,25 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_servers(self) -> Config:
-        if problems := list(self._server_conflicts()):
+        if problems := list(self._server_conflicts()) + self._replica_id_problems():
             raise _problems(problems)
         return self
+
+    def _replica_id_problems(self) -> list[tuple[Loc, str]]:
+        # Heartbeats go to /v1/replicas/<node>.<server>: a name the registry refuses would fail every
+        # heartbeat for as long as the daemon runs, so refuse it here, where a person reads the error.
+        node = self.node_name
+        whose = "" if self.node.name is not None else f"null, and the host name {node!r} "
+        if not REPLICA_ID_RE.fullmatch(node):
+            return [(("node", "name"), f"{whose}is not valid in a registry replica id (<node>.<server>, "
+                     f"{REPLICA_ID_RE.pattern}): letters, digits and . _ : @ -, a letter or digit first, "
+                     "at most 128 characters")]
+        longest = max(self.servers, key=lambda s: len(s.name))
+        replica_id = f"{node}.{longest.name}"
+        if not REPLICA_ID_RE.fullmatch(replica_id):
+            return [(("node", "name"), f"{whose}makes the registry replica id of server {longest.name!r} "
+                     f"{len(replica_id)} characters long; the registry takes at most 128: shorten node.name")]
+        return []
 
     def _server_conflicts(self) -> Iterator[tuple[Loc, str]]:
         names: dict[str, int] = {}

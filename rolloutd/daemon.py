@@ -6,17 +6,26 @@ the mirror's partial pulls, put the plugin where children import it, bind the ad
 ``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
 supervisor and a heartbeat task.
 
-The main loop ticks the systemd watchdog (so a frozen loop is restarted by systemd), handles
-reloads, and keeps ``READY=1`` / ``STATUS=`` true. Signal handlers only set events: SIGTERM
-or SIGINT asks for the ordered shutdown, a second one kills every server's process group at
-once; SIGHUP asks for a reload.
+The main loop ticks the systemd watchdog (so a frozen loop is restarted by systemd) and
+keeps ``READY=1`` / ``STATUS=`` true; it never waits on anything else, so ``/healthz`` and the
+watchdog stay true while servers stop. Signal handlers only set events: SIGTERM or SIGINT asks
+for the ordered shutdown, a second one kills every server's process group at once; SIGHUP asks
+the reloader task for a reload.
 
-Shutdown, each step bounded by a ``shutdown.*`` deadline: stop every server (TERM to each
-group, grace, KILL, reap), deregister every replica, stop the updater (its lease is
-released), stop the admin API.
+Crash policy: the updater, the reloader and every heartbeat task run under :func:`keep`: a crash
+(a bug, or a reply nobody expected) is logged with its traceback, counted in
+``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay. Only
+shutdown ends the task group.
+
+Shutdown, each step bounded by a ``shutdown.*`` deadline: wait for a reload in progress,
+deregister every replica (the trainer stops routing to a server before it stops answering),
+stop every server at once (TERM to each group, grace, KILL, reap), stop the updater (its lease
+is released), stop the admin API.
 
 Reload: a bad new file keeps the old configuration running and says so. A server restarts
-only when its own entry or the ``vllm`` section changed; servers are added and removed;
+only when its own entry or the ``vllm`` section changed (changed and removed servers are
+deregistered and stopped all at once, so a reload takes one stop grace, not one per server);
+servers are added and removed;
 ``update``, ``pull.timeout_s``, ``heartbeat``, ``health``, ``restart`` and ``shutdown`` apply
 at once. ``node``, ``registry``, ``admin``, ``mirror``, ``state_dir`` and the rest of ``pull``
 need a restart of the daemon: a reload that changes them keeps the running values and says so.
@@ -30,6 +39,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,11 +131,12 @@ class Daemon:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
                 admin = tg.create_task(self.admin.serve(), name="admin")
-                updater = tg.create_task(self.updater.run(), name="updater")
+                updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
+                reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
                 for spec in cfg.servers:
                     self._start_server(spec, gateways[spec.name])
                 await self._main()
-                await self._shutdown(updater, admin)
+                await self._shutdown(updater, reloader, admin)
         finally:
             await self.client.close()
             self._unhandle_signals()
@@ -156,21 +167,23 @@ class Daemon:
 
     # -- the main loop ------------------------------------------------------------------------------------
     async def _main(self) -> None:
+        """Tick until a stop is asked; never await anything slow here: the watchdog and /healthz
+        read this loop's liveness, and a stuck tick gets the daemon (and every server) killed."""
         while not self._stop.is_set():
             self._tick = time.monotonic()
             self.notifier.watchdog()
             self._report()
-            if self._reload.is_set():
-                self._reload.clear()
-                await self.reload()
-                continue
             interval = self.notifier.watchdog_interval_s or 1.0
-            waits = [asyncio.ensure_future(e.wait()) for e in (self._stop, self._reload)]
-            try:
-                await asyncio.wait(waits, timeout=min(interval, 1.0), return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for w in waits:
-                    w.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(min(interval, 1.0)):
+                    await self._stop.wait()
+
+    async def _reloader(self) -> None:
+        """SIGHUP reloads, beside the main loop: one may wait out several servers' stop grace."""
+        while True:
+            await self._reload.wait()
+            self._reload.clear()
+            await self.reload()
 
     def _report(self) -> None:
         """READY=1 once the API is bound and every server is SERVING or gave up; STATUS= always."""
@@ -208,14 +221,14 @@ class Daemon:
                          gateway=gateway)
         running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)
         running.task = self._tg.create_task(sup.run(), name=f"server-{spec.name}")
-        running.beats = self._tg.create_task(running.heartbeater.run(), name=f"heartbeat-{spec.name}")
+        running.beats = self._tg.create_task(keep("heartbeat", running.heartbeater.run, self.metrics),
+                                             name=f"heartbeat-{spec.name}")
         self.servers[spec.name] = running
         return running
 
-    async def _stop_server(self, running: Running, deregister: bool = True) -> None:
+    async def _stop_server(self, running: Running) -> None:
+        await _cancel(running.beats)  # deregistered first: the trainer stops routing to it, then it stops
         await _cancel(running.task)
-        if deregister:
-            await _cancel(running.beats)
         await running.gateway.stop()
 
     def _rollout_slots(self) -> asyncio.Semaphore:
@@ -239,6 +252,8 @@ class Daemon:
     async def restart_server(self, name: str) -> str:
         async with self._changing:
             running = self.servers[name]  # KeyError: unknown server (the API answers 404)
+            if self._stop.is_set():  # shutdown held the lock: the server is stopped, and stays so
+                return f"server {name} not restarted: rolloutd is stopping"
             log.info("restart %s: asked through the admin API", name)
             await _cancel(running.task)
             running.supervisor.reset_failures()
@@ -252,6 +267,8 @@ class Daemon:
     async def reload(self) -> dict:
         """Re-read the config file; apply what changed (see the module docstring)."""
         async with self._changing:  # a SIGHUP and an admin reload, or a restart, one at a time
+            if self._stop.is_set():  # shutdown holds the lock from here on; this reload came too late
+                return {"ok": False, "message": "rolloutd is stopping"}
             return await self._reload_now()
 
     async def _reload_now(self) -> dict:
@@ -285,11 +302,13 @@ class Daemon:
         removed = [n for n in before if n not in after]
         added = [n for n in after if n not in before]
         changed = [n for n in after if n in before and (after[n] != before[n] or old.vllm != new.vllm)]
-        await asyncio.gather(*(self._stop_server(self.servers.pop(n)) for n in removed))
+        # All at once, each bounded by its own stop grace; kept in self.servers meanwhile, so a
+        # second SIGTERM still reaches their process groups.
+        await asyncio.gather(*(self._stop_server(self.servers[n]) for n in removed + changed))
+        for n in removed + changed:
+            del self.servers[n]
         for n in removed:
             self.metrics.forget_server(n)
-        for n in changed:
-            await self._stop_server(self.servers.pop(n))
         failed = []
         for n in changed + added:
             try:
@@ -302,18 +321,20 @@ class Daemon:
         return message + (f"; not started: {', '.join(failed)}" if failed else "")
 
     # -- shutdown ---------------------------------------------------------------------------------------
-    async def _shutdown(self, updater: asyncio.Task, admin: asyncio.Task) -> None:
+    async def _shutdown(self, updater: asyncio.Task, reloader: asyncio.Task, admin: asyncio.Task) -> None:
         self.notifier.stopping()
-        log.info("stop: %d server(s), then heartbeats, the updater and the admin API", len(self.servers))
-        await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
-        await asyncio.gather(*(_cancel(r.beats) for r in self.servers.values()))
-        await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
-        await _cancel(updater)
-        self.admin.stop()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(self.cfg.shutdown.admin_grace_s):
-                await asyncio.shield(admin)
-        await _cancel(admin)
+        log.info("stop: deregister %d server(s), then stop them, the updater and the admin API", len(self.servers))
+        async with self._changing:  # a reload or restart in progress ends first (its steps have deadlines)
+            await _cancel(reloader)
+            await asyncio.gather(*(_cancel(r.beats) for r in self.servers.values()))  # trainers look away first
+            await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
+            await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
+            await _cancel(updater)
+            self.admin.stop()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.cfg.shutdown.admin_grace_s):
+                    await asyncio.shield(admin)
+            await _cancel(admin)
 
     # -- for the admin API ----------------------------------------------------------------------------------
     def healthz(self) -> tuple[bool, str]:
@@ -341,6 +362,26 @@ class Daemon:
                        "usage_bytes": self.mirror.usage_bytes(), "versions": self.mirror.versions()},
             "servers": servers,
         }
+
+
+async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, *,
+               initial_s: float = 1.0, max_s: float = 30.0) -> None:
+    """Run the long-lived loop ``run`` until cancelled. A crash is a bug or a peer's surprise,
+    never a reason to take every server down with the daemon: log it with its traceback, count it
+    in ``task_errors_total{task}``, wait (``initial_s`` doubling up to ``max_s``), start it again."""
+    delay = initial_s
+    while True:
+        started = time.monotonic()
+        try:
+            await run()
+            raise RuntimeError("returned")  # these loops end only by being cancelled
+        except Exception:
+            if time.monotonic() - started > max_s:  # it had run well for a while: back to the short delay
+                delay = initial_s
+            log.exception("crash in task %s; starting it again in %g s", asyncio.current_task().get_name(), delay)
+        metrics.task_errors.labels(task=task).inc()
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_s)
 
 
 async def _cancel(task: asyncio.Task | None) -> None:

@@ -23,6 +23,11 @@ routes to the loopback vLLM:
   (0.33); a request that reached vLLM just as it paused and came back 503 is held and sent
   again.
 
+- **Bounded.** Each client connection is a state machine (:class:`Reading`) whose states carry
+  their timeouts (head, body, idle keep-alive; none while a request is being answered); at most
+  ``max_connections`` per gateway; per connection, a bounded number of requests and bytes read
+  ahead, and no new answer while the client does not take the last one.
+
 Errors are JSON ``{"error": {"code", "message"}}``, as in the admin API and the registry.
 
 It is a relay at the level of asyncio protocols, with llhttp (``httptools``) parsing both
@@ -37,6 +42,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import hmac
 import http
 import json
@@ -68,6 +74,9 @@ HEAD_LIMIT = 64 * 1024  # request line and headers, as most servers allow
 IDLE_UPSTREAM_S = 2.0  # a kept-alive connection to vLLM older than this is not reused (uvicorn drops them at 5 s)
 IDLE_UPSTREAM_MAX = 64
 LINGER_S = 2.0  # after refusing a request whose body still comes: read and drop it this long, then close
+MAX_HEADERS = 128  # header lines of one request (64 KiB of tiny ones would be thousands of objects)
+PIPELINE_MAX = 16  # requests of one connection read ahead of the one being answered
+FEED_BYTES = 4096  # what one read is parsed in pieces of, so that reading ahead stops near PIPELINE_MAX
 
 # Per-connection headers (RFC 9110 7.6.1), framing (set by the relay itself), the client's token,
 # and what must not pass: the relay answers ``Expect`` itself and names no server.
@@ -100,11 +109,16 @@ class Gateway:
         self._clients: set[_Client] = set()
         self._idle: list[_Upstream] = []  # kept-alive connections to vLLM, newest last
         self._counters: dict[tuple[str, int], object] = {}
+        self.max_connections = settings.max_connections
+        self.refused = metrics.gateway_refused_connections.labels(server=name)
+        self.timeouts = {Reading.HEAD: settings.head_timeout_s, Reading.BODY: settings.body_timeout_s,
+                         Reading.IDLE: settings.idle_timeout_s}
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     # -- life -----------------------------------------------------------------------------------
     async def start(self) -> None:
         """Listen on ``gateway.host:port``; GatewayError with the reason when that fails."""
-        loop = asyncio.get_running_loop()
+        self.loop = loop = asyncio.get_running_loop()
         try:
             self._server = await loop.create_server(lambda: _Client(self), self.settings.host, self.port,
                                                     reuse_address=True)
@@ -309,31 +323,73 @@ def _connection_header(exchange: _Exchange | None) -> bytes:
     return b"Connection: keep-alive\r\n" if exchange.http10 else b""
 
 
+class Reading(enum.Enum):
+    """What a client connection is reading; each state has its own clock (``Gateway.timeouts``),
+    which runs only while no request of the connection is being answered: a generation may take
+    minutes, and a pipelining client may send its next request in pieces meanwhile."""
+
+    HEAD = "head"  # a request line and headers (or, on a new connection, their first byte): head_timeout_s in all
+    BODY = "body"  # a request body: body_timeout_s of silence at most
+    IDLE = "idle"  # between requests, kept alive: idle_timeout_s
+    DONE = "done"  # nothing more is read (refused, timed out, upgrade asked): what comes is dropped, then closed
+
+
+# The arrows between them; any other is a bug, logged.
+_ARROWS = {Reading.HEAD: frozenset({Reading.BODY, Reading.DONE}),
+           Reading.BODY: frozenset({Reading.IDLE, Reading.DONE}),
+           Reading.IDLE: frozenset({Reading.HEAD, Reading.DONE}),
+           Reading.DONE: frozenset()}
+
+
 class _Client(asyncio.Protocol):
-    """One connection from a client: parses its requests, answers them in order."""
+    """One connection from a client: parses its requests, answers them in order.
+
+    Bounded: at most ``PIPELINE_MAX`` requests read ahead of the one being answered, and request
+    bytes held beyond the one being answered stay near ``max_body_bytes``; past that, the rest of
+    what was read waits unparsed (``stash``, at most one read) and the socket is not read. The next
+    answer starts only while the client takes what is written (``pause_writing``), so a client
+    that pipelines and reads nothing fills its own socket, not the gateway."""
 
     def __init__(self, gateway: Gateway):
         self.gw = gateway
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
+        self.state = Reading.HEAD
         self.reading: _Exchange | None = None  # the request being read
         self.queue: collections.deque[_Exchange] = collections.deque()  # read, not yet answered; [0] is in hand
+        self.held = 0  # request bytes (targets, headers, bodies) of the queue and of the one being read
+        self.stash: bytes | memoryview | None = None  # read, not yet parsed: no room for more requests
         self.head_size = 0  # of the request line and headers read so far
         self.head_pending = 0  # bytes read while a head is not complete (a bound on what llhttp holds)
         self.heads = 0  # heads read whole
-        self.in_head = True
-        self.done = False  # answering one last thing, then closing: what comes in is dropped
-        self.last: bytes | None = None  # that last thing, when requests before it are answered first
+        self.last: bytes | None = None  # one last answer, once the requests before it are answered
+        self.deadline: float | None = None  # when the current state's clock runs out; None: no clock
+        self.timer: asyncio.TimerHandle | None = None  # fires at or before deadline
+        self.write_paused = False  # the client's socket is full: no new answer starts
+        self.stalled = False  # an answer waits for the socket to drain (resume_writing goes on)
+        self.advancing = self.feeding = False  # re-entry guards of _next and _feed
 
     # -- the transport's callbacks ----------------------------------------------------------------
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
+        gw = self.gw
+        if len(gw._clients) >= gw.max_connections:  # full: refused at once, the others untouched
+            self.state = Reading.DONE
+            gw.refused.inc()
+            transport.write(_error_bytes(503, "unavailable", f"gateway {gw.name}: too many connections",
+                                         ((b"Retry-After", str(gw.settings.retry_after_s).encode()),), None))
+            transport.close()
+            return
         _nodelay(transport)
-        self.gw._clients.add(self)
+        gw._clients.add(self)
+        self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gw._clients.discard(self)
-        self.done = True
+        self.state = Reading.DONE
+        self.deadline = None
+        if self.timer is not None:
+            self.timer.cancel()
         for exchange in self.queue:
             _abandon(exchange)
         self.queue.clear()
@@ -343,47 +399,142 @@ class _Client(asyncio.Protocol):
         # (connection_lost follows), which for a generation aborts it in vLLM.
         return False
 
-    def pause_writing(self) -> None:  # the client reads slower than vLLM writes: stop reading vLLM
+    def pause_writing(self) -> None:  # the client reads slower than we write: stop reading vLLM
+        self.write_paused = True
         up = self.queue[0].upstream if self.queue else None
         if up is not None:
             up.transport.pause_reading()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         up = self.queue[0].upstream if self.queue else None
         if up is not None:
             up.transport.resume_reading()
+        if self.stalled:
+            self.stalled = False
+            self._next()
 
     def data_received(self, data: bytes) -> None:
-        if self.done:
+        if self.state is Reading.DONE:
             return  # lingering after a refusal: dropped
+        if self.stash is not None:  # (reading is paused: only a read already under way lands here)
+            self.stash = bytes(self.stash) + data
+            return
+        self._feed(data)
+        if self.state is Reading.BODY:
+            self._arm()  # the body moves: its clock starts again
+
+    # -- reading, within bounds -------------------------------------------------------------------
+    def _full(self) -> bool:
+        """No room to read ahead: enough requests wait behind the one being answered."""
+        return bool(self.queue) and (len(self.queue) > PIPELINE_MAX or self.held > self.gw.limit)
+
+    def _feed(self, data: bytes | memoryview) -> None:
+        """Parse ``data`` in pieces, until it is all parsed or there is no room for more."""
+        if self.feeding:
+            return
+        self.feeding = True
+        try:
+            while len(data) and self.state is not Reading.DONE:
+                if self._full():
+                    self.stash = data
+                    self.transport.pause_reading()
+                    return
+                if len(data) > FEED_BYTES:
+                    view = memoryview(data)
+                    piece, data = view[:FEED_BYTES], view[FEED_BYTES:]
+                else:
+                    piece, data = data, b""
+                self._parse(piece)
+        finally:
+            self.feeding = False
+
+    def _parse(self, piece: bytes | memoryview) -> None:
         heads = self.heads
         try:
-            self.parser.feed_data(data)
+            self.parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
             self._no_upgrade()
         except httptools.HttpParserError:
             self.finish(400, "bad_request", "not a valid HTTP/1.1 request")
         else:
-            if self.in_head and self.heads == heads:  # a head still coming, over more than this piece
-                # (llhttp keeps a header's pieces until it is whole: this bounds that)
-                self.head_pending += len(data)
+            if self.state is Reading.HEAD and self.heads == heads:  # a head still coming, over more than
+                # this piece (llhttp keeps a header's pieces until it is whole: this bounds that)
+                self.head_pending += len(piece)
                 if self.head_pending > HEAD_LIMIT:
                     self.finish(*self._head_too_large())
-        if len(self.queue) > 1 and not self.transport.is_closing():
-            self.transport.pause_reading()  # pipelined requests: these are enough for now
+
+    def _read_on(self) -> None:
+        """There is room again: parse what waited, then read the socket again."""
+        if self.feeding or self.state is Reading.DONE or self.transport.is_closing():
+            return
+        if self.stash is not None:
+            data, self.stash = self.stash, None
+            self._feed(data)
+        if self.stash is None and self.state is not Reading.DONE:
+            self.transport.resume_reading()
+
+    # -- the clock of each state ------------------------------------------------------------------
+    def _set_state(self, new: Reading) -> None:
+        old = self.state
+        if new is old:
+            return
+        if new not in _ARROWS[old]:
+            log.error("gateway %s: connection state %s -> %s is not an arrow", self.gw.name, old.name, new.name)
+        self.state = new
+        self._arm()
+
+    def _arm(self) -> None:
+        """Start the current state's clock, unless a request is being answered (or nothing more is
+        read). The timer is moved only when the deadline comes earlier: most deadlines move later
+        (a body's at each read), and the timer then looks again when it fires."""
+        if self.queue or self.state is Reading.DONE:
+            self.deadline = None
+            return
+        loop = self.gw.loop
+        self.deadline = deadline = loop.time() + self.gw.timeouts[self.state]
+        if self.timer is None or self.timer.when() > deadline:
+            if self.timer is not None:
+                self.timer.cancel()
+            self.timer = loop.call_at(deadline, self._expire)
+
+    def _expire(self) -> None:
+        self.timer = None
+        if self.deadline is None or self.transport.is_closing():
+            return
+        if self.gw.loop.time() < self.deadline:
+            self.timer = self.gw.loop.call_at(self.deadline, self._expire)
+            return
+        self.deadline = None
+        if self.state is Reading.IDLE or (self.state is Reading.HEAD and self.reading is None):
+            self._set_state(Reading.DONE)
+            self.transport.close()  # kept alive long enough, or never said a word: closed quietly
+        elif self.state is Reading.HEAD:
+            self.finish(408, "timeout", f"request head not received within {self.gw.settings.head_timeout_s:g} s")
+        else:
+            self.finish(408, "timeout", f"request body stalled for {self.gw.settings.body_timeout_s:g} s",
+                        exchange=self.reading)
 
     # -- the parser's callbacks -------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.reading = _Exchange(self)
+        if self.state is not Reading.DONE:  # (llhttp parses on after a refusal: dropped)
+            self._set_state(Reading.HEAD)
 
     def on_url(self, url: bytes) -> None:
         self.reading.target += url
         self.head_size += len(url)
+        self.held += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         ex = self.reading
+        if len(ex.headers) >= MAX_HEADERS:
+            self.head_size = HEAD_LIMIT + 1  # refused as too large a head, once it is whole
+            return
         ex.headers.append((name, value))
-        self.head_size += len(name) + len(value) + 4
+        size = len(name) + len(value) + 4
+        self.head_size += size
+        self.held += size
         low = name.lower()
         if low == b"authorization":
             ex.authorization = value
@@ -393,13 +544,14 @@ class _Client(asyncio.Protocol):
             ex.expect = value.lower() == b"100-continue"
 
     def on_headers_complete(self) -> None:
-        if self.done:
+        if self.state is Reading.DONE:
             return
         if self.head_size > HEAD_LIMIT:
             self.finish(*self._head_too_large())
             return
-        self.in_head, self.head_size, self.head_pending = False, 0, 0
+        self.head_size, self.head_pending = 0, 0
         self.heads += 1
+        self._set_state(Reading.BODY)
         ex, gw = self.reading, self.gw
         ex.method = self.parser.get_method().decode("ascii")
         # llhttp stops after a request that asks to upgrade (or a CONNECT): it is answered as any
@@ -415,42 +567,76 @@ class _Client(asyncio.Protocol):
             # The body is not wanted: answer now rather than read it all (the client of an Expect
             # does not even send it), then close.
             self.finish(*ex.refusal, exchange=ex)
-        elif ex.expect and not self.queue:
-            self.transport.write(_CONTINUE)
+        elif not self.queue:
+            self._continue()
+        # else: its 100 Continue comes when its turn does (_next), after the answers before it
 
     def on_body(self, body: bytes) -> None:
         ex = self.reading
-        if self.done or ex.refusal is not None:
+        if self.state is Reading.DONE or ex.refusal is not None:
             return  # a refused request's body is read and dropped
         ex.body += body
+        self.held += len(body)
         if len(ex.body) > self.gw.limit:
             ex.refusal = (413, "too_large", f"request body above the limit of {self.gw.limit} bytes", ())
             self.finish(*ex.refusal, exchange=ex)
 
     def on_message_complete(self) -> None:
-        if self.done:
+        if self.state is Reading.DONE:
             return
-        ex, self.reading, self.in_head = self.reading, None, True
+        ex, self.reading = self.reading, None
         self.queue.append(ex)
+        self._set_state(Reading.IDLE)
         if len(self.queue) == 1:
-            self._answer(ex)
+            self._next()
+
+    def _continue(self) -> None:
+        """``100 Continue`` for the request being read, if it asked and has sent no body yet."""
+        ex = self.reading
+        if ex is not None and ex.expect and self.state is Reading.BODY and not ex.body:
+            ex.expect = False
+            self.transport.write(_CONTINUE)
 
     def _head_too_large(self) -> tuple:
-        return 431, "too_large", f"request line and headers above {HEAD_LIMIT} bytes"
+        return 431, "too_large", f"request line and headers above {HEAD_LIMIT} bytes or {MAX_HEADERS} headers"
 
     def _no_upgrade(self) -> None:
         """After a request that asks to upgrade, llhttp reads nothing more; that request is
         answered, not upgraded, and ends the connection (``on_headers_complete``)."""
         if self.reading is not None:  # not even read whole
             self.finish(400, "bad_request", "not a valid HTTP/1.1 request")
-        self.done = True
+        self._set_state(Reading.DONE)
 
     # -- answering --------------------------------------------------------------------------------
-    def _answer(self, ex: _Exchange) -> None:
-        if ex.refusal is not None:
-            self.answer_error(ex, *ex.refusal)
-        else:
-            self.gw.forward(ex)
+    def _next(self) -> None:
+        """Answer what comes next, in order: the queued requests (the gateway's own refusals at
+        once, one forwarded at a time), then the last answer; then read on."""
+        if self.advancing:
+            return  # (a refusal answered within this loop)
+        self.advancing = True
+        try:
+            while self.queue:
+                if self.write_paused:
+                    self.stalled = True  # resume_writing goes on
+                    return
+                ex = self.queue[0]
+                if ex.refusal is None:
+                    self.gw.forward(ex)  # its answer comes later: answered() brings us back
+                    return
+                if self.transport.is_closing():
+                    return
+                self.transport.write(_error_bytes(*ex.refusal, ex))
+                if not self._done_with(ex, ex.refusal[0]):
+                    return
+        finally:
+            self.advancing = False
+        if self.last is not None:
+            self.transport.write(self.last)
+            self._linger()
+            return
+        self._continue()
+        self._arm()
+        self._read_on()
 
     def answer_error(self, ex: _Exchange, status: int, code: str, message: str, extra: tuple) -> None:
         if self.transport.is_closing():
@@ -460,26 +646,28 @@ class _Client(asyncio.Protocol):
 
     def answered(self, ex: _Exchange, status: int) -> None:
         """``ex`` (the first in the queue) has its whole answer: on to the next, or close."""
+        if self._done_with(ex, status):
+            self._next()
+
+    def _done_with(self, ex: _Exchange, status: int) -> bool:
+        """Count ``ex``'s answer and take it off the queue; False when that ends the connection."""
         self.gw.count(ex.path, status)
         self.queue.popleft()
+        self.held -= len(ex.target) + len(ex.body) + sum(len(n) + len(v) + 4 for n, v in ex.headers)
         if not ex.keep_alive:
             self.transport.close()
-        elif self.queue:
-            self._answer(self.queue[0])
-        elif self.last is not None:
-            self.transport.write(self.last)
-            self._linger()
-        elif not self.done:
-            self.transport.resume_reading()
+            return False
+        return True
 
     def finish(self, status: int, code: str, message: str, extra: tuple = (),
                exchange: _Exchange | None = None) -> None:
         """Refuse what is being read, after any request before it, and close: the rest of it is
         read and dropped for a while first, so that the client gets the answer rather than a
         reset for the bytes it still sends."""
-        if self.done:
+        if self.state is Reading.DONE:
             return
-        self.done = True
+        self._set_state(Reading.DONE)
+        self.stash = None
         self.gw.count(exchange.path if exchange is not None else "other", status)
         answer = _error_bytes(status, code, message, extra, None)
         if self.queue:  # the requests before it are answered first
@@ -492,7 +680,7 @@ class _Client(asyncio.Protocol):
         self.transport.resume_reading()  # reading is what drops the rest (data_received)
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        asyncio.get_running_loop().call_later(LINGER_S, self.transport.close)
+        self.gw.loop.call_later(LINGER_S, self.transport.close)
 
     def close(self) -> None:
         if self.transport is not None:
@@ -520,7 +708,10 @@ class _Upstream(asyncio.Protocol):
         self.chunked = False  # the client gets chunked framing made here
         self.until_close = False  # vLLM ends this answer by closing the connection
         self.discard = False  # this answer is not passed on (a 503 from a pausing server)
-        self.transport.resume_reading()  # in case a slow client paused it during the last answer
+        if exchange.client.write_paused:  # (a slow client paused it during the last answer, or now)
+            self.transport.pause_reading()
+        else:
+            self.transport.resume_reading()
         self.transport.write(exchange.request_bytes(self.gw.host_header, _connection_tokens(exchange.headers)))
 
     def data_received(self, data: bytes) -> None:

@@ -24,6 +24,7 @@ PULL_BUCKETS = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3
 PULL_RESULTS = ("ok", "failed", "reused")
 UPDATE_PHASES = ("pause", "start", "load", "finish", "check", "resume", "gate")
 FAILURE_KINDS = ("pull", "pause", "start", "load", "finish", "check", "resume", "timeout", "sync", "gate")
+TASKS = ("heartbeat", "updater", "reload")  # the daemon's long-lived tasks with a crash policy
 
 
 class Metrics:
@@ -58,23 +59,32 @@ class Metrics:
                                            "|served - expected| logprob over the version's canary (NaN: no "
                                            "canary, only the probe; +Inf: a served value was not finite)",
                                            ["server"], registry=r)
+        self.task_errors = Counter("rolloutd_task_errors", "Crashes of a long-lived task of the daemon (a bug, "
+                                   "logged with its traceback); the task is started again after a delay",
+                                   ["task"], registry=r)
         self.mirror_bytes = Gauge("rolloutd_mirror_bytes", "Bytes held by the node mirror", registry=r)
         self.gateway_requests = Counter("rolloutd_gateway_requests", "Requests answered by a server's gateway, "
                                         "by route (other: not on the allow-list) and HTTP status",
                                         ["server", "route", "code"], registry=r)
         self.gateway_held = Counter("rolloutd_gateway_held", "Requests a gateway held while its server was "
                                     "paused for an update", ["server"], registry=r)
+        self.gateway_refused_connections = Counter("rolloutd_gateway_refused_connections", "Client connections "
+                                                   "a gateway refused (503 and closed) at gateway.max_connections",
+                                                   ["server"], registry=r)
         for result in PULL_RESULTS:
             self.pulls.labels(result=result)
         for phase in UPDATE_PHASES:
             self.update_phase_seconds.labels(phase=phase)
         for kind in FAILURE_KINDS:
             self.update_failures.labels(kind=kind)
+        for task in TASKS:
+            self.task_errors.labels(task=task)
 
     @property
     def _per_server(self) -> tuple:
         return (self.pause_seconds, self.updates, self.restarts, self.heartbeat_failures, self.server_state,
-                self.server_version, self.gateway_held, self.gate_max_abs_dlogprob)
+                self.server_version, self.gateway_held, self.gate_max_abs_dlogprob,
+                self.gateway_refused_connections)
 
     def render(self) -> tuple[bytes, str]:
         """The text exposition and its content type."""

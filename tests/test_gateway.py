@@ -638,3 +638,266 @@ def test_a_server_that_cannot_be_reached_or_drops_the_request_is_a_502():
     finally:
         gw.stop()
         fake.close()
+
+
+# -- hardening: timeouts, the connection cap, bounded memory, Expect behind another request -------
+
+def connect(gw: GatewayThread):
+    import socket
+    host, port = gw.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def read_until_closed(sock, timeout_s: float = 10) -> tuple[bytes, float]:
+    """Everything the gateway sends until it closes the connection, and how long that took."""
+    sock.settimeout(timeout_s)
+    t0, data = time.monotonic(), b""
+    while True:
+        try:
+            chunk = sock.recv(65536)
+        except ConnectionResetError:
+            break
+        if not chunk:
+            break
+        data += chunk
+    return data, time.monotonic() - t0
+
+
+async def answer_ok(fake, n, reader, writer):
+    """A kept-alive server that answers every request at once."""
+    while True:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+
+def test_a_head_that_stalls_is_answered_408_and_closed():
+    """Slowloris: half a head, then nothing (or a byte now and then): 408 after head_timeout_s,
+    counted from the head's first byte, however the bytes trickle in."""
+    fake = FakeRawUpstream(answer_ok)
+    gw = GatewayThread(fake.port, free_port(), head_timeout_s=0.5).start()
+    try:
+        with connect(gw) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+            data, took = read_until_closed(s)
+        [(status, headers, body)] = responses(data)
+        assert (status, headers["connection"], json.loads(body)["error"]["code"]) == (408, "close", "timeout")
+        assert 0.4 <= took < 2, took
+        with connect(gw) as s:  # trickled: a byte every 0.1 s does not extend it
+            t0 = time.monotonic()
+            for byte in b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 30:
+                try:
+                    s.sendall(bytes([byte]))
+                except OSError:
+                    break
+                time.sleep(0.1)
+                if time.monotonic() - t0 > 1.5:
+                    break
+            data, _ = read_until_closed(s)
+        assert data.startswith(b"HTTP/1.1 408 ") and time.monotonic() - t0 < 2.5
+        with connect(gw) as s:  # a connection that never sends anything: closed without a word
+            data, took = read_until_closed(s)
+        assert data == b"" and 0.4 <= took < 2, (data, took)
+        assert gw.requests("other", 408) == 2
+        assert httpx.get(gw.url + "/health").text == "ok"
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_a_body_that_stalls_is_answered_408_and_closed():
+    fake = FakeRawUpstream(answer_ok)
+    gw = GatewayThread(fake.port, free_port(), body_timeout_s=0.5).start()
+    try:
+        with connect(gw) as s:
+            s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
+            for _ in range(4):  # a body that moves is not timed out: 0.5 s between reads
+                time.sleep(0.3)
+                s.sendall(b"y" * 10)
+            t0 = time.monotonic()
+            data, _ = read_until_closed(s)
+        [(status, headers, _)] = responses(data)
+        assert (status, headers["connection"]) == (408, "close") and 0.4 <= time.monotonic() - t0 < 2
+        assert gw.requests("/tokenize", 408) == 1
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_an_idle_kept_alive_connection_is_closed_after_the_idle_timeout():
+    fake = FakeRawUpstream(answer_ok)
+    gw = GatewayThread(fake.port, free_port(), idle_timeout_s=0.5).start()
+    try:
+        with connect(gw) as s:
+            for _ in range(3):  # kept alive between requests that come in time
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert s.recv(4096).endswith(b"\r\n\r\nok")
+                time.sleep(0.3)
+            data, took = read_until_closed(s)
+        assert data == b"" and 0.1 <= took < 1.5, (data, took)
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_a_request_being_answered_is_not_timed_out():
+    """Generation can take minutes: while vLLM has not answered, or streams slowly, no timeout of
+    the client connection applies."""
+    async def slow(fake, n, reader, writer):
+        await read_request(reader)
+        await asyncio.sleep(1.2)  # thinking, longer than every timeout of the gateway
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: 1\n\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(1.2)  # and between two events
+        writer.write(b"9\r\ndata: 2\n\n\r\n0\r\n\r\n")
+        await writer.drain()
+        await read_request(reader)
+    fake = FakeRawUpstream(slow)
+    gw = GatewayThread(fake.port, free_port(), head_timeout_s=0.3, body_timeout_s=0.3, idle_timeout_s=0.3).start()
+    try:
+        r = httpx.post(gw.url + "/inference/v1/generate", json={}, timeout=10)
+        assert (r.status_code, r.content) == (200, b"data: 1\n\ndata: 2\n\n")
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_connections_past_the_cap_are_refused_and_the_others_served():
+    fake = FakeRawUpstream(answer_ok)
+    gw = GatewayThread(fake.port, free_port(), max_connections=2).start()
+    try:
+        established = [connect(gw), connect(gw)]
+        for s in established:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).endswith(b"ok")
+        for _ in range(3):
+            with connect(gw) as extra:
+                data, took = read_until_closed(extra, timeout_s=5)
+            assert took < 1 and (data == b"" or data.startswith(b"HTTP/1.1 503 ")), data
+        for s in established:  # unaffected
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            assert s.recv(4096).endswith(b"ok")
+            s.close()
+        assert gw.metrics.registry.get_sample_value("rolloutd_gateway_refused_connections_total",
+                                                    {"server": "gpu0"}) == 3
+        wait_until(lambda: gw.buffered()["connections"] == 0, 5, "closed")
+        assert httpx.get(gw.url + "/health").text == "ok"  # room again
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_a_client_pipelining_without_reading_does_not_fill_the_gateway():
+    """10,000 pipelined requests, each answered with 4 KiB, from a client that reads nothing for a
+    while: the gateway reads requests only as it answers them and answers only as the client
+    reads, so what it holds stays small; then every answer arrives, in order."""
+    async def big(fake, n, reader, writer):
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n" + b"a" * 4096)
+            await writer.drain()
+            fake.sent += 1
+    fake = FakeRawUpstream(big)
+    gw = GatewayThread(fake.port, free_port()).start()
+    n = 10_000
+    try:
+        s = connect(gw)
+        sender = threading.Thread(target=s.sendall, args=(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" * n,), daemon=True)
+        sender.start()
+        peak: dict[str, int] = {}
+        deadline, stalled = time.monotonic() + 30, -1
+        while time.monotonic() < deadline:  # until the server side stops moving
+            for key, value in gw.buffered().items():
+                peak[key] = max(peak.get(key, 0), value)
+            if fake.sent == stalled and fake.sent > 0:
+                break
+            stalled = fake.sent
+            time.sleep(0.5)
+        assert peak["queued"] <= 300 and peak["request_bytes"] < 256 << 10, peak
+        assert peak["write_bytes"] < 1 << 20, peak
+        assert fake.sent < n // 2, fake.sent
+        got, want = 0, n * (4096 + len(b"HTTP/1.1 200 OK\r\nContent-Length: 4096\r\n\r\n"))
+        s.settimeout(30)
+        while got < want:
+            chunk = s.recv(1 << 20)
+            assert chunk
+            got += len(chunk)
+        assert got == want and fake.sent == n
+        s.close()
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_expect_100_continue_behind_another_request_gets_its_continue_in_turn():
+    """A pipelined request with ``Expect: 100-continue`` waits behind one being answered: its
+    ``100 Continue`` comes after that answer (never before, never dropped), then its own answer."""
+    async def script(fake, n, reader, writer):
+        first = True
+        while True:
+            request = await read_request(reader)
+            if first:
+                await asyncio.sleep(0.5)
+                first = False
+            body = request.partition(b"\r\n\r\n")[2]
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body) + 2, b"ok" + body))
+            await writer.drain()
+    fake = FakeRawUpstream(script)
+    gw = GatewayThread(fake.port, free_port()).start()
+    try:
+        with connect(gw) as s:
+            s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+                      b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nExpect: 100-continue\r\n\r\n")
+            s.settimeout(5)
+            data = b""
+            while b"100 Continue" not in data:
+                chunk = s.recv(4096)
+                assert chunk, data
+                data += chunk
+            assert data == b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokHTTP/1.1 100 Continue\r\n\r\n", data
+            s.sendall(b"hello")
+            data = b""
+            while not data.endswith(b"okhello"):
+                chunk = s.recv(4096)
+                assert chunk, data
+                data += chunk
+            assert data == b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nokhello"
+    finally:
+        gw.stop()
+        fake.close()
+
+
+# -- fail closed: a public gateway needs a token, or an explicit opt-out --------------------------
+
+OPEN_CONFIG = """\
+registry: {url: "http://trainer:8700"}
+servers: [{name: gpu0, model: /m, port: 8001}]
+gateway:
+  host: %s
+"""
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "node7.lan"])
+def test_a_public_gateway_without_a_token_is_refused(host):
+    from rolloutd.config import ConfigError, parse_config
+    with pytest.raises(ConfigError) as e:
+        parse_config(OPEN_CONFIG % f'"{host}"', "c.yaml")
+    [line] = e.value.lines
+    assert line.startswith("c.yaml:3: gateway.token_file: required when gateway.host") and \
+        "gateway.allow_unauthenticated: true" in line, line
+    text = OPEN_CONFIG % f'"{host}"'
+    assert parse_config(text + "  allow_unauthenticated: true\n").gateway.allow_unauthenticated
+    assert parse_config(text + "  token_file: /etc/rolloutd/gateway.token\n").gateway.token_file is not None
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "127.3.4.5", "::1", "localhost"])
+def test_a_loopback_gateway_needs_no_token(host):
+    from rolloutd.config import parse_config
+    assert parse_config(OPEN_CONFIG % f'"{host}"').gateway.token_file is None
+
+
+def test_the_default_gateway_is_loopback_and_needs_no_token():
+    from rolloutd.config import parse_config
+    g = parse_config('registry: {url: "http://trainer:8700"}\nservers: [{name: gpu0, model: /m, port: 8001}]\n').gateway
+    assert (g.host, g.token_file, g.allow_unauthenticated) == ("127.0.0.1", None, False)
+    assert (g.head_timeout_s, g.body_timeout_s, g.idle_timeout_s, g.max_connections) == (10, 60, 60, 4096)

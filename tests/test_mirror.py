@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import shutil
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
+from rolloutd import mirror as mirror_mod
+from rolloutd.config import Config
+from rolloutd.metrics import Metrics
 from rolloutd.mirror import MANIFEST_NAME, Mirror, MirrorFull
+from rolloutd.updater import Updater
 from rolloutd.registry.manifest import FileEntry, Manifest, hash_chunks
 
 CHUNK = 4096
@@ -199,3 +207,146 @@ def test_begin_fails_cleanly_when_the_filesystem_is_full(tmp_path, monkeypatch):
 def test_rejects_a_nonsensical_limit(tmp_path: Path):
     with pytest.raises(ValueError):
         Mirror(tmp_path, max_bytes=0)
+
+
+# -- one owner for every change; removal off the event loop ---------------------------------------
+# The interleavings below are forced: a hook runs a rival mutation in another thread at the worst
+# moment and waits for it (up to JOIN_S). Before the mirror had one owner the rival ran through
+# and broke the first; now it waits for the first to end, and the hook's wait simply times out.
+JOIN_S = 0.5
+
+
+def test_gc_never_removes_a_version_committed_while_it_looks(mirror, monkeypatch):
+    put(mirror, 1)
+    put(mirror, 2)
+    files = payload(3)
+    partial = mirror.begin(make_manifest(3, files))
+    for name, data in files.items():
+        write(partial, name, data)
+    committer = threading.Thread(target=mirror.commit, args=(partial,))
+    real = Mirror._named_versions
+
+    def listing(self):
+        found = real(self)
+        if committer.ident is None:  # gc has looked once: the pull's commit lands now
+            committer.start()
+            committer.join(JOIN_S)
+        return found
+    monkeypatch.setattr(Mirror, "_named_versions", listing)
+    removed = mirror.gc(in_use=set())
+    committer.join(5)
+    assert 3 in mirror.versions(), f"gc removed {removed}, the just-committed version 3 among them"
+    assert removed == [1] and mirror.versions() == [2, 3]
+
+
+def test_ensure_room_and_gc_at_once_remove_each_version_once(tmp_path, monkeypatch, caplog):
+    mirror = Mirror(tmp_path / "m", max_bytes=60_000)
+    for v in (1, 2, 3):
+        put(mirror, v)
+    rival: dict = {}
+
+    def collect():  # the updater's gc, in another thread, while a pull makes room
+        try:
+            rival["removed"] = mirror.gc(in_use=set())
+        except Exception as e:
+            rival["error"] = e
+    other = threading.Thread(target=collect)
+    real = Mirror.remove
+
+    def remove(self, version, why):
+        if other.ident is None:  # the pull's gc has decided and is about to remove: the rival runs now
+            other.start()
+            other.join(JOIN_S)
+        return real(self, version, why)
+    monkeypatch.setattr(Mirror, "remove", remove)
+    with caplog.at_level(logging.INFO, logger="rolloutd.mirror"):
+        removed = mirror.ensure_room(mirror.usage_bytes() // 3, in_use=set())
+        other.join(5)
+    assert "error" not in rival, rival
+    assert removed == [1, 2] and rival["removed"] == [] and mirror.versions() == [3]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("remove version")]
+    assert len(lines) == 2, lines
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_two_removals_of_one_version_remove_it_once(mirror, monkeypatch, caplog):
+    put(mirror, 1)
+    put(mirror, 2)
+    failed: list[Exception] = []
+
+    def remove_elsewhere():
+        try:
+            mirror.remove(1, "second")
+        except Exception as e:
+            failed.append(e)
+    other = threading.Thread(target=remove_elsewhere)
+    real = mirror_mod._remove_tree
+
+    def deleting(path):  # the first removal is deleting its trash when the second one starts
+        if other.ident is None:
+            other.start()
+            other.join(JOIN_S)
+        real(path)
+    monkeypatch.setattr(mirror_mod, "_remove_tree", deleting)
+    with caplog.at_level(logging.INFO, logger="rolloutd.mirror"):
+        mirror.remove(1, "first")
+        other.join(5)
+    assert failed == []
+    assert [r.getMessage() for r in caplog.records] == ["remove version 1 from the mirror (first)"]
+    assert mirror.versions() == [2] and sorted(os.listdir(mirror.dir)) == ["2"]
+
+
+def where_rmtree_runs(monkeypatch) -> list[str]:
+    """Record, for every shutil.rmtree, whether it ran on an event loop's thread."""
+    where: list[str] = []
+    real = shutil.rmtree
+
+    def rmtree(path, *args, **kw):
+        try:
+            asyncio.get_running_loop()
+            where.append("loop")
+        except RuntimeError:
+            where.append("thread")
+        return real(path, *args, **kw)
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    return where
+
+
+async def wait_until(check, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        await asyncio.sleep(0.01)
+
+
+async def test_the_updaters_collect_deletes_off_the_event_loop(mirror, monkeypatch):
+    for v in (1, 2, 3):
+        put(mirror, v)
+    metrics = Metrics()
+    conf = Config.model_validate({"registry": {"url": "http://trainer:8700"},
+                                  "servers": [{"name": "gpu0", "model": "/m", "port": 8001, "gpus": [0]}]})
+    updater = Updater(lambda: conf, None, mirror, metrics, in_use=lambda: {1})
+    where = where_rmtree_runs(monkeypatch)
+    updater.collect()
+    await wait_until(lambda: mirror.versions() == [1, 3])
+    await wait_until(lambda: metrics.mirror_bytes._value.get() == mirror.usage_bytes())
+    assert where == ["thread"], f"rmtree ran on: {where}"
+    mirror.close()
+
+
+async def test_a_gc_asked_for_before_a_commit_keeps_that_version(mirror):
+    """collect_soon decides on what the mirror held when it was asked: a version committed
+    while the request waited for the worker is not the caller's to remove."""
+    put(mirror, 1)
+    put(mirror, 2)
+    files = payload(3)
+    partial = mirror.begin(make_manifest(3, files))
+    for name, data in files.items():
+        write(partial, name, data)
+    with mirror._lock:  # a pull holds the mirror: the request waits
+        pending = mirror.collect_soon(set())
+        mirror.commit(partial)
+        put(mirror, 4)
+    assert await asyncio.wrap_future(pending) == [1, 2]  # 3: neither in use nor the newest, but not known
+    assert mirror.versions() == [3, 4]
+    mirror.close()

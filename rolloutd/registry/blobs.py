@@ -7,9 +7,12 @@ Both stores follow one rule: bytes are *staged* per version while they arrive, a
                                        a file name never starts with '.', so the two never meet)
     <root>/versions/<v>/<name>         committed files
     <root>/versions/<v>/manifest.json  written before the rename, so a version dir is always complete
-    <root>/trash/                      versions being deleted (renamed away first, never half-visible)
+    <root>/trash/                      versions and dropped staging being deleted (renamed away
+                                       first, never half-visible)
 
 A disk store reloads its committed versions at start; staging and trash are cleared.
+``reclaim`` and ``discard_staging`` are called on the service's event loop: they only rename
+(one quick step, the bytes gone from view at once); the store's own worker thread deletes.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import os
 import secrets
 import shutil
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -240,6 +244,13 @@ class DiskStore:
             shutil.rmtree(d, ignore_errors=True)  # leftovers of an earlier run were never published
         for d in (self._staging, self._versions, self._trash):
             d.mkdir(parents=True, exist_ok=True)
+        # Deletes the trash, one tree at a time (its thread starts at the first deletion).
+        self._deleter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-reclaim")
+
+    def close(self) -> None:
+        """Wait for the deletions under way, then stop the worker (what is left of the trash
+        goes at the next start anyway)."""
+        self._deleter.shutdown(wait=True)
 
     def describe(self) -> str:
         return str(self.root)
@@ -299,14 +310,21 @@ class DiskStore:
         return {f.name: DiskBlob(dst / f.name, f.size) for f in manifest.files}
 
     def discard_staging(self, version: int) -> None:
-        shutil.rmtree(self._staging / str(version), ignore_errors=True)
+        # An upload still arriving for it finds its directory gone: StagingDropped, as before.
+        self._throw_away(self._staging / str(version), f"staging.{version}")
 
     def reclaim(self, version: int) -> None:
-        src = self._versions / str(version)
-        if src.exists():
-            dst = self._trash / f"{version}.{secrets.token_hex(4)}"
-            os.rename(src, dst)  # gone from versions/ at once; deletion can take its time
-            shutil.rmtree(dst, ignore_errors=True)
+        self._throw_away(self._versions / str(version), str(version))
+
+    def _throw_away(self, src: Path, label: str) -> None:
+        """Rename ``src`` into the trash (gone from view at once) and delete it in the worker:
+        deleting gigabytes on the loop would stall every request the registry serves."""
+        dst = self._trash / f"{label}.{secrets.token_hex(4)}"
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return
+        self._deleter.submit(shutil.rmtree, dst, ignore_errors=True)
 
     def load_committed(self) -> list[tuple[Manifest, dict[str, Blob]]]:
         found = []

@@ -4,6 +4,9 @@ One session per client; every call has an explicit timeout; registry errors come
 the typed exceptions of ``errors`` and transport failures as ``RegistryUnavailable``.
 A pooled connection that the server closed while it sat idle is retried once on a fresh
 connection: after a long pull or a quiet night the first call must not fail for that.
+A reply the client cannot use (not JSON, or not the shape this version expects: version skew,
+a proxy's error page) is a ``RegistryError`` with status 502 ("unexpected reply"), never a
+validation exception: callers treat it like any other failed call.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from . import errors
 from .manifest import Manifest
@@ -57,6 +60,10 @@ class HeartbeatReply(_Reply):
     instance: str
     latest: int | None
     demand: Demand
+
+
+class _Replicas(_Reply):
+    replicas: list[dict]
 
 
 _STALE_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, None}
@@ -109,7 +116,7 @@ class RegistryClient:
                 async with self._http().request(method, path, timeout=self._timeout(timeout_s), **kw) as r:
                     if r.status >= 400:
                         raise errors.from_json(r.status, await _body(r))
-                    return await r.json() if r.status != 204 else None
+                    return await _reply_json(method, path, r) if r.status != 204 else None
             except errors.RegistryError:
                 raise
             except Exception as e:
@@ -125,7 +132,7 @@ class RegistryClient:
             params["instance"] = instance
         body = await self._json("GET", "/v1/versions/latest", params=params,
                                 timeout_s=wait_s + self.timeouts.request_s)
-        return LatestInfo.model_validate(body)
+        return _parse(LatestInfo, body, "GET /v1/versions/latest")
 
     async def manifest(self, version: int) -> Manifest:
         return Manifest.model_validate(await self._json("GET", f"/v1/versions/{version}"))
@@ -134,12 +141,12 @@ class RegistryClient:
     async def lease(self, holder: str, version: int | str = "latest", ttl_s: float = 60.0) -> LeaseInfo:
         body = await self._json("POST", "/v1/leases",
                                 json={"holder": holder, "version": version, "ttl_s": ttl_s})
-        return LeaseInfo.model_validate(body)
+        return _parse(LeaseInfo, body, "POST /v1/leases")
 
     async def renew(self, lease_id: str, ttl_s: float | None = None) -> LeaseInfo:
         body = await self._json("PUT", f"/v1/leases/{lease_id}",
                                 json={"ttl_s": ttl_s} if ttl_s is not None else {})
-        return LeaseInfo.model_validate(body)
+        return _parse(LeaseInfo, body, f"PUT /v1/leases/{lease_id}")
 
     async def release(self, lease_id: str) -> None:
         await self._json("DELETE", f"/v1/leases/{lease_id}")
@@ -148,13 +155,13 @@ class RegistryClient:
     async def heartbeat(self, replica_id: str, hb: Heartbeat, timeout_s: float | None = None) -> HeartbeatReply:
         body = await self._json("PUT", f"/v1/replicas/{replica_id}", data=hb.model_dump_json(),
                                 headers={"content-type": "application/json"}, timeout_s=timeout_s)
-        return HeartbeatReply.model_validate(body)
+        return _parse(HeartbeatReply, body, f"PUT /v1/replicas/{replica_id}")
 
     async def deregister(self, replica_id: str) -> None:
         await self._json("DELETE", f"/v1/replicas/{replica_id}")
 
     async def replicas(self) -> list[dict]:
-        return (await self._json("GET", "/v1/replicas"))["replicas"]
+        return _parse(_Replicas, await self._json("GET", "/v1/replicas"), "GET /v1/replicas").replicas
 
     async def healthz(self) -> dict:
         return await self._json("GET", "/healthz")
@@ -199,6 +206,26 @@ async def _body(r: aiohttp.ClientResponse) -> Any:
         return await r.json(content_type=None)
     except (ValueError, aiohttp.ClientError):
         return None
+
+
+async def _reply_json(method: str, path: str, r: aiohttp.ClientResponse) -> Any:
+    try:  # any content type: what matters is whether the body parses
+        return await r.json(content_type=None)
+    except ValueError:
+        raise _unexpected(f"{method} {path}", f"HTTP {r.status} {r.content_type or '-'}, not JSON") from None
+
+
+def _parse(model: type[_Reply], body: Any, call: str) -> Any:
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the body"
+        raise _unexpected(call, f"{where}: {first['msg']} ({e.error_count()} problem(s))") from None
+
+
+def _unexpected(call: str, why: str) -> errors.RegistryError:
+    return errors.RegistryError(f"{call}: unexpected reply: {why}", status=502)
 
 
 def _unavailable(method: str, url: str, e: Exception) -> errors.RegistryUnavailable:

@@ -1,0 +1,256 @@
+"""The daemon outlives what used to end it: a reload that restarts slow-to-stop servers (the
+watchdog and /healthz keep ticking, the stops overlap), a registry that answers garbage (counted,
+served through, recovered from), a bug in a long-lived task (logged, counted, retried); and on
+shutdown every replica is deregistered before its server is signalled. Children are the fake vLLM
+(tests/fake_vllm.py); the registry is real, behind a threaded proxy that can lie or record.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import socket as sk
+import threading
+import time
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+from aiohttp import web
+
+from rolloutd import tinymodel
+from rolloutd.config import ConfigError, parse_config
+from rolloutd.registry import EmbeddedRegistry
+
+from .conftest import free_port
+from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
+from .registry_proxy import RegistryProxy
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with EmbeddedRegistry(port=0) as reg:
+        reg.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
+        yield reg
+
+
+class LyingProxy(RegistryProxy):
+    """Forwards to the registry; while ``lying``, answers heartbeats and ``/v1/versions/latest``
+    with 200 and a body the client cannot use. Records every DELETE of a replica with ``on_delete``."""
+
+    GARBAGE = (  # (content type, body)
+        ("application/json", b"[1, 2, 3]"),
+        ("application/json", b'{"instance": 7, "latest": "new", "demand": []}'),
+        ("text/html", b"<html><body>502 Bad Gateway</body></html>"),
+        ("application/json", b"null"),
+        ("application/json", b'"ok"'),
+    )
+
+    def __init__(self, upstream_port: int):
+        super().__init__(upstream_port)
+        self.lying = False
+        self.lies: dict[str, int] = {"heartbeat": 0, "latest": 0}
+        self.on_delete = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        kind = ("heartbeat" if request.method == "PUT" and request.path.startswith("/v1/replicas/") else
+                "latest" if request.path == "/v1/versions/latest" else None)
+        if self.lying and kind is not None:
+            await request.read()
+            n = self.lies[kind] = self.lies[kind] + 1
+            content_type, body = self.GARBAGE[n % len(self.GARBAGE)]
+            return web.Response(status=200, body=body, headers={"content-type": content_type})
+        if request.method == "DELETE" and request.path.startswith("/v1/replicas/") and self.on_delete:
+            self.on_delete(request.path.rsplit("/", 1)[1])
+        return await super()._handle(request)
+
+
+@pytest.fixture
+def proxy(registry):
+    p = LyingProxy(urlsplit(registry.url).port).start()
+    yield p
+    p.stop()
+
+
+@pytest.fixture
+def daemons(tmp_path, registry):
+    started: list[DaemonProcess] = []
+
+    def start(faults: str = "", *, servers: int = 1, registry_url: str | None = None, env: dict | None = None,
+              **sections) -> DaemonProcess:
+        d = tmp_path / f"d{len(started)}"
+        d.mkdir()
+        specs = [{"name": f"s{i}", "model": "fake-model", "port": free_port(),
+                  "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(servers)]
+        sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
+                                "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5}, **sections}
+        daemon = DaemonProcess(config(d, registry_url or registry.url, specs, fake=True, **sections), d)
+        started.append(daemon.start(**(env or {})))
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.kill_everything()
+        wait_until(lambda d=daemon: tagged_pids(d.tag) == [], 10, "every process of the daemon gone")
+
+
+class NotifyListener:
+    """systemd's side of the notify socket: every datagram with its arrival time."""
+
+    def __init__(self, path: str):
+        self.sock = sk.socket(sk.AF_UNIX, sk.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.settimeout(0.1)
+        self.got: list[tuple[float, str]] = []
+        self._on = True
+        self._thread = threading.Thread(target=self._listen, daemon=True)
+        self._thread.start()
+
+    def _listen(self) -> None:
+        while self._on:
+            try:
+                self.got.append((time.monotonic(), self.sock.recv(4096).decode()))
+            except TimeoutError:
+                continue
+
+    def pings(self, since: float, until: float) -> list[float]:
+        return [t for t, m in self.got if m == "WATCHDOG=1" and since <= t <= until]
+
+    def close(self) -> None:
+        self._on = False
+        self._thread.join(5)
+        self.sock.close()
+
+
+def metric(daemon: DaemonProcess, name: str, **labels: str) -> float:
+    text = httpx.get(daemon.url + "/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    found = re.search(rf"^rolloutd_{name}{{{re.escape(want)}}} (\S+)$" if want else
+                      rf"^rolloutd_{name} (\S+)$", text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+# -- 1. a reload never starves the watchdog; changed servers stop together ---------------------------
+def test_a_reload_of_slow_to_stop_servers_keeps_the_watchdog_and_healthz_alive(daemons, tmp_path):
+    grace = 3.0
+    listener = NotifyListener(str(tmp_path / "notify.sock"))
+    try:
+        d = daemons("ignore_term", servers=3, shutdown={"server_grace_s": grace, "kill_wait_s": 5},
+                    env={"NOTIFY_SOCKET": listener.sock.getsockname(), "WATCHDOG_USEC": "1000000"})
+        d.wait_versions({"s0": 1, "s1": 1, "s2": 1}, 30)
+        cfg = {**d.cfg, "servers": [{**s, "env": {**s["env"], "CHANGED": "1"}} for s in d.cfg["servers"]]}
+        d.write(cfg)
+        health: list[tuple[float, int]] = []
+        t0 = time.monotonic()
+        d.signal(signal.SIGHUP)
+        while "reload: servers" not in d.log_text() and time.monotonic() - t0 < 30:
+            try:
+                health.append((time.monotonic(), httpx.get(d.url + "/healthz", timeout=2).status_code))
+            except httpx.HTTPError as e:
+                health.append((time.monotonic(), repr(e)))
+            time.sleep(0.2)
+        t1 = time.monotonic()
+        log = d.log_text()
+        assert "reload: servers added none, removed none, restarted ['s0', 's1', 's2']" in log, d.tail()
+        # the stops overlap: every server was STOPPING before the first one was STOPPED
+        arrows = re.findall(r"state (s\d): (SERVING -> STOPPING|STOPPING -> STOPPED)", log)
+        first_stopped = next(i for i, (_, a) in enumerate(arrows) if a.endswith("STOPPED"))
+        assert {n for n, a in arrows[:first_stopped]} == {"s0", "s1", "s2"}, arrows
+        assert t1 - t0 < 2 * grace, f"the reload took {t1 - t0:.1f} s: stops one after another?"
+        pings = [t0, *listener.pings(t0, t1), t1]
+        assert max(b - a for a, b in zip(pings, pings[1:], strict=False)) < 0.9, pings
+        assert health and all(code == 200 for _, code in health), health
+        d.wait_versions({"s0": 1, "s1": 1, "s2": 1}, 30)
+    finally:
+        listener.close()
+
+
+# -- 2. an unusable registry reply is an error value, never the end of the daemon ---------------------
+def test_garbage_from_the_registry_is_counted_and_served_through_until_it_answers_again(daemons, proxy):
+    d = daemons(servers=2, registry_url=proxy.url)
+    pids = {s["name"]: s["pid"] for s in d.wait_versions({"s0": 1, "s1": 1}, 30)["servers"]}
+    proxy.lying = True
+    deadline = time.monotonic() + 30
+    while min(proxy.lies.values()) < 2 * len(LyingProxy.GARBAGE) and time.monotonic() < deadline:
+        assert d.proc.poll() is None, f"rolloutd exited with {d.proc.returncode}\n{d.tail(30)}"
+        d.action("/update")  # the updater asks for the newest version now, not after its long poll
+        time.sleep(0.3)
+    assert min(proxy.lies.values()) >= 2 * len(LyingProxy.GARBAGE), proxy.lies
+    st = d.status()
+    assert d.proc.poll() is None, d.tail()
+    assert {s["name"]: (s["state"], s["pid"]) for s in st["servers"]} == {n: ("SERVING", p) for n, p in pids.items()}
+    assert st["registry"]["reachable"] is False and "unexpected reply" in st["registry"]["last_error"], st
+    assert metric(d, "heartbeat_failures_total", server="s0") >= len(LyingProxy.GARBAGE)
+    proxy.lying = False
+    d.wait(lambda s: s["registry"]["reachable"] and all(x["heartbeat_age_s"] is not None and
+                                                        x["heartbeat_age_s"] < 1 for x in s["servers"]),
+           20, "the registry reachable again, every heartbeat delivered")
+    log = d.log_text()
+    assert "heartbeat node-a.s0: delivered again" in log and "reach registry" in log.split("lose registry")[-1]
+    assert d.stop(30) == 0
+
+
+def test_a_bug_in_a_long_lived_task_is_logged_counted_and_retried():
+    """The crash policy in-process: a task that raises is restarted after a growing delay, with its
+    traceback in the log and ``rolloutd_task_errors_total{task}`` counted; cancelling still ends it."""
+    from rolloutd.daemon import keep
+    from rolloutd.metrics import Metrics
+
+    async def scenario():
+        metrics, calls = Metrics(), []
+
+        async def flaky():
+            calls.append(time.monotonic())
+            if len(calls) < 3:
+                raise ValueError(f"bug {len(calls)}")
+            await asyncio.Event().wait()
+        task = asyncio.ensure_future(keep("heartbeat", flaky, metrics, initial_s=0.05, max_s=1))
+        await asyncio.sleep(0.5)
+        assert not task.done() and len(calls) == 3
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return metrics, calls
+    metrics, calls = asyncio.run(scenario())
+    assert metrics.task_errors.labels(task="heartbeat")._value.get() == 2
+    assert calls[2] - calls[1] >= 0.1 > calls[1] - calls[0] >= 0.05  # the delay grows
+
+
+@pytest.mark.parametrize(("node", "servers", "message"), [
+    ("node a", ["s0"], "node.name"),
+    ("-node", ["s0"], "node.name"),
+    ("node/7", ["s0"], "node.name"),
+    ("n" * 100, ["s" * 30], "node.name"),  # node.server over the registry's 128 characters
+])
+def test_a_node_name_the_registry_would_refuse_is_a_config_error(node, servers, message):
+    servers_yaml = "".join(f"  - {{name: {s}, model: m, port: {8001 + i}}}\n" for i, s in enumerate(servers))
+    text = f"registry: {{url: 'http://r:1'}}\nnode: {{name: {json.dumps(node)}}}\nservers:\n{servers_yaml}"
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        parse_config(text)
+    assert "replica" in str(e.value)
+
+
+def test_a_node_name_the_registry_takes_is_accepted():
+    cfg = parse_config("registry: {url: 'http://r:1'}\nnode: {name: 'gpu-node_7.rack2:a@b'}\n"
+                       f"servers:\n  - {{name: {'s' * 63}, model: m, port: 8001}}\n")
+    assert cfg.node_name == "gpu-node_7.rack2:a@b"
+
+
+# -- 3. shutdown: deregister first, then stop ------------------------------------------------------
+def test_shutdown_deregisters_every_replica_before_its_server_is_signalled(daemons, proxy):
+    d = daemons(servers=2, registry_url=proxy.url)
+    pids = {s["name"]: s["pid"] for s in d.wait_versions({"s0": 1, "s1": 1}, 30)["servers"]}
+    seen: dict[str, tuple[bool, bool]] = {}
+
+    def on_delete(replica: str) -> None:  # what the server's process looks like as the DELETE arrives
+        name = replica.removeprefix("node-a.")
+        seen[name] = (alive(pids[name]), f"state {name}: SERVING -> STOPPING" in d.log_text())
+    proxy.on_delete = on_delete
+    assert d.stop(30) == 0
+    assert seen == {"s0": (True, False), "s1": (True, False)}, seen
+    for name, pid in pids.items():  # and the server was stopped after, as usual
+        assert f"{name}[{pid}]: fake_vllm: stopping" in d.log_text()
