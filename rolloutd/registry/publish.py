@@ -134,13 +134,29 @@ def drop_aliases(state_dict: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def serialize_shards(state_dict: Mapping[str, Any], shard_bytes: int = DEFAULT_SHARD_BYTES
+def checkpoint_tensors(source: Any) -> Mapping[str, Any]:
+    """The tensors to publish, by checkpoint name. A mapping is taken as it is. A model (anything
+    with ``state_dict()``) gives its state dict in the layout its checkpoints have: transformers
+    >= 5 keeps some weights fused in memory (a mixture-of-experts layer's experts as one
+    tensor, ``mlp.experts.gate_up_proj``) that ``save_pretrained`` splits back into the
+    per-expert tensors that checkpoints, and vLLM's loaders, know."""
+    if isinstance(source, Mapping):
+        return source
+    state_dict = dict(source.state_dict())
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # not a transformers model, or a transformers without in-memory layouts
+        return state_dict
+    return revert_weight_conversion(source, state_dict)
+
+
+def serialize_shards(state_dict: Mapping[str, Any] | Any, shard_bytes: int = DEFAULT_SHARD_BYTES
                      ) -> Iterator[tuple[str, bytes]]:
     """(file name, safetensors bytes) per shard; torch tensors (any dtype, strides or device;
-    tied ones written once) or numpy arrays."""
+    tied ones written once) or numpy arrays, or a model (:func:`checkpoint_tensors`)."""
+    state_dict = drop_aliases(checkpoint_tensors(state_dict))
     if not state_dict:
         raise ValueError("state_dict is empty")
-    state_dict = drop_aliases(state_dict)
     plan = shard_plan({k: _nbytes(v) for k, v in state_dict.items()}, shard_bytes)
     for fname, names in zip(shard_names(len(plan)), plan, strict=True):
         yield fname, _serialize({n: state_dict[n] for n in names})
@@ -232,7 +248,8 @@ class RegistryHTTP:
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False) -> Manifest:
-        """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``."""
+        """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
+        model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`)."""
         with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
             save_shards(state_dict, Path(tmp), shard_bytes)
             return self.publish_dir(version, Path(tmp), chunk_bytes=chunk_bytes,
@@ -324,6 +341,7 @@ class EmbeddedRegistry(RegistryHTTP):
                 canary: Canary | None = None, partial: bool = False) -> Manifest:
         """Serialize, hash and stage shard by shard in the caller's thread (one shard in
         memory at a time), then publish on the registry's loop."""
+        state_dict = drop_aliases(checkpoint_tensors(state_dict))
         total = sum(_nbytes(t) for t in state_dict.values())  # tensor bytes; headers come on top
         entries: list[FileEntry] = []
         with self._staging(version):
