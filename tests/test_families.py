@@ -17,16 +17,7 @@ from rolloutd.tinymodel import BOS_ID  # noqa: E402
 
 FAMILIES = sorted(families.FAMILIES)
 SEEDS = (0, 1, 2)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """These models are tiny: torch's thread pool only spins against the other processes on the
-    machine (100x slower on a loaded 2-core host)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

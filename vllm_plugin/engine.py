@@ -83,6 +83,7 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
         pass
 
     def start_weight_update(self) -> None:
+        refuse_inexact_reload(self.model)
         # Before the layers move to the meta device: tied parameters are still one object.
         self._tied = tied_embeddings(self.model)
         initialize_layerwise_reload(self.model)
@@ -173,6 +174,27 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
 
     def shutdown(self) -> None:
         pass
+
+
+class ReloadUnsupported(RuntimeError):
+    """This vLLM cannot reload the served model exactly: refuse before touching a layer."""
+
+
+def refuse_inexact_reload(model: torch.nn.Module) -> None:
+    """Fail closed where vLLM's layerwise reload is known to serve wrong weights. On vLLM's CPU
+    build (0.32) a mixture-of-experts layer's experts are repacked for its CPU kernel, and after
+    a reload the outputs differ from the weights loaded, even when the weights reloaded are the
+    very ones the server started on (seen on Qwen3-MoE and Mixtral; docs/models.md)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    experts = [name for name, m in model.named_modules()
+               if isinstance(getattr(m, "w13_weight", None), torch.nn.Parameter)]
+    if experts:
+        raise ReloadUnsupported(f"vLLM's CPU build does not reload mixture-of-experts layers exactly "
+                                f"({experts[0]} and {len(experts) - 1} more): refusing to load a version "
+                                "into this server; a server started on the version serves it exactly")
 
 
 def tied_embeddings(model: torch.nn.Module) -> dict[str, str]:
