@@ -80,24 +80,31 @@ class Applier:
                 await self._phase(record, "pause", self.vllm.pause(p.pause_mode, p.pause_timeout_s,
                                                                    clear_cache=not p.keep_kv_cache))
             except VllmError as e:
+                self._failed("pause", e)
                 if attempt > 1:  # it runs weights that failed the gate: never serve them
                     raise ApplyFailed(f"pause failed before loading version {target.version} again: {e}",
                                       restart=True) from None
+                record.error = f"pause failed: {e}"
+                log.error("apply %s: version %d: %s; resuming it on the weights it holds", self.name,
+                          target.version, record.error)
                 await self._resume_untouched(record)
                 raise ApplyFailed(f"pause failed: {e}", restart=False) from None
             target = await self._load(target, record)
             try:
                 await self._phase(record, "check", self._check(target))
-            except VllmError as e:
+            except (VllmError, ApplyFailed) as e:
+                self._failed("check", e)
                 raise ApplyFailed(f"checking the loaded version failed: {e}", restart=True) from None
             if not p.keep_kv_cache:
                 try:  # the prefix cache, and the KV of requests frozen by "keep", hold the old weights' work
                     await self._phase(record, "resume", self.vllm.drop_kv_cache(p.resume_timeout_s))
                 except VllmError as e:
+                    self._failed("resume", e)
                     raise ApplyFailed(f"dropping the KV cache of the old weights failed: {e}", restart=True) from None
             try:
                 await self._phase(record, "resume", self.vllm.resume(p.resume_timeout_s))
             except VllmError as e:
+                self._failed("resume", e)
                 raise ApplyFailed(f"resume failed after loading version {target.version}: {e}",
                                   restart=True) from None
             paused_s += time.perf_counter() - started
@@ -156,8 +163,7 @@ class Applier:
                                                                                    p.finish_timeout_s))
                 return target
             except VllmError as e:
-                kind = "timeout" if "no answer within" in str(e) else _KIND.get(e.route, "load")
-                self.metrics.update_failures.labels(kind=kind).inc()
+                self._failed(_KIND.get(e.route, "load"), e)
                 record.error = f"{e} (attempt {attempt} of {attempts})"
                 log.error("apply %s: version %d failed: %s; the server stays paused", self.name, target.version,
                           record.error)
@@ -180,7 +186,13 @@ class Applier:
         try:
             await self.vllm.resume(self.policy.resume_timeout_s)
         except VllmError as e:
+            self._failed("resume", e)
             record.error = f"resume after a failed pause: {e}"
+
+    def _failed(self, kind: str, error: Exception) -> None:
+        """Count a failed step; a step that got no answer in time counts as ``timeout``."""
+        timed_out = isinstance(error, VllmError) and "no answer within" in str(error)
+        self.metrics.update_failures.labels(kind="timeout" if timed_out else kind).inc()
 
     async def _phase(self, record: UpdateRecord, name: str, step: Awaitable) -> None:
         t0 = time.perf_counter()

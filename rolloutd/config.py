@@ -320,6 +320,10 @@ class Restart(_Section):
     max_retries: int = Field(5, ge=0, description="consecutive failed starts before the server is given up "
                              "(FATAL)")
     stable_after_s: Seconds = Field(300.0, description="serving this long resets the count of failed starts")
+    failed_grace_s: Seconds = Field(5.0, description="after a failure, how long a server's process group gets "
+                                    "between SIGTERM and SIGKILL (shutdown.server_grace_s is for stops asked for: "
+                                    "a failed server has nothing worth draining, and vLLM's API process whose "
+                                    "engine died may never exit on SIGTERM)")
 
     @model_validator(mode="after")
     def _check_backoff(self) -> Restart:

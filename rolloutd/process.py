@@ -6,10 +6,16 @@ This module is the daemon's OS seam; the supervisor decides *when*, this module 
   everything it forks, such as vLLM's engine core and workers, is in that group), stdin from
   ``/dev/null``, stdout and stderr into one pipe. A reader task logs every line to
   ``rolloutd.server.<name>`` as ``<name>[<pid>]: <line>`` (undecodable bytes replaced, lines
-  over 64 KiB split); it ends at end of file, when the last process holding the pipe is gone.
+  over 64 KiB split), at the level the child gave the line (vLLM's ``WARNING 12-01 20:09:15
+  [file.py:266] ...`` prefix, also after ``(APIServer pid=N)``; a traceback at the level of the
+  line that started it; anything else at INFO). It ends at end of file, when the last process
+  holding the pipe is gone; the child owns it, and its stop (or wait) awaits it.
 - :meth:`Child.stop` signals the **group**: SIGTERM, a grace period for the whole group (not
   only the leader), then SIGKILL. The leader is reaped on every path; cancelling the caller
-  hurries to SIGKILL and still reaps before the cancellation goes on. Lines start with ``stop``.
+  hurries to SIGKILL and still reaps before the cancellation goes on. A child has one stop task:
+  every caller awaits that one (a second stop never runs beside the first). Lines start with
+  ``stop``. Once the group is gone, the shared-memory segments it left in ``/dev/shm`` (vLLM's
+  ``psm_*``: its resource tracker dies with the group) are removed (:func:`remove_shm_leftovers`).
 - :func:`describe_exit` turns an exit status into words for logs and status.
 - :class:`ChildRecords` keeps one JSON record per live child under the state directory, so
   that a daemon started after a crash can stop the process groups the crashed one left behind
@@ -25,10 +31,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
+import fnmatch
 import json
 import logging
 import os
+import re
 import signal
+import stat
 import time
 from collections.abc import Awaitable, Iterable
 from pathlib import Path
@@ -88,17 +98,96 @@ def _killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-async def _group_gone(pgid: int, timeout_s: float) -> bool:
-    """Poll ``/proc`` until no live process is left in the group; False if some outlived ``timeout_s``."""
+async def _group_gone(pgid: int, timeout_s: float, *, hurry: asyncio.Event | None = None) -> bool:
+    """Poll ``/proc`` until no live process is left in the group; False if some outlived ``timeout_s``
+    (or ``hurry`` was set meanwhile)."""
     deadline = time.monotonic() + timeout_s
     pause = _POLL_S[0]
     while group_members(pgid):
         left = deadline - time.monotonic()
-        if left <= 0:
+        if left <= 0 or (hurry is not None and hurry.is_set()):
             return False
         await asyncio.sleep(min(pause, left))
         pause = min(pause * 2, _POLL_S[1])
     return True
+
+
+# -- shared memory left by a group -------------------------------------------------------------------
+SHM_DIR = Path("/dev/shm")
+# What vLLM's processes create there: Python's multiprocessing.shared_memory segments ("psm_<hex>":
+# vLLM's message queues and object storage; ~160 MiB each with the test flags), and vLLM's own
+# mmap regions (KV offload, encoder cache transfer). Python's resource tracker would unlink the
+# first kind when its owners exit, but it is in the group and dies with it under SIGKILL.
+SHM_PATTERNS = ("psm_*", "vllm_offload_*.mmap", "vllm_ec_*.mmap")
+
+
+def shm_names() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def shm_in_use() -> set[str]:
+    """Names under ``/dev/shm`` that a live process has open or mapped, as far as ``/proc`` shows
+    (a process it hides is covered by the lease in :func:`remove_shm_leftovers`)."""
+    prefix, used = f"{SHM_DIR}/", set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or hidden from us
+            with open(f"{entry.path}/maps", errors="replace") as maps:
+                used.update(_shm_name(line[line.index(prefix):], prefix) for line in maps if prefix in line)
+            for fd in os.scandir(f"{entry.path}/fd"):
+                with contextlib.suppress(OSError):
+                    if (target := os.readlink(fd.path)).startswith(prefix):
+                        used.add(_shm_name(target, prefix))
+    return used
+
+
+def _shm_name(path: str, prefix: str) -> str:
+    return path.strip().removeprefix(prefix).removesuffix(" (deleted)")
+
+
+def _unlink_if_unused(path: Path) -> bool:
+    """Unlink ``path`` under a write lease: the kernel grants one only while no other open file
+    (a mapping holds its file open) refers to it, and holds back any open meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError:  # in use (EAGAIN), or leases unsupported: not provably unused
+        os.close(fd)
+        return False
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        os.close(fd)
+
+
+def remove_shm_leftovers(before: set[str]) -> list[str]:
+    """Remove the segments a stopped group left: in ``/dev/shm``, named as vLLM names them, owned by
+    the daemon's user, not there before the group was spawned (``before``), open or mapped by no
+    live process (``/proc``, then a write lease): one another live process uses is never removed."""
+    me, found = os.geteuid(), []
+    for name in sorted(shm_names() - before):
+        path = SHM_DIR / name
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if st.st_uid == me and stat.S_ISREG(st.st_mode) and any(fnmatch.fnmatchcase(name, p)
+                                                                    for p in SHM_PATTERNS):
+                found.append(name)
+    if not found:
+        return []
+    used = shm_in_use()
+    return [name for name in found if name not in used and _unlink_if_unused(SHM_DIR / name)]
 
 
 async def _finish(aw: Awaitable[T]) -> T:
@@ -117,6 +206,49 @@ async def _finish(aw: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+# -- output levels -----------------------------------------------------------------------------------
+# vLLM's logging format: "WARNING 12-01 20:09:15 [file.py:266] ...", each line of a subprocess
+# prefixed with "(EngineCore_DP0 pid=123) ", "(APIServer pid=1) ", "(Worker pid=7) ".
+_PID_PREFIX = re.compile(r"^\([^()]*pid=\d+\) ?")
+_LEVELED = re.compile(r"^(DEBUG|INFO|WARNING|ERROR|CRITICAL)\s+\d\d-\d\d\s+\d\d:\d\d:\d\d")
+# Python's warnings module: "/x/resource_tracker.py:254: UserWarning: resource_tracker: ... leaked".
+_PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
+_LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
+           "CRITICAL": logging.CRITICAL}
+_CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+
+
+class OutputLevels:
+    """The log level of each line a child prints, in order: vLLM's own level where the line has
+    one; WARNING for Python's warnings; the lines of a traceback at the level of the line that
+    started it (ERROR when nothing did: Python prints a bare traceback only for an exception nobody
+    caught); INFO otherwise."""
+
+    def __init__(self) -> None:
+        self._level: int | None = None   # the level a continuation line inherits
+        self._traceback = False          # inside "Traceback ...", before its exception line
+
+    def level(self, text: str) -> int:
+        body = _PID_PREFIX.sub("", text, count=1)
+        if m := _LEVELED.match(body):
+            self._level, self._traceback = _LEVELS[m.group(1)], False
+            return self._level
+        if _PY_WARNING.match(body):
+            self._level, self._traceback = logging.WARNING, False
+            return self._level
+        if body.startswith("Traceback (most recent call last)"):
+            self._traceback = True
+            self._level = self._level if self._level is not None else logging.ERROR
+            return self._level
+        if self._level is not None and (self._traceback or not body.strip() or body[0].isspace()
+                                        or body.startswith(_CHAINED)):
+            if self._traceback and body.strip() and not body[0].isspace():
+                self._traceback = False  # the exception's own line ends the traceback
+            return self._level
+        self._level, self._traceback = None, False
+        return logging.INFO
 
 
 # -- exit statuses -----------------------------------------------------------------------------------
@@ -159,9 +291,14 @@ class Child:
         self.start_time: int | None = None      # /proc start time of the leader, for the record
         self.started_at: float | None = None    # time.monotonic() at spawn
         self._proc: asyncio.subprocess.Process | None = None
-        self._reader: asyncio.Task | None = None
+        self._reader: asyncio.Task | None = None      # the output forwarder; awaited by _drain
         self._transport: asyncio.ReadTransport | None = None
         self._sent: set[int] = set()
+        self._levels = OutputLevels()
+        self._stopping: asyncio.Task | None = None    # the one stop task; every stop() awaits it
+        self._hurry = asyncio.Event()                 # a stopper was cancelled: skip the grace period
+        self._gone = False                            # the group is gone and its traces removed
+        self._shm_before: set[str] = set()            # /dev/shm names that existed before the spawn
 
     def __repr__(self) -> str:
         return f"{self.name}[{self.pid or '-'}]"
@@ -181,6 +318,7 @@ class Child:
             raise ChildError(f"cannot start {self.name}: the command is empty")
         # Our own pipe, not asyncio's: asyncio's wait() would also wait for the pipe to close,
         # which a grandchild holding it open delays past the leader's exit.
+        self._shm_before = shm_names()
         r, w = os.pipe()
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -206,7 +344,7 @@ class Child:
             pipe.close()
             self._transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream),
                                                               open(moved, "rb", buffering=0))
-        self._reader = asyncio.ensure_future(self._forward(stream))
+        self._reader = asyncio.get_running_loop().create_task(self._forward(stream), name=f"output-{self}")
         if self.records is not None:
             try:
                 self.records.add(self)
@@ -231,9 +369,11 @@ class Child:
             self._transport.close()
 
     def _emit(self, line: bytes) -> None:
+        level = None
         for i in range(0, max(len(line), 1), MAX_LINE_BYTES):
             text = line[i:i + MAX_LINE_BYTES].decode(errors="replace").rstrip("\r")
-            self.log.info("%s[%d]: %s", self.name, self.pid, text)
+            level = self._levels.level(text) if level is None else level  # a long line's pieces: its level
+            self.log.log(level, "%s[%d]: %s", self.name, self.pid, text)
 
     async def _drain(self) -> None:
         """Let the reader log the last lines; give up on a pipe still held open outside the group."""
@@ -253,12 +393,24 @@ class Child:
         return self._proc
 
     async def wait(self) -> int:
-        """Wait for the leader to exit and reap it; the record goes once the whole group is gone."""
+        """Wait for the leader to exit and reap it; once the whole group is gone, its traces go too."""
         code = await self._spawned().wait()
         if not self.group_pids():
-            await self._drain()
-            self._forget()
+            await self._reaped()
         return code
+
+    async def _reaped(self) -> None:
+        """The group is gone: log its last output, forget its record, remove the shared memory it
+        left. Each step may run again (a cancelled wait, then a stop); the cleaning runs once."""
+        self._forget()
+        await self._drain()
+        if self._gone:
+            return
+        removed = await asyncio.to_thread(remove_shm_leftovers, self._shm_before)
+        self._gone = True
+        if removed:
+            log.info("clean %s: removed %d shared-memory segment(s) the group left: %s", self, len(removed),
+                     ", ".join(removed))
 
     def group_pids(self) -> list[int]:
         """Live processes of the child's group (the leader, and what it forked that stayed in it)."""
@@ -278,22 +430,33 @@ class Child:
 
     def _forget(self) -> None:
         if self.records is not None:
-            self.records.remove(self.name)
+            self.records.remove(self.name, pid=self.pid)  # never the record of a newer child of that name
 
     # -- stop ----------------------------------------------------------------------------------------
     async def stop(self, grace_s: float, kill_wait_s: float = 10.0) -> str:
         """TERM the group, ``grace_s`` for all of it to exit, KILL, ``kill_wait_s``; reap the leader.
-        Returns how it exited; :class:`ChildError` names processes that outlived SIGKILL."""
+        Returns how it exited; :class:`ChildError` names processes that outlived SIGKILL.
+
+        The first call starts the child's one stop task; every call awaits that task (a second
+        stop never runs beside it, and its grace is the first one's). A caller cancelled meanwhile
+        hurries the stop to SIGKILL and waits for its end before the cancellation goes on."""
         self._spawned()
+        if self._stopping is None:
+            self._stopping = asyncio.get_running_loop().create_task(self._stop(grace_s, kill_wait_s),
+                                                                    name=f"stop-{self}")
         try:
-            await self._terminate(grace_s)
+            return await asyncio.shield(self._stopping)
         except asyncio.CancelledError:
-            if self.group_pids():
-                log.warning("stop %s: cancelled during the grace period: SIGKILL to process group %d now",
-                            self, self.pgid)
-            await _finish(self._end(kill_wait_s))
+            if self._stopping.done():
+                raise
+            self._hurry.set()
+            with contextlib.suppress(Exception):  # _end logged it; the cancellation is what goes on
+                await _finish(self._stopping)
             raise
-        return await _finish(self._end(kill_wait_s))
+
+    async def _stop(self, grace_s: float, kill_wait_s: float) -> str:
+        await self._terminate(grace_s)
+        return await self._end(kill_wait_s)
 
     async def _terminate(self, grace_s: float) -> None:
         pids = self.group_pids()
@@ -302,7 +465,11 @@ class Child:
         log.info("stop %s: SIGTERM to process group %d (%d processes), grace %.1f s", self, self.pgid, len(pids),
                  grace_s)
         self.kill_group(signal.SIGTERM)
-        if await _group_gone(self.pgid, grace_s):
+        if await _group_gone(self.pgid, grace_s, hurry=self._hurry):
+            return
+        if self._hurry.is_set():
+            log.warning("stop %s: cancelled during the grace period: SIGKILL to process group %d now",
+                        self, self.pgid)
             return
         log.warning("stop %s: pids %s still alive after the %.1f s grace period", self, self.group_pids(), grace_s)
 
@@ -317,8 +484,7 @@ class Child:
                 raise ChildError(f"{self.name}: processes {left} of group {self.pgid} outlived SIGKILL "
                                  f"by {kill_wait_s:g} s")
         await self._spawned().wait()  # prompt: the leader is dead (a zombie at most)
-        await self._drain()
-        self._forget()
+        await self._reaped()
         how = self.describe_exit()
         log.info("stop %s: %s", self, how)
         return how
@@ -347,8 +513,16 @@ class ChildRecords:
         # No fsync: after a power loss, no process of the record survives either.
         os.replace(tmp, path)
 
-    def remove(self, name: str) -> None:
-        self._path(name).unlink(missing_ok=True)
+    def remove(self, name: str, *, pid: int | None = None) -> None:
+        """Delete ``name``'s record; with ``pid``, only while the record is that process's."""
+        path = self._path(name)
+        if pid is not None:
+            try:
+                if json.loads(path.read_text()).get("pid") != pid:
+                    return
+            except (OSError, ValueError, AttributeError):
+                pass  # missing or unreadable: nothing of a newer child to keep
+        path.unlink(missing_ok=True)
 
     async def reap_leftovers(self, grace_s: float, kill_wait_s: float = 10.0) -> list[str]:
         """Stop every recorded group that is still alive and still the recorded one (all at once,

@@ -9,6 +9,10 @@
 - SERVING: probe ``/health`` every ``health.interval_s``; ``health.failures`` failed probes in
   a row, or the process exiting, is a failure. A new node target is applied (UPDATING) once a
   rollout slot is free (``max_unavailable`` when rolling, every server at once otherwise).
+  The same watch runs beside every sync and update (:meth:`Supervisor._guarded`): a server whose
+  engine dies mid-load is cancelled out of the load and goes to BACKOFF within a few probes.
+  An update that failed and left the server serving untouched (a failed pause) is tried again
+  after a growing delay (``restart.backoff_*``), the server still watched meanwhile.
 - A failure goes to BACKOFF: the process group is stopped, then the server is started again
   after a growing delay; after ``restart.max_retries`` failures in a row, FATAL (a person
   restarts it through the admin API). Serving for ``restart.stable_after_s`` resets the count.
@@ -24,8 +28,9 @@ import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NoReturn, TypeVar
 
 from .apply import Applier, ApplyFailed, UpdateRecord
 from .config import Config
@@ -40,6 +45,7 @@ from .vllm_http import VllmClient
 
 log = logging.getLogger("rolloutd.server")
 S = ServerState
+T = TypeVar("T")
 
 # The daemon's own systemd and socket-activation variables must not reach vLLM.
 _PRIVATE_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES",
@@ -121,27 +127,31 @@ class Supervisor:
             await self._spawn()
             await self._wait_healthy()
             self.lifecycle.set(S.SYNCING)
-            await self._sync()
+            await self._guarded(self._sync())
             self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
             self.serving_since = time.monotonic()
             await self._serve()
             raise AssertionError("_serve returns only by raising")
         except (ServerFailed, ApplyFailed, ChildError) as e:
             log.error("fail %s[%s]: %s", self.name, self.child.pid if self.child else "-", e)
-            self.lifecycle.set(S.BACKOFF, str(e)[:200])
-            return str(e)
+            return self._failed(str(e))
         except Exception as e:  # a bug: restart this server rather than take the daemon down
             log.exception("crash while supervising %s", self.name)
-            self.lifecycle.set(S.BACKOFF, f"internal error: {e!r}"[:200])
-            return f"internal error: {e!r}"
+            return self._failed(f"internal error: {e!r}")
+
+    def _failed(self, error: str) -> str:
+        if self.state is S.SYNCING:  # the first sync of this process did not get it serving
+            self.metrics.update_failures.labels(kind="sync").inc()
+        self.lifecycle.set(S.BACKOFF, error[:200])
+        return error
 
     async def _spawn(self) -> None:
         cfg = self._conf()
         self.incarnation += 1
-        self.loaded = self.loading = None
+        self._hold(None)
+        self.loading = None
         self.child = Child(self.name, child_argv(cfg, self.spec), child_environ(cfg, self.spec, self._plugin_dir),
                            records=self._records, log=logging.getLogger(f"rolloutd.server.{self.name}"))
-        self.metrics.server_version.labels(server=self.name).set(-1)
         await self.child.spawn()
         log.info("spawn %s[%d]: port %d, gpus %s, incarnation %d", self.name, self.child.pid, self.spec.port,
                  self.spec.cuda_visible_devices or "-", self.incarnation)
@@ -167,65 +177,109 @@ class Supervisor:
             await self._apply(self.updater.target)
 
     async def _serve(self) -> None:
+        retries = 0  # updates in a row that failed and left the server serving as it was
         while True:
             target = self.updater.target
-            if target is not None and target != self.loaded:
-                async with self._slots():
-                    self.lifecycle.set(S.UPDATING, f"version {self._version_text()} -> {target.version}")
-                    try:
-                        await self._apply(target)
-                    except ApplyFailed as e:
-                        if e.restart:
-                            raise
-                        self.last_error = str(e)  # weights untouched and resumed: serve on, retry later
-                    self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
-                if self.loaded != target:
-                    await asyncio.sleep(self._conf().restart.backoff_initial_s)
+            if target is None or target == self.loaded:
+                retries = 0
+                await self._watch(target)
                 continue
-            await self._watch(target)
+            if await self._guarded(self._update(target)):
+                retries = 0
+                continue
+            retries += 1
+            delay = self._retry_delay(retries)
+            log.warning("retry %s: update to version %d again in %.1f s (%d failed in a row)", self.name,
+                        target.version, delay, retries)
+            await self._guarded(self._target_within(target, delay))
+
+    async def _update(self, target: Target) -> bool:
+        """Load ``target`` when a rollout slot is free; False: it failed, the server serves on as it was."""
+        async with self._slots():
+            self.lifecycle.set(S.UPDATING, f"version {self._version_text()} -> {target.version}")
+            try:
+                await self._apply(target)
+                ok = True
+            except ApplyFailed as e:
+                if e.restart:
+                    raise
+                self.last_error, ok = str(e), False  # weights untouched and resumed
+            self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
+            return ok
+
+    def _retry_delay(self, retries: int) -> float:
+        policy = self._conf().restart
+        return min(policy.backoff_initial_s * policy.backoff_factor ** (retries - 1), policy.backoff_max_s)
+
+    async def _target_within(self, held: Target, seconds: float) -> None:
+        """Sleep ``seconds``, or less if the node's target changes meanwhile."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(seconds):
+                await self.updater.next_target(held)
 
     async def _watch(self, held: Target | None) -> None:
         """Probe health until the node's target changes; raise ServerFailed if the server fails."""
-        cfg = self._conf()
-        failed = 0
-        changed = asyncio.ensure_future(self.updater.next_target(held))
+        await self._guarded(self.updater.next_target(held))
+
+    async def _guarded(self, work: Awaitable[T]) -> T:
+        """Run ``work`` while the server is watched: if its process exits or ``/health`` fails
+        ``health.failures`` times in a row, ``work`` is cancelled and ServerFailed raised. Both
+        tasks are owned here: cancelled and awaited on every path, cancellation included."""
+        job, guard = asyncio.ensure_future(work), asyncio.ensure_future(self._guard())
         try:
-            while not changed.done():
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(cfg.health.interval_s):
-                        await asyncio.shield(changed)
-                self._note_stable()
-                if not self.child.running:
-                    await self.child.wait()
-                    raise ServerFailed(f"exited: {self.child.describe_exit()}")
-                if await self.vllm.healthy(cfg.health.timeout_s):
-                    failed = 0
-                    continue
-                failed += 1
-                log.warning("probe %s[%d]: /health failed (%d of %d)", self.name, self.child.pid, failed,
-                            cfg.health.failures)
-                if failed >= cfg.health.failures:
-                    raise ServerFailed(f"/health failed {failed} times in a row")
+            await asyncio.wait((job, guard), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            changed.cancel()
+            await _reap((job, guard))
+        if not guard.cancelled() and guard.exception() is not None:
+            raise guard.exception()
+        return job.result()
+
+    async def _guard(self) -> NoReturn:
+        failed = 0
+        while True:
+            cfg = self._conf()
+            await asyncio.sleep(cfg.health.interval_s)
+            self._note_stable()
+            if not self.child.running:
+                await self.child.wait()
+                raise ServerFailed(f"exited{self._during()}: {self.child.describe_exit()}")
+            if await self.vllm.healthy(cfg.health.timeout_s):
+                failed = 0
+                continue
+            failed += 1
+            log.warning("probe %s[%d]: /health failed (%d of %d)%s", self.name, self.child.pid, failed,
+                        cfg.health.failures, self._during())
+            if failed >= cfg.health.failures:
+                raise ServerFailed(f"/health failed {failed} times in a row{self._during()}")
+
+    def _during(self) -> str:
+        if self.state is S.UPDATING or (self.state is S.SYNCING and self.loading is not None):
+            target = self.loading.version if self.loading else "?"
+            return f" while loading version {target}"
+        return ""
 
     async def _apply(self, target: Target) -> None:
         record = UpdateRecord(target.version)
         self.last_update, self.loading = record, target
         applier = Applier(self.name, self.vllm, self._conf().update, self.metrics, verify=self.updater.verify)
         try:
-            self.loaded = await applier.apply(target, record)
-        except ApplyFailed:
-            self.loaded = None if self.loaded != target else self.loaded
-            raise
+            self._hold(await applier.apply(target, record))
+        except ApplyFailed as e:
+            if e.restart:  # half-loaded, or weights that failed the gate: not what it held before
+                self._hold(None)
+            raise  # else the pause failed: the weights are untouched, it holds what it held
         finally:
             self.loading = None
         self.metrics.updates.labels(server=self.name).inc()
-        self.metrics.server_version.labels(server=self.name).set(self.loaded.version)
         log.info("update %s[%d]: version %d loaded, paused %.3f s (%s)", self.name, self.child.pid,
                  target.version, record.phases_s.get("paused", 0.0),
                  ", ".join(f"{k} {v:.3f}" for k, v in record.phases_s.items() if k != "paused"))
         self.updater.collect()
+
+    def _hold(self, target: Target | None) -> None:
+        """The one setter of what the running process holds (None: its start model, or unknown)."""
+        self.loaded = target
+        self.metrics.server_version.labels(server=self.name).set(target.version if target else -1)
 
     # -- failures, restarts, stop ------------------------------------------------------------------------
     def _note_stable(self) -> None:
@@ -235,8 +289,8 @@ class Supervisor:
             self.failures = 0
 
     async def _back_off(self, error: str) -> None:
-        await self._terminate()
         policy = self._conf().restart
+        await self._terminate(policy.failed_grace_s)
         self.failures += 1
         if self.failures > policy.max_retries:
             self.lifecycle.set(S.FATAL, f"{self.failures} failures in a row; last: {error[:150]}")
@@ -247,17 +301,20 @@ class Supervisor:
         self.restarts += 1
         self.metrics.restarts.labels(server=self.name).inc()
 
-    async def _terminate(self) -> None:
-        """Stop the process group, if any; reap it (also when cancelled meanwhile)."""
+    async def _terminate(self, grace_s: float | None = None) -> None:
+        """Stop the process group, if any, with ``grace_s`` (default ``shutdown.server_grace_s``)
+        between SIGTERM and SIGKILL; reap it (also when cancelled meanwhile)."""
         child, self.serving_since = self.child, None
         if child is None or child.pid is None:
             return
         shutdown = self._conf().shutdown
-        try:
-            await asyncio.shield(child.stop(shutdown.server_grace_s, shutdown.kill_wait_s))
+        grace_s = shutdown.server_grace_s if grace_s is None else grace_s
+        try:  # the child's one stop task; a cancellation here hurries it to SIGKILL and waits for it
+            await child.stop(grace_s, shutdown.kill_wait_s)
         except ChildError as e:
             log.error("reap %s: %s", self.name, e)
-        self.loaded = None
+        finally:
+            self._hold(None)
 
     async def _stop(self) -> None:
         if self.state in (S.STOPPED, S.STOPPING):
@@ -293,3 +350,20 @@ class Supervisor:
                 "state_age_s": round(self.lifecycle.age_s(), 3), "last_error": self.last_error,
                 "last_update": self.last_update.as_dict() if self.last_update else None}
 
+
+async def _reap(tasks: tuple[asyncio.Future, ...]) -> None:
+    """Cancel ``tasks`` and wait until each has ended, also when the caller is cancelled meanwhile
+    (the cancellation goes on afterwards): no task outlives its owner."""
+    for task in tasks:
+        task.cancel()
+    cancelled = False
+    while not all(task.done() for task in tasks):
+        try:
+            await asyncio.wait(tasks)
+        except asyncio.CancelledError:
+            cancelled = True
+    for task in tasks:  # retrieved: an ended task's error is this owner's to report, not the loop's
+        if not task.cancelled():
+            task.exception()
+    if cancelled:
+        raise asyncio.CancelledError

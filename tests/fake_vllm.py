@@ -13,7 +13,10 @@ server is paused), ``GET /v1/models``, ``POST /v1/completions`` with ``prompt_lo
 gate's request: every prompt position after the first gets logprob -1.0, or the value of the
 fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). Errors are HTTP 500
 ``{"error": {"message": ...}}``. ``POST /fake/health``
-``{"ok": bool}`` lets a test make a running fake healthy or unhealthy.
+``{"ok": bool}`` lets a test make a running fake healthy or unhealthy; ``POST /fake/faults``
+``{"faults": "fail=/pause"}`` replaces its faults while it runs (``""``: none); ``POST
+/fake/engine_dies`` acts out vLLM's API server after its engine core died: the ``spawn_child``
+child is killed, the port closes, requests in flight are never answered, the process lives on.
 
 Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen``,
 ``exit_at_start=CODE``, ``exit_after=SECONDS`` (status 1), ``ignore_term``,
@@ -72,6 +75,8 @@ class FakeVllm:
         self.loaded_dir: str | None = None
         self.label = "default"
         self.failed_once: set[str] = set()
+        self.site: web.TCPSite | None = None
+        self.child: subprocess.Popen | None = None
 
     def routes(self, fault: str) -> set[str]:
         return set(self.faults.get(fault, ()))
@@ -103,6 +108,17 @@ class FakeVllm:
     async def set_health(self, request: web.Request) -> web.Response:
         self.healthy = bool((await body(request)).get("ok"))
         return web.json_response({"healthy": self.healthy})
+
+    async def set_faults(self, request: web.Request) -> web.Response:
+        self.faults = parse_faults(str((await body(request)).get("faults") or ""))
+        return web.json_response({"faults": sorted(self.faults)})
+
+    async def engine_dies(self, request: web.Request) -> web.Response:
+        if self.child is not None:
+            self.child.kill()
+        self.healthy = False
+        asyncio.get_running_loop().call_soon(self.site._server.close)  # listening ends; connections stay
+        return web.json_response({"engine": "dead"})
 
     async def pause(self, request: web.Request) -> web.Response:
         mode = request.query.get("mode", "abort")
@@ -183,6 +199,7 @@ class FakeVllm:
         app = web.Application(middlewares=[self.faulty])
         app.add_routes([
             web.get("/health", self.health), web.post("/fake/health", self.set_health),
+            web.post("/fake/faults", self.set_faults), web.post("/fake/engine_dies", self.engine_dies),
             web.post("/pause", self.pause), web.post("/resume", self.resume), web.get("/is_paused", self.is_paused),
             web.post("/start_weight_update", self.start_weight_update),
             web.post("/update_weights", self.update_weights),
@@ -236,7 +253,7 @@ def first_seconds(faults: dict[str, list[str]], name: str) -> float | None:
     return float(faults[name][0]) if name in faults else None
 
 
-async def serve(args: argparse.Namespace, faults: dict[str, list[str]]) -> None:
+async def serve(args: argparse.Namespace, faults: dict[str, list[str]], child: subprocess.Popen | None) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     if "ignore_term" not in faults:
@@ -251,9 +268,12 @@ async def serve(args: argparse.Namespace, faults: dict[str, list[str]]) -> None:
         say("never listening (fault no_listen)")
         await stop.wait()
         return
-    runner = web.AppRunner(FakeVllm(args.model, faults).app(), access_log=None, handle_signals=False)
+    fake = FakeVllm(args.model, faults)
+    fake.child = child
+    runner = web.AppRunner(fake.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    fake.site = web.TCPSite(runner, args.host, args.port)
+    await fake.site.start()
     say(f"serving {args.model} on http://{args.host}:{args.port} (pid {os.getpid()}, "
         f"faults: {','.join(faults) or 'none'})")
     try:
@@ -273,10 +293,11 @@ def main(argv: list[str] | None = None) -> int:
         return code
     if "ignore_term" in faults:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # before spawn_child: the child inherits it
+    child = None
     if "spawn_child" in faults:
         child = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)
         say(f"spawned child {child.pid} (fault spawn_child)")
-    asyncio.run(serve(args, faults))
+    asyncio.run(serve(args, faults, child))
     return 0
 
 
