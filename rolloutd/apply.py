@@ -113,17 +113,9 @@ class Applier:
                 await self._phase(record, "gate", self._gate(target, record))
             except GateFailed as e:
                 self.metrics.update_failures.labels(kind="gate").inc()
-                record.error = f"{e} (attempt {attempt} of {attempts})"
-                log.error("gate %s: version %d failed: %s; held out of traffic", self.name, target.version,
-                          record.error)
-                if attempt == attempts:
-                    raise ApplyFailed(f"version {target.version} failed the gate {attempts} time(s): {e}",
-                                      restart=True) from None
-                try:
-                    target = await self._verify(target)
-                except Exception as e:  # noqa: BLE001 - any failure to re-pull ends in a restart
-                    raise ApplyFailed(f"version {target.version} could not be re-checked or pulled again: {e}",
-                                      restart=True) from None
+                target = await self._again(target, record, e, attempt, attempts, step="gate",
+                                           failed=f"version {target.version} failed the gate",
+                                           meanwhile="held out of traffic")
                 continue
             self.metrics.pause_seconds.labels(server=self.name).observe(paused_s)
             record.ok = True
@@ -164,18 +156,24 @@ class Applier:
                 return target
             except VllmError as e:
                 self._failed(_KIND.get(e.route, "load"), e)
-                record.error = f"{e} (attempt {attempt} of {attempts})"
-                log.error("apply %s: version %d failed: %s; the server stays paused", self.name, target.version,
-                          record.error)
-                if attempt == attempts:
-                    raise ApplyFailed(f"loading version {target.version} failed {attempts} time(s): {e}",
-                                      restart=True) from None
-                try:
-                    target = await self._verify(target)
-                except Exception as e:  # noqa: BLE001 - any failure to re-pull ends in a restart
-                    raise ApplyFailed(f"version {target.version} could not be re-checked or pulled again: {e}",
-                                      restart=True) from None
+                target = await self._again(target, record, e, attempt, attempts, step="apply",
+                                           failed=f"loading version {target.version} failed",
+                                           meanwhile="the server stays paused")
         raise AssertionError("unreachable")
+
+    async def _again(self, target: Target, record: UpdateRecord, error: Exception, attempt: int, attempts: int, *,
+                     step: str, failed: str, meanwhile: str) -> Target:
+        """After a failed attempt: recorded and logged; after the last one, ApplyFailed (restart);
+        else the target for the next attempt, its mirror copy re-checked (pulled again if damaged)."""
+        record.error = f"{error} (attempt {attempt} of {attempts})"
+        log.error("%s %s: version %d failed: %s; %s", step, self.name, target.version, record.error, meanwhile)
+        if attempt == attempts:
+            raise ApplyFailed(f"{failed} {attempts} time(s): {error}", restart=True) from None
+        try:
+            return await self._verify(target)
+        except Exception as e:  # noqa: BLE001 - any failure to re-pull ends in a restart
+            raise ApplyFailed(f"version {target.version} could not be re-checked or pulled again: {e}",
+                              restart=True) from None
 
     async def _check(self, target: Target) -> None:
         label = await self.vllm.weight_version(self.policy.finish_timeout_s)
