@@ -108,3 +108,11 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(items):
+    """A test that needs the module's real ``vllm serve`` (the ``vllm`` fixture) is slow, wherever
+    it stands: ``-m "not slow"`` is the fast tier of pure logic, fakes and in-process servers."""
+    for item in items:
+        if "vllm" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)

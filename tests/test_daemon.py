@@ -38,7 +38,7 @@ from .registry_proxy import RegistryProxy
 from .test_vllm_plugin import put_on, tokens
 from .vllm_server import VllmServer, group_pids
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOKEN = "admin-secret-7f3a"
 SEED = {v: 10 + v for v in range(1, 10)}  # version -> weights seed; the servers start on seed 0

@@ -24,7 +24,7 @@ from rolloutd.registry import EmbeddedRegistry
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

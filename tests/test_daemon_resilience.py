@@ -28,7 +28,7 @@ from .conftest import free_port
 from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
 from .registry_proxy import RegistryProxy
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

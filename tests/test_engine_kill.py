@@ -29,7 +29,7 @@ from .daemon_harness import DaemonProcess, config, vllm_server, wait_until
 from .test_daemon import _engine_core
 from .vllm_server import group_pids
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def shm_mapped(pids: list[int]) -> set[str]:

@@ -26,6 +26,8 @@ from rolloutd.gateway import ROUTES
 from .conftest import free_port
 from .gateway_harness import GatewayThread
 
+pytestmark = pytest.mark.slow  # thousands of requests: not the fast tier
+
 TOKEN = "fuzz-gw-token"
 LIMIT = 4096
 CASES = {"requests": 0, "cut": 0, "mutated": 0}

@@ -25,7 +25,7 @@ from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server
 from .test_gateway import DEV_ROUTES, TRICKS
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 TOKEN = "netns-gw-token-91c2"
 

@@ -24,7 +24,7 @@ from rolloutd.config import Shutdown
 
 from .nspawn import ROOT, Machine, debian_root
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 UNIT = "rolloutd.service"
 APT = {"DEBIAN_FRONTEND": "noninteractive"}

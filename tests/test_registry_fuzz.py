@@ -17,6 +17,8 @@ import pytest
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.tinymodel import llama_state_dict
 
+pytestmark = pytest.mark.slow  # thousands of requests: not the fast tier
+
 SEED = 20261129
 CONFIG = Path(__file__).with_name("schemathesis.toml")
 # DELETE /v1/versions/{v} retires a version: by contract its bytes stay readable while a lease

@@ -26,7 +26,7 @@ from rolloutd.registry import EmbeddedRegistry
 from .daemon_harness import DaemonProcess, alive, wait_until
 from .test_daemon_faults import daemons  # noqa: F401 - the fixture, on this module's registry
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 class Versions:

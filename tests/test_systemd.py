@@ -30,7 +30,7 @@ from .nspawn import ROOT, Machine, enabled_host_units, host_root
 from .test_vllm_plugin import generate
 from .vllm_server import VLLM, require_vllm
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 UNIT = "rolloutd.service"
 SEED_V1 = 11

@@ -30,7 +30,7 @@ from rolloutd.registry.client import RegistryClient
 from .conftest import free_port
 from .vllm_server import ROOT, VllmServer, client, pip_install_rolloutd
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 SEED_A, SEED_B = 0, 1
 PROMPTS = [[1, 5, 9, 13, 40], [1, 300, 22], [1, 7, 7, 7, 100, 250, 31]]
