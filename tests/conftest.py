@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -116,3 +118,50 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if "vllm" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture
+def children():
+    """Children (:class:`rolloutd.process.Child`) a test spawns; whatever is left of their groups
+    is killed afterwards."""
+    from rolloutd.process import Child
+    made = []
+
+    def make(name: str, argv: list[str], **kw):
+        made.append(Child(name, argv, dict(os.environ), **kw))
+        return made[-1]
+
+    yield make
+    for child in made:
+        for pid in _alive_in_group(child.pgid) if child.pgid else []:
+            os.kill(pid, signal.SIGKILL)
+
+
+def _alive_in_group(pgid: int) -> list[int]:
+    from .vllm_server import group_pids
+    return group_pids(pgid)
+
+
+@pytest.fixture
+def daemons(tmp_path, registry):
+    """Start ``rolloutd run`` processes whose servers are the fake vLLM (with ``faults``), on the
+    module's ``registry``; whatever a test leaves is killed and must be gone."""
+    from .daemon_harness import DaemonProcess, config, tagged_pids, wait_until
+    started = []
+
+    def start(faults: str = "", *, servers: int = 1, directory=None, registry_url: str | None = None,
+              env: dict | None = None, **sections):
+        d = directory or tmp_path / f"d{len(started)}"
+        d.mkdir(exist_ok=True)
+        specs = [{"name": f"s{i}", "model": "fake-model", "port": free_port(),
+                  "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(servers)]
+        sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
+                                "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5}, **sections}
+        daemon = DaemonProcess(config(d, registry_url or registry.url, specs, fake=True, **sections), d)
+        started.append(daemon.start(**(env or {})))
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.kill_everything()
+        wait_until(lambda d=daemon: tagged_pids(d.tag) == [], 10, "every process of the daemon gone")

@@ -4,7 +4,8 @@ faults a real server cannot be made to show. It is not vLLM: it loads no model.
     python tests/fake_vllm.py serve MODEL --host H --port P [other vllm args, ignored]
 
 Standard library and aiohttp only. Routes (JSON): ``GET /health``, ``POST /pause?mode=``,
-``POST /resume``, ``GET /is_paused``, ``POST /reset_prefix_cache``, ``POST /start_weight_update``, ``POST /update_weights``
+``POST /resume``, ``GET /is_paused``, ``POST /reset_prefix_cache``, ``POST /start_weight_update``,
+``POST /update_weights``
 ``{"update_info": {"path", "digest"}}`` (the mirror directory is checked by the plugin's own
 ``check_version``), ``POST /finish_weight_update {"weight_version"}`` (sets the label only
 while an update is started), ``GET /weight_info``, ``POST /inference/v1/generate`` (token ids

@@ -30,8 +30,8 @@ from rolloutd import config as config_mod
 from rolloutd.admin import AdminServer, NodeStatus, create_app
 from rolloutd.adminctl import DEFAULT_URL, add_parsers, render_status, resolve
 from rolloutd.apply import UpdateRecord
-from rolloutd.gate import GateResult
 from rolloutd.config import Config
+from rolloutd.gate import GateResult
 from rolloutd.httpserver import run
 from rolloutd.metrics import Metrics
 from rolloutd.puller import PullProgress, PullState

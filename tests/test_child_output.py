@@ -20,31 +20,17 @@ from pathlib import Path
 import pytest
 
 from rolloutd import process
-from rolloutd.process import Child, ChildRecords, OutputLevels
+from rolloutd.process import ChildRecords, OutputLevels
 
 from .test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
 
 pytestmark = pytest.mark.timeout(60)
-I, W, E, D = logging.INFO, logging.WARNING, logging.ERROR, logging.DEBUG
+I, W, E, D = logging.INFO, logging.WARNING, logging.ERROR, logging.DEBUG  # noqa: E741 - a table's columns
 
 
 @pytest.fixture(autouse=True)
 def info_logs(caplog):
     caplog.set_level(logging.DEBUG)
-
-
-@pytest.fixture
-def children():
-    made: list[Child] = []
-
-    def make(name: str, argv: list[str], **kw) -> Child:
-        made.append(Child(name, argv, dict(os.environ), **kw))
-        return made[-1]
-
-    yield make
-    for child in made:
-        for pid in alive_in_group(child.pgid) if child.pgid else []:
-            os.kill(pid, signal.SIGKILL)
 
 
 # -- levels ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server
-from .test_model_matrix import NEW_TOKENS, generate, reference
+from .test_model_matrix import generate, reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 

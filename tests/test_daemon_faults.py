@@ -21,8 +21,7 @@ import pytest
 from rolloutd import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
-from .conftest import free_port
-from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
+from .daemon_harness import DaemonProcess, alive, tagged_pids, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -32,29 +31,6 @@ def registry():
     with EmbeddedRegistry(port=0) as reg:
         reg.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
         yield reg
-
-
-@pytest.fixture
-def daemons(tmp_path, registry):
-    """Start daemons whose servers are fakes; whatever a test leaves is stopped and must be gone."""
-    started: list[DaemonProcess] = []
-
-    def start(faults: str = "", *, servers: int = 1, directory=None, **sections) -> DaemonProcess:
-        d = directory or tmp_path / f"d{len(started)}"
-        d.mkdir(exist_ok=True)
-        specs = [{"name": f"s{i}", "model": "fake-model", "port": free_port(),
-                  "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(servers)]
-        sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
-                                "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5},
-                    **sections}
-        daemon = DaemonProcess(config(d, registry.url, specs, fake=True, **sections), d).start()
-        started.append(daemon)
-        return daemon
-
-    yield start
-    for daemon in started:
-        daemon.kill_everything()
-        wait_until(lambda d=daemon: tagged_pids(d.tag) == [], 10, "every process of the daemon gone")
 
 
 def server(daemon: DaemonProcess) -> dict:

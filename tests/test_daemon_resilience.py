@@ -24,8 +24,7 @@ from rolloutd import tinymodel
 from rolloutd.config import ConfigError, parse_config
 from rolloutd.registry import EmbeddedRegistry
 
-from .conftest import free_port
-from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
+from .daemon_harness import DaemonProcess, alive
 from .registry_proxy import RegistryProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -74,28 +73,6 @@ def proxy(registry):
     p = LyingProxy(urlsplit(registry.url).port).start()
     yield p
     p.stop()
-
-
-@pytest.fixture
-def daemons(tmp_path, registry):
-    started: list[DaemonProcess] = []
-
-    def start(faults: str = "", *, servers: int = 1, registry_url: str | None = None, env: dict | None = None,
-              **sections) -> DaemonProcess:
-        d = tmp_path / f"d{len(started)}"
-        d.mkdir()
-        specs = [{"name": f"s{i}", "model": "fake-model", "port": free_port(),
-                  "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(servers)]
-        sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
-                                "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5}, **sections}
-        daemon = DaemonProcess(config(d, registry_url or registry.url, specs, fake=True, **sections), d)
-        started.append(daemon.start(**(env or {})))
-        return daemon
-
-    yield start
-    for daemon in started:
-        daemon.kill_everything()
-        wait_until(lambda d=daemon: tagged_pids(d.tag) == [], 10, "every process of the daemon gone")
 
 
 class NotifyListener:

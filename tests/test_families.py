@@ -96,7 +96,7 @@ def test_greedy_outputs_differ_between_seeds_and_are_not_degenerate(outputs, fam
         assert all(0 <= t < families.VOCAB for o in outs for t in o)
         assert all(len(set(o)) >= 3 for o in outs), outs  # not one token repeated
     for i, j in ((0, 1), (0, 2), (1, 2)):
-        assert all(a != b for a, b in zip(per_seed[i], per_seed[j])), (family, i, j)
+        assert all(a != b for a, b in zip(per_seed[i], per_seed[j], strict=True)), (family, i, j)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -19,7 +19,6 @@ import asyncio
 import json
 import re
 import threading
-import time
 
 import httpx
 import pytest

@@ -16,8 +16,8 @@ from rolloutd import mirror as mirror_mod
 from rolloutd.config import Config
 from rolloutd.metrics import Metrics
 from rolloutd.mirror import MANIFEST_NAME, Mirror, MirrorFull
-from rolloutd.updater import Updater
 from rolloutd.registry.manifest import FileEntry, Manifest, hash_chunks
+from rolloutd.updater import Updater
 
 CHUNK = 4096
 
@@ -216,13 +216,19 @@ def test_rejects_a_nonsensical_limit(tmp_path: Path):
 JOIN_S = 0.5
 
 
-def test_gc_never_removes_a_version_committed_while_it_looks(mirror, monkeypatch):
+def two_versions_and_a_third_written(mirror: Mirror):
+    """Versions 1 and 2 complete, and version 3 written in full but not yet committed."""
     put(mirror, 1)
     put(mirror, 2)
     files = payload(3)
     partial = mirror.begin(make_manifest(3, files))
     for name, data in files.items():
         write(partial, name, data)
+    return partial
+
+
+def test_gc_never_removes_a_version_committed_while_it_looks(mirror, monkeypatch):
+    partial = two_versions_and_a_third_written(mirror)
     committer = threading.Thread(target=mirror.commit, args=(partial,))
     real = Mirror._named_versions
 
@@ -337,12 +343,7 @@ async def test_the_updaters_collect_deletes_off_the_event_loop(mirror, monkeypat
 async def test_a_gc_asked_for_before_a_commit_keeps_that_version(mirror):
     """collect_soon decides on what the mirror held when it was asked: a version committed
     while the request waited for the worker is not the caller's to remove."""
-    put(mirror, 1)
-    put(mirror, 2)
-    files = payload(3)
-    partial = mirror.begin(make_manifest(3, files))
-    for name, data in files.items():
-        write(partial, name, data)
+    partial = two_versions_and_a_third_written(mirror)
     with mirror._lock:  # a pull holds the mirror: the request waits
         pending = mirror.collect_soon(set())
         mirror.commit(partial)

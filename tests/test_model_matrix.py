@@ -189,7 +189,8 @@ def write_doc(rows: dict[str, dict]) -> None:
             continue
         if row.get("refused"):
             lines.append(f"| {family} | {'yes' if row['tied'] else 'no'} | {row.get('start_s', '–')} | "
-                         f"**refused**: vLLM's CPU build does not reload it exactly ({NO_EXACT_RELOAD_ON_CPU[family]}); "
+                         "**refused**: vLLM's CPU build does not reload it exactly "
+                         f"({NO_EXACT_RELOAD_ON_CPU[family]}); "
                          "the plugin fails the load, naming it, and the server never serves the version. "
                          "A fresh server on C equals transformers |" + " |" * (len(PATHS) - 1))
             continue

@@ -82,21 +82,6 @@ def info_logs(caplog):
     caplog.set_level(logging.INFO)
 
 
-@pytest.fixture
-def children():
-    """Children a test spawns; whatever is left of their groups is killed afterwards."""
-    made: list[Child] = []
-
-    def make(name: str, argv: list[str], **kw) -> Child:
-        made.append(Child(name, argv, dict(os.environ), **kw))
-        return made[-1]
-
-    yield make
-    for child in made:
-        for pid in alive_in_group(child.pgid) if child.pgid else []:
-            os.kill(pid, signal.SIGKILL)
-
-
 async def spawned_ready(make, caplog, name: str, argv: list[str], **kw) -> Child:
     child = make(name, argv, **kw)
     await child.spawn()

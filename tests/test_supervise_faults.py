@@ -24,7 +24,6 @@ from rolloutd import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, alive, wait_until
-from .test_daemon_faults import daemons  # noqa: F401 - the fixture, on this module's registry
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

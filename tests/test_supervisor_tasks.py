@@ -13,7 +13,6 @@ import os
 import signal
 import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
