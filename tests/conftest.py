@@ -47,10 +47,20 @@ def http(registry):
         yield client
 
 
+_GIVEN_PORTS: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now and never handed out before in this run: the kernel may offer a
+    port again as soon as its probe socket closes, and one config would then name it twice (seen:
+    a server's port equal to the admin API's)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _GIVEN_PORTS:
+            _GIVEN_PORTS.add(port)
+            return port
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:
