@@ -32,7 +32,7 @@ import yaml
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rolloutd import tinymodel  # noqa: E402
+from rolloutd.demo import tinymodel  # noqa: E402
 from rolloutd.registry import EmbeddedRegistry  # noqa: E402
 
 RSS_LIMIT_MIB = 150.0

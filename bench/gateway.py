@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from rolloutd import tinymodel  # noqa: E402
-from rolloutd.plugin_path import install_plugin  # noqa: E402
+from rolloutd.demo import tinymodel  # noqa: E402
+from rolloutd.supervise.plugin_path import install_plugin  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.vllm_server import VllmServer  # noqa: E402
 
@@ -52,9 +52,9 @@ def serve_gateway(upstream: int, port: int) -> None:
     import uvloop
 
     from rolloutd.config import Gateway as Settings
-    from rolloutd.gateway import Gateway
-    from rolloutd.metrics import Metrics
-    from rolloutd.states import ServerState
+    from rolloutd.gateway.relay import Gateway
+    from rolloutd.node.metrics import Metrics
+    from rolloutd.supervise.states import ServerState
 
     async def main() -> None:
         gw = Gateway("bench", upstream, port, Settings(host="127.0.0.1"), None, Metrics())

@@ -39,9 +39,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rolloutd.mirror import Mirror  # noqa: E402
-from rolloutd.registry.blobs import DiskStore  # noqa: E402
-from rolloutd.registry.manifest import FileEntry, Manifest, hash_chunks  # noqa: E402
+from rolloutd.registry.server.blobs import DiskStore  # noqa: E402
+from rolloutd.rollout.mirror import Mirror  # noqa: E402
+from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks  # noqa: E402
 
 MiB, GiB = 1 << 20, 1 << 30
 CHUNK = 64 * MiB  # the default chunk size; every chunk holds the same random bytes (one digest)

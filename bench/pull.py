@@ -72,7 +72,7 @@ RESULTS = BENCH / "results"
 HOST = "127.0.0.1"  # only loopback is ever targeted
 sys.path.insert(0, str(REPO))
 
-from rolloutd.registry.manifest import Manifest, verify_file  # noqa: E402
+from rolloutd.wire.manifest import Manifest, verify_file  # noqa: E402
 
 CONTENDERS = ("puller", "puller-ref", "curl", "curl-parallel", "aria2c", "cp")
 DOWNLOADERS = ("curl", "curl-parallel", "aria2c")  # the "best of" the puller is compared with

@@ -20,9 +20,9 @@ from pathlib import Path
 _repo = sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_repo))
 
-from rolloutd.mirror import Mirror  # noqa: E402
-from rolloutd.puller import Puller  # noqa: E402
 from rolloutd.registry.client import RegistryClient, Timeouts  # noqa: E402
+from rolloutd.rollout.mirror import Mirror  # noqa: E402
+from rolloutd.rollout.puller import Puller  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -13,9 +13,9 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from . import __version__
-from .registry import errors
-from .units import size
+from rolloutd import __version__
+from rolloutd.units import size
+from rolloutd.wire import errors
 
 log = logging.getLogger("rolloutd")
 
@@ -53,7 +53,7 @@ def _stderr_is_journal() -> bool:
 # -- rolloutd registry ---------------------------------------------------------------------------
 
 def _registry_args(p: argparse.ArgumentParser) -> None:
-    from .registry.settings import RegistrySettings
+    from rolloutd.registry.server.settings import RegistrySettings
     for name, field in RegistrySettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         p.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
@@ -61,17 +61,17 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_registry(args: argparse.Namespace) -> int:
-    from .registry.settings import RegistrySettings
+    from rolloutd.registry.server.settings import RegistrySettings
     values = {k: v for k, v in vars(args).items() if k in RegistrySettings.model_fields}
     settings = RegistrySettings.model_validate(values, strict=False)
-    from .httpserver import run
+    from rolloutd.httpserver import run
     return run(serve_registry(settings))
 
 
 async def serve_registry(settings) -> int:
-    from .httpserver import QuietServer, bind, server_config
-    from .registry.server import create_app
-    from .registry.service import RegistryService
+    from rolloutd.httpserver import QuietServer, bind, server_config
+    from rolloutd.registry.server.app import create_app
+    from rolloutd.registry.server.service import RegistryService
 
     service = RegistryService(settings)
     sock = bind(settings.host, settings.port)
@@ -108,14 +108,14 @@ class ProgressLine:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from .registry.publish import RegistryHTTP
+    from rolloutd.registry.publish import RegistryHTTP
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     metadata = dict(kv.split("=", 1) for kv in args.metadata)
     canary = None
     if args.canary:
         from pydantic import ValidationError
 
-        from .registry.canary import load_canary
+        from rolloutd.registry.canary import load_canary
         try:
             canary = load_canary(args.canary)
         except (OSError, ValidationError) as e:
@@ -143,13 +143,13 @@ def _metadata(value: str) -> str:
 
 def add_config_arg(p: argparse.ArgumentParser) -> None:
     """``-c/--config FILE``, for every subcommand that reads the node's config."""
-    from .config import DEFAULT_CONFIG_PATH
+    from rolloutd.config import DEFAULT_CONFIG_PATH
     p.add_argument("-c", "--config", type=Path, default=DEFAULT_CONFIG_PATH, metavar="FILE",
                    help="config file (default: %(default)s)")
 
 
 def cmd_check_config(args: argparse.Namespace) -> int:
-    from .config import ConfigError, load_config
+    from rolloutd.config import ConfigError, load_config
     try:
         cfg = load_config(args.config, check_files=True)  # a token the daemon could not read fails here too
     except ConfigError as e:
@@ -167,8 +167,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     """The node daemon (what systemd runs): supervise the configured servers until SIGTERM."""
     import faulthandler
 
-    from .config import ConfigError, load_config
-    from .daemon import run_daemon
+    from rolloutd.config import ConfigError, load_config
+    from rolloutd.node.daemon import run_daemon
     # A frozen daemon gets SIGABRT from systemd's watchdog: its Python stacks go to the journal.
     faulthandler.enable()
     try:
@@ -214,9 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_config_arg(p)
     p.set_defaults(func=cmd_check_config)
 
-    from .adminctl import add_parsers as add_admin
+    from rolloutd.node.adminctl import add_parsers as add_admin
     add_admin(sub)
-    from .demo import add_parser as add_demo
+    from rolloutd.demo.serve import add_parser as add_demo
     add_demo(sub)
     return parser
 

@@ -4,7 +4,7 @@ Contract:
 
 - :class:`Config` is a frozen pydantic model; every section and every field forbids unknown keys
   and carries a description (the example file and ``docs/config.md`` are generated from them by
-  :mod:`rolloutd.configdoc`). Types are strict where YAML has them natively: ``"80"`` or ``true``
+  `scripts/configdoc.py`). Types are strict where YAML has them natively: ``"80"`` or ``true``
   for an integer is refused; an integer for a float is fine. Paths take strings, byte sizes take
   integers or strings such as ``"32GiB"``; command words, arguments and environment values take
   numbers too (``--max-model-len 8192`` need not be quoted).
@@ -44,7 +44,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from .registry.store import REPLICA_ID_RE
+from rolloutd.registry.server.store import REPLICA_ID_RE
 
 DEFAULT_CONFIG_PATH = Path("/etc/rolloutd.yaml")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -132,9 +132,9 @@ def pytest_collection_modifyitems(items):
 
 @pytest.fixture
 def children():
-    """Children (:class:`rolloutd.process.Child`) a test spawns; whatever is left of their groups
+    """Children (:class:`rolloutd.supervise.child.Child`) a test spawns; whatever is left of their groups
     is killed afterwards."""
-    from rolloutd.process import Child
+    from rolloutd.supervise.child import Child
     made = []
 
     def make(name: str, argv: list[str], **kw):

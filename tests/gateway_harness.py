@@ -1,4 +1,4 @@
-"""A real :class:`rolloutd.gateway.Gateway` on its own event loop in a thread, in front of a
+"""A real :class:`rolloutd.gateway.relay.Gateway` on its own event loop in a thread, in front of a
 server, for tests and benchmarks; the test plays the supervisor and sets the server's state.
 The loop is uvloop's, as in the daemon."""
 
@@ -10,9 +10,9 @@ import threading
 import uvloop
 
 from rolloutd.config import Gateway as GatewaySettings
-from rolloutd.gateway import Gateway
-from rolloutd.metrics import Metrics
-from rolloutd.states import ServerState
+from rolloutd.gateway.relay import Gateway
+from rolloutd.node.metrics import Metrics
+from rolloutd.supervise.states import ServerState
 
 
 class GatewayThread:

@@ -27,17 +27,17 @@ from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
 
 from rolloutd import config as config_mod
-from rolloutd.admin import AdminServer, NodeStatus, create_app
-from rolloutd.adminctl import DEFAULT_URL, add_parsers, render_status, resolve
-from rolloutd.apply import UpdateRecord
 from rolloutd.config import Config
-from rolloutd.gate import GateResult
 from rolloutd.httpserver import run
-from rolloutd.metrics import Metrics
-from rolloutd.puller import PullProgress, PullState
-from rolloutd.states import ServerState
-from rolloutd.supervisor import Supervisor
-from rolloutd.updater import RegistryView
+from rolloutd.node.admin import AdminServer, NodeStatus, create_app
+from rolloutd.node.adminctl import DEFAULT_URL, add_parsers, render_status, resolve
+from rolloutd.node.metrics import Metrics
+from rolloutd.rollout.apply import UpdateRecord
+from rolloutd.rollout.gate import GateResult
+from rolloutd.rollout.puller import PullProgress, PullState
+from rolloutd.rollout.updater import RegistryView
+from rolloutd.supervise.states import ServerState
+from rolloutd.supervise.supervisor import Supervisor
 
 TOKEN = "adm-7f3c9e-secret-token"
 NOW = 1_750_000_000.0

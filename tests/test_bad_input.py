@@ -40,13 +40,14 @@ from pydantic import ValidationError
 from safetensors.numpy import save as np_save
 
 from rolloutd.config import ConfigError, load_config, parse_config
-from rolloutd.mirror import MANIFEST_NAME, Mirror
-from rolloutd.puller import Puller, PullError, PullState
-from rolloutd.registry import EmbeddedRegistry, RegistryHTTP, errors
+from rolloutd.demo.tinymodel import TINY, llama_state_dict, state_dict
+from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
 from rolloutd.registry.client import RegistryClient
-from rolloutd.registry.manifest import ManifestError, build_manifest, hash_chunks
 from rolloutd.registry.publish import serialize_shards
-from rolloutd.tinymodel import TINY, llama_state_dict, state_dict
+from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror
+from rolloutd.rollout.puller import Puller, PullError, PullState
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import ManifestError, build_manifest, hash_chunks
 from vllm_plugin.checkpoint import MirrorError, check_version, manifest_digest
 
 from .conftest import free_port

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import os
 
-from rolloutd.registry.blobs import DiskStore
-from rolloutd.registry.manifest import FileEntry, Manifest, hash_chunks
+from rolloutd.registry.server.blobs import DiskStore
+from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks
 
 from .test_mirror import wait_until, where_rmtree_runs
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd import process
-from rolloutd.process import ChildRecords, OutputLevels
+from rolloutd.supervise import child as process
+from rolloutd.supervise.child import ChildRecords, OutputLevels
 
 from .test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
 

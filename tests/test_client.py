@@ -7,10 +7,11 @@ import time
 
 import pytest
 
-from rolloutd.registry import EmbeddedRegistry, errors
+from rolloutd.demo.tinymodel import llama_state_dict
+from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.client import RegistryClient, Timeouts
-from rolloutd.registry.store import Heartbeat
-from rolloutd.tinymodel import llama_state_dict
+from rolloutd.registry.server.store import Heartbeat
+from rolloutd.wire import errors
 
 HB = Heartbeat(node="n1", server="s0", state="SERVING", version=1)
 

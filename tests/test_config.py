@@ -16,9 +16,11 @@ from pydantic import ValidationError
 
 from rolloutd import config as config_mod
 from rolloutd.config import Config, ConfigError, load_config, parse_config, read_token
-from rolloutd.configdoc import REGENERATE, example_yaml, reference_md
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))  # the config doc generator is a dev tool, not installed
+from configdoc import REGENERATE, example_yaml, reference_md  # noqa: E402
+
 EXAMPLE = ROOT / "etc" / "rolloutd.yaml"
 REFERENCE = ROOT / "docs" / "config.md"
 GiB, MiB = 1 << 30, 1 << 20

@@ -19,7 +19,7 @@ import time
 import httpx
 import pytest
 
-from rolloutd import families
+from rolloutd.demo import families
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port

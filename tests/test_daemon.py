@@ -25,12 +25,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rolloutd import tinymodel
-from rolloutd.mirror import Mirror
-from rolloutd.plugin_path import install_plugin
-from rolloutd.puller import Puller
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.puller import Puller
+from rolloutd.supervise.plugin_path import install_plugin
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, tagged_pids, vllm_server, wait_until

@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rolloutd import tinymodel
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, alive, tagged_pids, wait_until

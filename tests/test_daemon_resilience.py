@@ -20,8 +20,8 @@ import httpx
 import pytest
 from aiohttp import web
 
-from rolloutd import tinymodel
 from rolloutd.config import ConfigError, parse_config
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, alive
@@ -174,8 +174,8 @@ def test_garbage_from_the_registry_is_counted_and_served_through_until_it_answer
 def test_a_bug_in_a_long_lived_task_is_logged_counted_and_retried():
     """The crash policy in-process: a task that raises is restarted after a growing delay, with its
     traceback in the log and ``rolloutd_task_errors_total{task}`` counted; cancelling still ends it."""
-    from rolloutd.daemon import keep
-    from rolloutd.metrics import Metrics
+    from rolloutd.node.daemon import keep
+    from rolloutd.node.metrics import Metrics
 
     async def scenario():
         metrics, calls = Metrics(), []

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rolloutd.updater import decide
+from rolloutd.rollout.updater import decide
 
 
 def d(newest=5, held=4, pending_s=0.0, demand=None, asked=False, lag=1, delay=300.0):

@@ -4,9 +4,9 @@ documented is missing from the code."""
 import re
 from pathlib import Path
 
-from rolloutd.registry.server import create_app
-from rolloutd.registry.service import RegistryService
-from rolloutd.registry.settings import RegistrySettings
+from rolloutd.registry.server.app import create_app
+from rolloutd.registry.server.service import RegistryService
+from rolloutd.registry.server.settings import RegistrySettings
 
 DOC = (Path(__file__).parent.parent / "docs" / "registry-api.md").read_text()
 
@@ -43,7 +43,7 @@ DAEMON_DOC = (Path(__file__).parent.parent / "docs" / "daemon.md").read_text()
 
 
 def test_every_admin_route_is_documented():
-    from rolloutd.admin import create_app as admin_app
+    from rolloutd.node.admin import create_app as admin_app
 
     class Nothing:
         metrics = None
@@ -55,8 +55,8 @@ def test_every_admin_route_is_documented():
 
 
 def test_every_metric_and_state_is_documented():
-    from rolloutd.metrics import Metrics
-    from rolloutd.states import ServerState
+    from rolloutd.node.metrics import Metrics
+    from rolloutd.supervise.states import ServerState
     names = {m.name.removeprefix("rolloutd_") for m in Metrics().registry.collect()}
     names = {n + "_total" if n in ("pull_bytes", "pulls", "update_failures", "updates", "server_restarts",
                                    "heartbeat_failures", "gateway_requests", "gateway_held") else n

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd import tinymodel
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port

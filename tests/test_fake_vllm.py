@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rolloutd import tinymodel
-from rolloutd.registry.manifest import build_manifest
+from rolloutd.demo import tinymodel
 from rolloutd.registry.publish import save_shards
+from rolloutd.wire.manifest import build_manifest
 
 from .conftest import free_port
 

@@ -1,4 +1,4 @@
-"""The architecture matrix of tiny test models (rolloutd.families), without vLLM: deterministic
+"""The architecture matrix of tiny test models (rolloutd.demo.families), without vLLM: deterministic
 bytes per seed, every tensor seed-dependent, the checkpoint layouts vLLM's loaders see, and
 greedy outputs that are distinct between seeds, not degenerate, and have clear margins."""
 
@@ -12,8 +12,8 @@ pytest.importorskip("transformers")
 
 from safetensors import safe_open  # noqa: E402
 
-from rolloutd import families  # noqa: E402
-from rolloutd.tinymodel import BOS_ID  # noqa: E402
+from rolloutd.demo import families  # noqa: E402
+from rolloutd.demo.tinymodel import BOS_ID  # noqa: E402
 
 FAMILIES = sorted(families.FAMILIES)
 SEEDS = (0, 1, 2)

@@ -16,7 +16,7 @@ import time
 import httpx
 import pytest
 
-from rolloutd import tinymodel
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.canary import make_canary
 

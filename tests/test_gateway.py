@@ -19,9 +19,9 @@ import httpx
 import pytest
 from aiohttp import web
 
-from rolloutd.plugin_path import install_plugin
-from rolloutd.states import ServerState as S
-from rolloutd.tinymodel import TINY, build
+from rolloutd.demo.tinymodel import TINY, build
+from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.supervise.states import ServerState as S
 
 from .conftest import free_port
 from .daemon_harness import wait_until

@@ -18,7 +18,7 @@ import uuid
 
 import pytest
 
-from rolloutd import tinymodel
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port

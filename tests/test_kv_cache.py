@@ -1,7 +1,7 @@
 """No update setting lets a request read KV computed with older weights, unless
 ``update.keep_kv_cache`` says so (partial-rollout semantics, chosen explicitly).
 
-The daemon's own update sequence (:class:`rolloutd.apply.Applier`) runs against a real ``vllm
+The daemon's own update sequence (:class:`rolloutd.rollout.apply.Applier`) runs against a real ``vllm
 serve`` (CPU build); the reference is transformers' greedy decoding of each version. The prompts
 are longer than one KV-cache block (128 tokens on CPU), where vLLM's prefix cache reuses blocks.
 
@@ -23,14 +23,14 @@ import threading
 import httpx
 import pytest
 
-from rolloutd import tinymodel
-from rolloutd.apply import Applier, UpdateRecord
 from rolloutd.config import Update
-from rolloutd.metrics import Metrics
-from rolloutd.plugin_path import install_plugin
-from rolloutd.registry.manifest import build_manifest
-from rolloutd.updater import Target
-from rolloutd.vllm_http import VllmClient
+from rolloutd.demo import tinymodel
+from rolloutd.node.metrics import Metrics
+from rolloutd.rollout.apply import Applier, UpdateRecord
+from rolloutd.rollout.updater import Target
+from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.supervise.vllm_http import VllmClient
+from rolloutd.wire.manifest import build_manifest
 
 from .conftest import free_port
 from .vllm_server import VllmServer

@@ -6,7 +6,7 @@ import os
 import pytest
 from pydantic import ValidationError
 
-from rolloutd.registry.manifest import (
+from rolloutd.wire.manifest import (
     FileEntry,
     Manifest,
     ManifestError,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rolloutd.metrics import FAILURE_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
-from rolloutd.states import ServerState
+from rolloutd.node.metrics import FAILURE_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
+from rolloutd.supervise.states import ServerState
 
 
 def samples(m: Metrics) -> dict[tuple[str, tuple], float]:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd import mirror as mirror_mod
 from rolloutd.config import Config
-from rolloutd.metrics import Metrics
-from rolloutd.mirror import MANIFEST_NAME, Mirror, MirrorFull
-from rolloutd.registry.manifest import FileEntry, Manifest, hash_chunks
-from rolloutd.updater import Updater
+from rolloutd.node.metrics import Metrics
+from rolloutd.rollout import mirror as mirror_mod
+from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror, MirrorFull
+from rolloutd.rollout.updater import Updater
+from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks
 
 CHUNK = 4096
 
@@ -115,7 +115,7 @@ def test_versions_ignore_other_names_and_broken_directories(mirror, caplog):
     (mirror.path(1) / MANIFEST_NAME).write_text('{"version": 1, "files": [')       # unreadable
     (mirror.path(2) / m2.files[1].name).unlink()                                    # a file missing
     (mirror.path(3) / MANIFEST_NAME).write_text(m2.model_dump_json())              # another version's
-    with caplog.at_level(logging.WARNING, logger="rolloutd.mirror"):
+    with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.mirror"):
         assert mirror.versions() == [4]
         assert mirror.versions() == [4]
     assert mirror.manifest(1) is None and mirror.manifest(2) is None and mirror.manifest(3) is None
@@ -265,7 +265,7 @@ def test_ensure_room_and_gc_at_once_remove_each_version_once(tmp_path, monkeypat
             other.join(JOIN_S)
         return real(self, version, why)
     monkeypatch.setattr(Mirror, "remove", remove)
-    with caplog.at_level(logging.INFO, logger="rolloutd.mirror"):
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.mirror"):
         removed = mirror.ensure_room(mirror.usage_bytes() // 3, in_use=set())
         other.join(5)
     assert "error" not in rival, rival
@@ -294,7 +294,7 @@ def test_two_removals_of_one_version_remove_it_once(mirror, monkeypatch, caplog)
             other.join(JOIN_S)
         real(path)
     monkeypatch.setattr(mirror_mod, "_remove_tree", deleting)
-    with caplog.at_level(logging.INFO, logger="rolloutd.mirror"):
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.mirror"):
         mirror.remove(1, "first")
         other.join(5)
     assert failed == []

@@ -1,7 +1,7 @@
 """Every model family RL post-trains, updated exactly by the daemon, checked against Hugging Face
 transformers.
 
-For each family of :mod:`rolloutd.families` that vLLM's CPU build serves, a real daemon starts a
+For each family of :mod:`rolloutd.demo.families` that vLLM's CPU build serves, a real daemon starts a
 real ``vllm serve`` on weights A (seed 0) and the trainer publishes three more versions, each
 a different way a trainer publishes, never going back to weights seen before:
 
@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rolloutd import families
-from rolloutd.plugin_path import install_plugin
+from rolloutd.demo import families
 from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
+from rolloutd.supervise.plugin_path import install_plugin
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server
@@ -169,7 +169,7 @@ def write_doc(rows: dict[str, dict]) -> None:
         "# Model families",
         "",
         "Written by `tests/test_model_matrix.py` on every run (do not edit by hand). Each family is a",
-        "tiny model built by `rolloutd.families` (2 layers, hidden 128, vocab 512, every tensor drawn",
+        "tiny model built by `rolloutd.demo.families` (2 layers, hidden 128, vocab 512, every tensor drawn",
         "from the seed), served by vLLM's CPU build in float32. A real daemon updates the server",
         "A → B → C → D, one publish path per step; a step is **exact** when the greedy outputs through",
         "the gateway on four prompts (one longer than a 128-token KV block) equal transformers' greedy",

@@ -12,8 +12,8 @@ import uuid
 
 import pytest
 
-from rolloutd import notify
-from rolloutd.notify import Notifier
+from rolloutd.node import notify
+from rolloutd.node.notify import Notifier
 
 
 class Listener:
@@ -113,12 +113,12 @@ def test_without_notify_socket_nothing_happens(monkeypatch):
 
 def test_a_failing_send_never_raises_is_logged_once_and_later_sends_retry(sock_path, caplog):
     n = Notifier({"NOTIFY_SOCKET": sock_path})  # nobody listens there yet
-    with caplog.at_level(logging.DEBUG, logger="rolloutd.notify"):
+    with caplog.at_level(logging.DEBUG, logger="rolloutd.node.notify"):
         n.ready()
         n.watchdog()
         n.status("x")
         n.stopping()
-    failures = [r for r in caplog.records if r.name == "rolloutd.notify"]
+    failures = [r for r in caplog.records if r.name == "rolloutd.node.notify"]
     assert len(failures) == 1 and failures[0].levelno == logging.DEBUG
     assert "READY" in failures[0].getMessage()
     listener = Listener(sock_path)  # systemd's socket appears: the next message gets through
@@ -132,10 +132,10 @@ def test_a_failing_send_never_raises_is_logged_once_and_later_sends_retry(sock_p
 def test_an_unsupported_address_never_raises(caplog):
     n = Notifier({"NOTIFY_SOCKET": "vsock:2:1234"})
     assert n.enabled
-    with caplog.at_level(logging.DEBUG, logger="rolloutd.notify"):
+    with caplog.at_level(logging.DEBUG, logger="rolloutd.node.notify"):
         n.ready()
         n.ready()
-    assert len([r for r in caplog.records if r.name == "rolloutd.notify"]) == 1
+    assert len([r for r in caplog.records if r.name == "rolloutd.node.notify"]) == 1
 
 
 @pytest.mark.parametrize(("env", "expected"), [

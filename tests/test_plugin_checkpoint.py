@@ -11,10 +11,10 @@ from importlib.metadata import distributions
 
 import pytest
 
-from rolloutd import tinymodel
-from rolloutd.plugin_path import child_env, install_plugin
-from rolloutd.registry.manifest import build_manifest
+from rolloutd.demo import tinymodel
 from rolloutd.registry.publish import save_shards
+from rolloutd.supervise.plugin_path import child_env, install_plugin
+from rolloutd.wire.manifest import build_manifest
 from vllm_plugin import checkpoint
 from vllm_plugin.checkpoint import MirrorError, Tensor, check_version, in_layer_order, manifest_digest
 

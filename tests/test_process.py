@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from rolloutd.process import MAX_LINE_BYTES, Child, ChildError, ChildRecords, describe_exit
+from rolloutd.supervise.child import MAX_LINE_BYTES, Child, ChildError, ChildRecords, describe_exit
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -220,7 +220,7 @@ async def test_a_record_is_written_at_spawn_and_removed_at_stop(children, caplog
 DAEMON = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
-    from rolloutd.process import Child, ChildRecords
+    from rolloutd.supervise.child import Child, ChildRecords
 
     async def main():
         records = ChildRecords(Path(sys.argv[1]))

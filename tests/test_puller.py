@@ -11,12 +11,12 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from rolloutd.mirror import MANIFEST_NAME, Mirror
-from rolloutd.puller import Puller, PullError, PullState
-from rolloutd.registry import errors
+from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry.client import RegistryClient
 from rolloutd.registry.publish import serialize_shards
-from rolloutd.tinymodel import llama_state_dict
+from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror
+from rolloutd.rollout.puller import Puller, PullError, PullState
+from rolloutd.wire import errors
 
 from .registry_proxy import InLoopProxy
 
@@ -203,7 +203,7 @@ async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, 
     manifest, files = publish(registry, 1)
     entry = manifest.files[1]
     proxy.flip(entry.name, 2 * CHUNK)
-    with caplog.at_level(logging.WARNING, logger="rolloutd.puller"):
+    with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
         result = await make_puller(client, mirror).pull(1)
     assert proxy.flipped == 1 and result.retries == 1
     assert result.bytes == manifest.total_bytes  # the bad attempt's bytes are not counted twice
@@ -254,7 +254,7 @@ async def test_a_lease_that_expired_mid_pull_is_taken_again(registry, proxy, cli
                     return
                 await asyncio.sleep(0.01)
     proxy.on_bytes = expire
-    with caplog.at_level(logging.INFO, logger="rolloutd.puller"):
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.puller"):
         result = await puller.pull(1)
     assert result.version == 1 and first_lease is not None
     assert_pulled(mirror, 1, files, manifest)

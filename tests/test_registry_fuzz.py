@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
-from rolloutd.tinymodel import llama_state_dict
 
 pytestmark = pytest.mark.slow  # thousands of requests: not the fast tier
 

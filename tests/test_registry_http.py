@@ -10,9 +10,9 @@ import time
 import httpx
 import pytest
 
+from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.manifest import build_manifest
-from rolloutd.tinymodel import llama_state_dict
+from rolloutd.wire.manifest import build_manifest
 
 CHUNK = 4096
 

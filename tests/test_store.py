@@ -2,10 +2,10 @@
 
 import pytest
 
-from rolloutd.registry import errors
-from rolloutd.registry.blobs import MemoryBlob
-from rolloutd.registry.manifest import FileEntry, Manifest, digest
-from rolloutd.registry.store import Heartbeat, Store, VersionState
+from rolloutd.registry.server.blobs import MemoryBlob
+from rolloutd.registry.server.store import Heartbeat, Store, VersionState
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import FileEntry, Manifest, digest
 
 
 def manifest(v: int, payload: bytes = b"x") -> Manifest:

@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rolloutd import tinymodel
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, alive, wait_until

@@ -18,10 +18,10 @@ import httpx
 import pytest
 
 from rolloutd.config import Config
-from rolloutd.metrics import Metrics
-from rolloutd.process import ChildRecords
-from rolloutd.states import ServerState
-from rolloutd.supervisor import Supervisor
+from rolloutd.node.metrics import Metrics
+from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.states import ServerState
+from rolloutd.supervise.supervisor import Supervisor
 
 from .conftest import free_port
 from .test_process import alive_in_group

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from rolloutd import tinymodel
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port

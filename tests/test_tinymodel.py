@@ -3,7 +3,7 @@
 import hashlib
 import json
 
-from rolloutd import tinymodel
+from rolloutd.demo import tinymodel
 
 
 def digest_of(d):

@@ -13,8 +13,9 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from rolloutd.registry import EmbeddedRegistry, RegistryHTTP, errors
+from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
 from rolloutd.registry.publish import layer_key, save_shards, shard_plan
+from rolloutd.wire import errors
 
 from .conftest import registry_log
 
@@ -206,7 +207,7 @@ def test_the_daemon_side_never_imports_torch_or_vllm():
     code = ("import sys, numpy as np\n"
             "from rolloutd.registry import EmbeddedRegistry\n"
             "from rolloutd.registry.client import RegistryClient\n"
-            "import rolloutd.cli, rolloutd.puller, rolloutd.mirror, rolloutd.plugin_path\n"
+            "import rolloutd.cli, rolloutd.rollout.puller, rolloutd.rollout.mirror, rolloutd.supervise.plugin_path\n"
             "with EmbeddedRegistry(port=0) as reg:\n"
             "    reg.publish(1, {'model.layers.0.w': np.zeros(4, np.float32)})\n"
             "print('torch' in sys.modules or 'vllm' in sys.modules)\n")

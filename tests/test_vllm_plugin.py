@@ -20,12 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd import tinymodel
-from rolloutd.mirror import Mirror
-from rolloutd.plugin_path import install_plugin
-from rolloutd.puller import Puller
+from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.puller import Puller
+from rolloutd.supervise.plugin_path import install_plugin
 
 from .conftest import free_port
 from .vllm_server import ROOT, VllmServer, client, pip_install_rolloutd
@@ -223,7 +223,7 @@ def test_a_failure_after_some_layers_leaves_a_servable_model(servers, versions, 
     and the next good update brings exact outputs back."""
     from safetensors.numpy import load_file, save_file
 
-    from rolloutd.registry.manifest import build_manifest
+    from rolloutd.wire.manifest import build_manifest
 
     a = servers["a"].url
     put_on(a, versions, 2)

@@ -1,6 +1,6 @@
 """Trainer side: compute a version's canary from the trainer's own model.
 
-A canary (:class:`~rolloutd.registry.manifest.Canary`) is a prompt, a continuation, and the
+A canary (:class:`~rolloutd.wire.manifest.Canary`) is a prompt, a continuation, and the
 log-probability the trainer's model gives each continuation token after its prefix. Publish it
 with the version (``publish(..., canary=...)``); every server that loads the version scores
 the same tokens and must agree within the tolerance before it takes traffic again
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .manifest import DEFAULT_CANARY_TOLERANCE, Canary
+from rolloutd.wire.manifest import DEFAULT_CANARY_TOLERANCE, Canary
 
 
 def make_canary(model: Any, prompt_ids: Sequence[int], continuation_ids: Sequence[int] | None = None, *,

@@ -20,9 +20,9 @@ from typing import Any
 import aiohttp
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from . import errors
-from .manifest import Manifest
-from .store import Heartbeat
+from rolloutd.registry.server.store import Heartbeat
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import Manifest
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,8 @@ from typing import Any
 
 import httpx
 
-from . import errors
-from .manifest import (
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import (
     DEFAULT_CHUNK_BYTES,
     MAX_VERSION,
     Canary,
@@ -302,10 +302,10 @@ class EmbeddedRegistry(RegistryHTTP):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 8700, *,
                  clock: Callable[[], float] | None = None, **settings: Any):
-        from ..httpserver import ServerThread
-        from .server import create_app
-        from .service import RegistryService
-        from .settings import RegistrySettings
+        from rolloutd.httpserver import ServerThread
+        from rolloutd.registry.server.app import create_app
+        from rolloutd.registry.server.service import RegistryService
+        from rolloutd.registry.server.settings import RegistrySettings
 
         self.settings = RegistrySettings(host=host, port=port, **settings)
         self.service = RegistryService(self.settings, **({"clock": clock} if clock else {}))

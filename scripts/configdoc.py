@@ -5,8 +5,8 @@ defaults, plus the example values below for the keys that have no default, so ne
 drift from the code; a test compares the committed files with :func:`example_yaml` and
 :func:`reference_md`. After changing the model, regenerate them::
 
-    python -m rolloutd.configdoc            # rewrites etc/rolloutd.yaml and docs/config.md
-    python -m rolloutd.configdoc --check    # exit 1 when either is stale
+    python scripts/configdoc.py            # rewrites etc/rolloutd.yaml and docs/config.md
+    python scripts/configdoc.py --check    # exit 1 when either is stale
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ import yaml
 from pydantic import BaseModel, ByteSize
 from pydantic.fields import FieldInfo
 
-from .config import DEFAULT_CONFIG_PATH, Config, Server
+from rolloutd.config import DEFAULT_CONFIG_PATH, Config, Server
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE_PATH = Path("etc/rolloutd.yaml")
 REFERENCE_PATH = Path("docs/config.md")
-REGENERATE = "python -m rolloutd.configdoc"
+REGENERATE = "python scripts/configdoc.py"
 WIDTH = 100
 
 # Values for the keys without a default: a node with two GPUs, one server on each.
@@ -275,7 +275,7 @@ def generated() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m rolloutd.configdoc", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python scripts/configdoc.py", description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true", help="only say whether the files are up to date")
     parser.add_argument("--root", type=Path, default=ROOT, help="the source tree (default: %(default)s)")
     args = parser.parse_args(argv)

@@ -1,6 +1,6 @@
 """The admin API's client side: ``rolloutd status``, ``restart``, ``update`` and ``reload``.
 
-Contract: each command talks to a running daemon's admin API (``rolloutd.admin``) and exits 0
+Contract: each command talks to a running daemon's admin API (``rolloutd.node.admin``) and exits 0
 when the daemon answered yes, 1 otherwise, with one line on stderr saying why (no traceback).
 The API's address is ``--url``, else the config file's ``admin.host``/``admin.port`` (``-c``,
 or the default config file when it is readable), else ``http://127.0.0.1:9100``. Actions send
@@ -20,7 +20,7 @@ from urllib.parse import quote
 
 import httpx
 
-from .units import size
+from rolloutd.units import size
 
 DEFAULT_URL = "http://127.0.0.1:9100"
 ERROR_WIDTH = 60  # the ERROR column is cut here; `--json` has the whole message
@@ -88,7 +88,7 @@ def resolve(args: argparse.Namespace, with_token: bool = False) -> Endpoint:
 def _admin_section(path: Path | None):
     """The config's ``admin`` section and a note when a file given on the command line is unusable."""
     try:
-        from .config import DEFAULT_CONFIG_PATH, load_config
+        from rolloutd.config import DEFAULT_CONFIG_PATH, load_config
     except ImportError:  # an older build without the config module: the defaults still work
         return None, None
     explicit = path is not None

@@ -43,12 +43,12 @@ from pathlib import Path
 import xxhash
 from pydantic import ValidationError
 
-from .mirror import Mirror, Partial
-from .registry import errors
-from .registry.client import LeaseInfo, RegistryClient
-from .registry.manifest import FileEntry, Manifest, ManifestError
+from rolloutd.registry.client import LeaseInfo, RegistryClient
+from rolloutd.rollout.mirror import Mirror, Partial
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
 
-log = logging.getLogger("rolloutd.puller")
+log = logging.getLogger("rolloutd.rollout.puller")
 
 MiB = 1 << 20
 RATE_WINDOW_S = 5.0      # progress rate: bytes over this recent window

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from . import errors
-from .blobs import DiskStore, MemoryStore, StagingDropped, Upload
-from .manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
-from .settings import RegistrySettings
-from .store import Heartbeat, Store, Version, VersionState
+from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped, Upload
+from rolloutd.registry.server.settings import RegistrySettings
+from rolloutd.registry.server.store import Heartbeat, Store, Version, VersionState
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
 
 log = logging.getLogger("rolloutd.registry")
 

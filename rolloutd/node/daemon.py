@@ -43,20 +43,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import __version__
-from .admin import AdminServer, create_app
-from .config import Config, ConfigError, load_config, read_token
-from .gateway import Gateway, GatewayError
-from .heartbeat import Heartbeater
-from .metrics import Metrics
-from .mirror import Mirror
-from .notify import Notifier
-from .plugin_path import install_plugin
-from .process import ChildRecords
-from .registry.client import RegistryClient, Timeouts
-from .states import ServerState
-from .supervisor import Supervisor
-from .updater import Updater
+from rolloutd import __version__
+from rolloutd.config import Config, ConfigError, load_config, read_token
+from rolloutd.gateway.relay import Gateway, GatewayError
+from rolloutd.node.admin import AdminServer, create_app
+from rolloutd.node.metrics import Metrics
+from rolloutd.node.notify import Notifier
+from rolloutd.registry.client import RegistryClient, Timeouts
+from rolloutd.rollout.heartbeat import Heartbeater
+from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.updater import Updater
+from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.supervise.states import ServerState
+from rolloutd.supervise.supervisor import Supervisor
 
 log = logging.getLogger("rolloutd")
 S = ServerState
@@ -397,5 +397,5 @@ async def _cancel(task: asyncio.Task | None) -> None:
 
 
 def run_daemon(cfg: Config, config_path: Path | None) -> int:
-    from .httpserver import run
+    from rolloutd.httpserver import run
     return run(Daemon(cfg, config_path).run())

@@ -44,7 +44,7 @@ from collections.abc import Awaitable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
-log = logging.getLogger("rolloutd.process")
+log = logging.getLogger("rolloutd.supervise.child")
 
 MAX_LINE_BYTES = 64 * 1024      # a longer output line is logged in pieces of this size
 _READ_BYTES = 64 * 1024

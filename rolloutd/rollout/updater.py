@@ -28,14 +28,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import Config
-from .metrics import Metrics
-from .mirror import Mirror
-from .puller import Puller, PullError, PullResult, PullState
-from .registry import errors
-from .registry.client import HeartbeatReply, LatestInfo, RegistryClient
+from rolloutd.config import Config
+from rolloutd.node.metrics import Metrics
+from rolloutd.registry.client import HeartbeatReply, LatestInfo, RegistryClient
+from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.puller import Puller, PullError, PullResult, PullState
+from rolloutd.wire import errors
 
-log = logging.getLogger("rolloutd.updater")
+log = logging.getLogger("rolloutd.rollout.updater")
 PROGRESS_EVERY_S = 10  # a long pull logs its progress this often
 
 

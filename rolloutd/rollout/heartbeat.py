@@ -16,14 +16,14 @@ import logging
 import time
 from collections.abc import Callable
 
-from .config import Config
-from .registry import errors
-from .registry.client import RegistryClient
-from .registry.store import GateReport, Heartbeat
-from .supervisor import Supervisor
-from .updater import Updater
+from rolloutd.config import Config
+from rolloutd.registry.client import RegistryClient
+from rolloutd.registry.server.store import GateReport, Heartbeat
+from rolloutd.rollout.updater import Updater
+from rolloutd.supervise.supervisor import Supervisor
+from rolloutd.wire import errors
 
-log = logging.getLogger("rolloutd.heartbeat")
+log = logging.getLogger("rolloutd.rollout.heartbeat")
 
 
 class Heartbeater:

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from . import errors
-from .blobs import Blob
-from .manifest import Count, Manifest, VersionNumber
+from rolloutd.registry.server.blobs import Blob
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import Count, Manifest, VersionNumber
 
 log = logging.getLogger("rolloutd.registry")
 

@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .registry.manifest import Canary, Manifest
-from .vllm_http import VllmClient, VllmError
+from rolloutd.supervise.vllm_http import VllmClient, VllmError
+from rolloutd.wire.manifest import Canary, Manifest
 
 # Small ids: in the vocabulary of every real tokenizer (the daemon does not know the vocabulary).
 PROBE_IDS = (1, 2, 3, 4, 5)

@@ -41,10 +41,10 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from .registry.manifest import Manifest, ManifestError, verify_file
-from .units import size
+from rolloutd.units import size
+from rolloutd.wire.manifest import Manifest, ManifestError, verify_file
 
-log = logging.getLogger("rolloutd.mirror")
+log = logging.getLogger("rolloutd.rollout.mirror")
 
 MANIFEST_NAME = "manifest.json"
 _VERSION_RE = re.compile(r"^[1-9][0-9]{0,15}$")

@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import vllm_plugin
-
-from . import __version__
+from rolloutd import __version__
 
 DIST_NAME = "rolloutd_vllm_plugin"
 ENTRY_POINT = f"{vllm_plugin.BACKEND} = vllm_plugin:register"

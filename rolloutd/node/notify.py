@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 import sdnotify
 
-log = logging.getLogger("rolloutd.notify")
+log = logging.getLogger("rolloutd.node.notify")
 
 
 class _Socket(sdnotify.SystemdNotifier):

@@ -25,7 +25,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .tinymodel import BOS_ID, EOS_ID, write_tokenizer
+from rolloutd.demo.tinymodel import BOS_ID, EOS_ID, write_tokenizer
 
 VOCAB = 512
 HIDDEN = 128

@@ -32,12 +32,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .httpserver import QuietServer, bind, server_config
-from .metrics import Metrics
-from .puller import PullState
-from .states import ServerState
+from rolloutd.httpserver import QuietServer, bind, server_config
+from rolloutd.node.metrics import Metrics
+from rolloutd.rollout.puller import PullState
+from rolloutd.supervise.states import ServerState
 
-log = logging.getLogger("rolloutd.admin")
+log = logging.getLogger("rolloutd.node.admin")
 
 
 class AdminNode(Protocol):

@@ -32,16 +32,16 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from .apply import Applier, ApplyFailed, UpdateRecord
-from .config import Config
-from .config import Server as ServerConfig
-from .gateway import Gateway
-from .metrics import Metrics
-from .plugin_path import child_env
-from .process import Child, ChildError, ChildRecords
-from .states import Lifecycle, ServerState
-from .updater import Target, Updater
-from .vllm_http import VllmClient
+from rolloutd.config import Config
+from rolloutd.config import Server as ServerConfig
+from rolloutd.gateway.relay import Gateway
+from rolloutd.node.metrics import Metrics
+from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
+from rolloutd.rollout.updater import Target, Updater
+from rolloutd.supervise.child import Child, ChildError, ChildRecords
+from rolloutd.supervise.plugin_path import child_env
+from rolloutd.supervise.states import Lifecycle, ServerState
+from rolloutd.supervise.vllm_http import VllmClient
 
 log = logging.getLogger("rolloutd.server")
 S = ServerState

@@ -52,11 +52,11 @@ import time
 
 import httptools
 
-from .config import Gateway as GatewaySettings
-from .metrics import Metrics
-from .states import ServerState
+from rolloutd.config import Gateway as GatewaySettings
+from rolloutd.node.metrics import Metrics
+from rolloutd.supervise.states import ServerState
 
-log = logging.getLogger("rolloutd.gateway")
+log = logging.getLogger("rolloutd.gateway.relay")
 
 # path -> methods: what a trainer needs for generation, and nothing that changes the server.
 ROUTES: dict[str, frozenset[str]] = {

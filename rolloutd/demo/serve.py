@@ -24,11 +24,11 @@ from pathlib import Path
 
 import httpx
 
-from . import families
-from .adminctl import render_status
-from .config import Config
-from .daemon import Daemon
-from .registry.publish import EmbeddedRegistry
+from rolloutd.config import Config
+from rolloutd.demo import families
+from rolloutd.node.adminctl import render_status
+from rolloutd.node.daemon import Daemon
+from rolloutd.registry.publish import EmbeddedRegistry
 
 FAMILY = "qwen2"
 PROMPT = [1, 5, 9, 13, 40]
@@ -126,7 +126,7 @@ def _show(st: dict, gen: dict, want: list[int]) -> None:
 async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> list[bool]:
     """Publish versions 1, 2, 3 as a trainer does; for each, whether the server's outputs equal
     transformers' on the published weights."""
-    from .registry.canary import make_canary
+    from rolloutd.registry.canary import make_canary
 
     while not hasattr(daemon, "admin") or not daemon.admin.started:
         await asyncio.sleep(0.1)
@@ -172,7 +172,7 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    from .httpserver import run
+    from rolloutd.httpserver import run
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rolloutd-demo-"))
     try:
         return run(_run(args, work))
@@ -190,5 +190,5 @@ def add_parser(sub) -> None:
 
 
 if __name__ == "__main__":
-    from .cli import main
+    from rolloutd.cli import main
     sys.exit(main(["demo", *sys.argv[1:]]))

@@ -5,7 +5,7 @@ The sequence, each phase under its own timeout (``update.*_timeout_s``)::
     pause (mode) -> start_weight_update -> update_weights -> finish_weight_update(label)
                  -> check /weight_info == label -> resume -> gate
 
-The gate (:mod:`rolloutd.gate`) scores the version's canary, or a probe, on the resumed server
+The gate (:mod:`rolloutd.rollout.gate`) scores the version's canary, or a probe, on the resumed server
 while the supervisor still holds it out of traffic (UPDATING or SYNCING). A server that fails it
 is an update failure (``update_failures_total{kind="gate"}``): the whole load is applied again
 (pause -> ... -> gate) up to ``update.max_reapply`` times, then :class:`ApplyFailed` with
@@ -28,13 +28,13 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from .config import Update
-from .gate import GateFailed, GateResult, read_canary, run_gate
-from .metrics import Metrics
-from .updater import Target
-from .vllm_http import VllmClient, VllmError
+from rolloutd.config import Update
+from rolloutd.node.metrics import Metrics
+from rolloutd.rollout.gate import GateFailed, GateResult, read_canary, run_gate
+from rolloutd.rollout.updater import Target
+from rolloutd.supervise.vllm_http import VllmClient, VllmError
 
-log = logging.getLogger("rolloutd.apply")
+log = logging.getLogger("rolloutd.rollout.apply")
 
 
 class ApplyFailed(Exception):

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from .manifest import Manifest, bad_chunks, verify_file
+from rolloutd.wire.manifest import Manifest, bad_chunks, verify_file
 
 log = logging.getLogger("rolloutd.registry")
 

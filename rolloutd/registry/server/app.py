@@ -22,12 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from . import errors
-from .blobs import Blob, stream_range
-from .guard import HEARTBEAT_ROUTE, Guard, error_response
-from .manifest import FILE_NAME_RE, MAX_VERSION, Manifest, VersionNumber, valid_file_name
-from .service import RegistryService
-from .store import REPLICA_ID_RE, Heartbeat
+from rolloutd.registry.server.blobs import Blob, stream_range
+from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
+from rolloutd.registry.server.service import RegistryService
+from rolloutd.registry.server.store import REPLICA_ID_RE, Heartbeat
+from rolloutd.wire import errors
+from rolloutd.wire.manifest import FILE_NAME_RE, MAX_VERSION, Manifest, VersionNumber, valid_file_name
 
 log = logging.getLogger("rolloutd.registry")
 

@@ -12,8 +12,8 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from . import errors
-from .service import RegistryService
+from rolloutd.registry.server.service import RegistryService
+from rolloutd.wire import errors
 
 log = logging.getLogger("rolloutd.registry")
 

@@ -1,0 +1,1 @@
+"""``rolloutd demo``, and the small models it and the tests build locally."""
