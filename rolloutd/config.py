@@ -44,7 +44,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from rolloutd.registry.server.store import REPLICA_ID_RE
+from rolloutd.wire.messages import REPLICA_ID_RE
 
 DEFAULT_CONFIG_PATH = Path("/etc/rolloutd.yaml")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30

@@ -14,9 +14,9 @@ from rolloutd.demo import tinymodel
 from rolloutd.registry import RegistryHTTP
 from rolloutd.registry.canary import load_canary, make_canary, save_canary
 from rolloutd.registry.publish import save_shards
-from rolloutd.registry.server.store import GateReport, Heartbeat
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.wire.manifest import Canary, FileEntry, Manifest, build_manifest
+from rolloutd.wire.messages import GateReport, Heartbeat
 from vllm_plugin.checkpoint import check_version, manifest_digest
 
 CANARY = Canary(prompt_ids=[1, 17, 42], continuation_ids=[5, 6], logprobs=[-0.25, -1e-05], tolerance=0.01)

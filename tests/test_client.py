@@ -10,8 +10,8 @@ import pytest
 from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.client import RegistryClient, Timeouts
-from rolloutd.registry.server.store import Heartbeat
 from rolloutd.wire import errors
+from rolloutd.wire.messages import Heartbeat
 
 HB = Heartbeat(node="n1", server="s0", state="SERVING", version=1)
 

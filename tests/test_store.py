@@ -3,9 +3,10 @@
 import pytest
 
 from rolloutd.registry.server.blobs import MemoryBlob
-from rolloutd.registry.server.store import Heartbeat, Store, VersionState
+from rolloutd.registry.server.store import Store, VersionState
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest, digest
+from rolloutd.wire.messages import Heartbeat
 
 
 def manifest(v: int, payload: bytes = b"x") -> Manifest:

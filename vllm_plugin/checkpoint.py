@@ -16,28 +16,20 @@ output head's own copy and reloads it only when ``lm_head.weight`` itself arrive
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
-import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from .wire import as_dict, manifest_digest, read_header
 
 MANIFEST = "manifest.json"
 _FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 _LAYER_RE = re.compile(r"\.(\d+)\.")
-_MAX_HEADER_BYTES = 100 << 20
 
 
 class MirrorError(ValueError):
     """The mirror directory is not the complete version that was asked for."""
-
-
-def manifest_digest(manifest: dict) -> str:
-    """sha256 of the manifest's canonical JSON without its ``digest`` (the registry's rule)."""
-    body = {k: v for k, v in manifest.items() if k != "digest"}
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return hashlib.sha256(canonical.encode()).hexdigest()
 
 
 # safetensors dtypes and their sizes in bytes
@@ -136,22 +128,18 @@ def tensors(p: Path) -> list[Tensor]:
     safetensors before the first layer is cleared."""
     size = p.stat().st_size
     with open(p, "rb") as f:
-        raw = f.read(8)
-        n = struct.unpack("<Q", raw)[0] if len(raw) == 8 else -1
-        if not 0 < n <= min(_MAX_HEADER_BYTES, size - 8):
-            raise MirrorError(f"{p}: not a safetensors file (header length {n})")
-        try:
-            pairs = json.loads(f.read(n), object_pairs_hook=_Pairs)  # keeps a repeated name
-        except (ValueError, RecursionError) as e:
-            raise MirrorError(f"{p}: safetensors header is not JSON: {str(e)[:200]}") from None
-    if not isinstance(pairs, _Pairs):
-        raise MirrorError(f"{p}: safetensors header is not an object")
+        def read(offset: int, n: int) -> bytes:
+            f.seek(offset)
+            return f.read(n)
+        header = read_header(read, size)
+    if isinstance(header, str):
+        raise MirrorError(f"{p}: {header}")
+    pairs, base = header
     names = [name for name, _ in pairs]
     if len(set(names)) != len(names):
         twice = next(name for i, name in enumerate(names) if name in names[:i])
         raise MirrorError(f"{p}: tensor {twice[:200]!r} is twice in the safetensors header")
-    base = 8 + n
-    out = [_tensor(p, name, _object(meta), base, size) for name, meta in pairs if name != "__metadata__"]
+    out = [_tensor(p, name, as_dict(meta), base, size) for name, meta in pairs if name != "__metadata__"]
     return sorted(out, key=lambda t: t.start)
 
 
@@ -170,15 +158,6 @@ def _tensor(p: Path, name: str, meta: object, base: int, size: int) -> Tensor:
         raise MirrorError(f"{p}: tensor {name!r} ({dtype} {shape}) needs {numel * ITEMSIZE[dtype]} bytes, "
                           f"its offsets span {offsets[1] - offsets[0]}")
     return Tensor(p, name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
-
-
-class _Pairs(list):
-    """A JSON object read as its (key, value) pairs, in order, repeated keys kept."""
-
-
-def _object(value: object) -> object:
-    """A header value read as pairs, back as a dict (anything else as it is)."""
-    return dict(value) if isinstance(value, _Pairs) else value
 
 
 def layer_rank(name: str) -> tuple[int, int]:

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import enum
-import hmac
 import http
 import json
 import logging
@@ -55,6 +54,7 @@ import httptools
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.node.metrics import Metrics
 from rolloutd.supervise.states import ServerState
+from rolloutd.wire.auth import bearer_ok
 
 log = logging.getLogger("rolloutd.gateway.relay")
 
@@ -162,8 +162,7 @@ class Gateway:
         return None
 
     def _authorized(self, authorization: bytes | None) -> bool:
-        scheme, _, given = (authorization or b"").partition(b" ")
-        return scheme.lower() == b"bearer" and hmac.compare_digest(given.strip(), self._token)
+        return bearer_ok(authorization, self._token)
 
     def unavailable(self, message: str) -> tuple:
         return 503, "unavailable", message, ((b"Retry-After", str(self.settings.retry_after_s).encode()),)

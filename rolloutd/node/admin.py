@@ -20,7 +20,6 @@ Contract:
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from typing import Annotated, Protocol
 
@@ -36,6 +35,7 @@ from rolloutd.httpserver import QuietServer, bind, server_config
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.puller import PullState
 from rolloutd.supervise.states import ServerState
+from rolloutd.wire.auth import bearer_ok
 
 log = logging.getLogger("rolloutd.node.admin")
 
@@ -212,10 +212,8 @@ def _auth(token: str | None) -> list:
     """The dependency that guards actions when a token is set (none otherwise)."""
     if token is None:
         return []
-    expected = token.encode()
-
-    async def check(creds: BearerToken) -> None:
-        if creds is None or not hmac.compare_digest(creds.credentials.encode(), expected):
+    async def check(request: Request, _: BearerToken) -> None:  # BearerToken: the scheme in the OpenAPI
+        if not bearer_ok(request.headers.get("authorization"), token):
             raise AdminError(401, "unauthorized", "this action needs Authorization: Bearer <admin token>",
                              {"WWW-Authenticate": "Bearer"})
     return [Depends(check)]

@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import ValidationError
 
-from rolloutd.registry.server.store import Heartbeat
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Manifest
+from rolloutd.wire.messages import Heartbeat, HeartbeatReply, LatestInfo, LeaseInfo, Replicas, Reply
 
 
 @dataclass(frozen=True)
@@ -30,40 +30,6 @@ class Timeouts:
     connect_s: float = 5.0
     request_s: float = 15.0   # a whole JSON call
     read_s: float = 30.0      # longest silence while streaming bytes
-
-
-class _Reply(BaseModel):
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-
-class LatestInfo(_Reply):
-    instance: str
-    version: int | None
-    digest: str | None
-    total_bytes: int | None
-
-
-class LeaseInfo(_Reply):
-    lease_id: str
-    holder: str
-    version: int
-    ttl_s: float
-    expires_in_s: float
-    digest: str | None = None
-
-
-class Demand(_Reply):
-    min_version: int | None
-
-
-class HeartbeatReply(_Reply):
-    instance: str
-    latest: int | None
-    demand: Demand
-
-
-class _Replicas(_Reply):
-    replicas: list[dict]
 
 
 _STALE_ERRNOS = {errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED, None}
@@ -161,7 +127,7 @@ class RegistryClient:
         await self._json("DELETE", f"/v1/replicas/{replica_id}")
 
     async def replicas(self) -> list[dict]:
-        return _parse(_Replicas, await self._json("GET", "/v1/replicas"), "GET /v1/replicas").replicas
+        return _parse(Replicas, await self._json("GET", "/v1/replicas"), "GET /v1/replicas").replicas
 
     async def healthz(self) -> dict:
         return await self._json("GET", "/healthz")
@@ -215,7 +181,7 @@ async def _reply_json(method: str, path: str, r: aiohttp.ClientResponse) -> Any:
         raise _unexpected(f"{method} {path}", f"HTTP {r.status} {r.content_type or '-'}, not JSON") from None
 
 
-def _parse(model: type[_Reply], body: Any, call: str) -> Any:
+def _parse(model: type[Reply], body: Any, call: str) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:

@@ -18,10 +18,10 @@ from collections.abc import Callable
 
 from rolloutd.config import Config
 from rolloutd.registry.client import RegistryClient
-from rolloutd.registry.server.store import GateReport, Heartbeat
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire import errors
+from rolloutd.wire.messages import GateReport, Heartbeat
 
 log = logging.getLogger("rolloutd.rollout.heartbeat")
 

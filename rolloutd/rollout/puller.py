@@ -43,10 +43,11 @@ from pathlib import Path
 import xxhash
 from pydantic import ValidationError
 
-from rolloutd.registry.client import LeaseInfo, RegistryClient
+from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror, Partial
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
+from rolloutd.wire.messages import LeaseInfo
 
 log = logging.getLogger("rolloutd.rollout.puller")
 

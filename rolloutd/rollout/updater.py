@@ -30,10 +30,11 @@ from pathlib import Path
 
 from rolloutd.config import Config
 from rolloutd.node.metrics import Metrics
-from rolloutd.registry.client import HeartbeatReply, LatestInfo, RegistryClient
+from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullResult, PullState
 from rolloutd.wire import errors
+from rolloutd.wire.messages import HeartbeatReply, LatestInfo
 
 log = logging.getLogger("rolloutd.rollout.updater")
 PROGRESS_EVERY_S = 10  # a long pull logs its progress this often

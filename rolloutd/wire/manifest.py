@@ -11,7 +11,6 @@ A reader checks the manifest digest first, then every chunk it receives.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import mmap
 import os
@@ -32,6 +31,8 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+
+from vllm_plugin.wire import canonical_json, read_header
 
 MiB = 1 << 20
 DEFAULT_CHUNK_BYTES = 64 * MiB
@@ -55,7 +56,6 @@ _HASHERS: dict[str, Callable[[bytes | memoryview], str]] = {
 FILE_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,199}$")
 # The name a version directory keeps its own manifest under (registry and node mirror alike).
 RESERVED_NAMES = frozenset({"manifest.json"})
-MAX_HEADER_BYTES = 100 << 20  # the largest safetensors header read (safetensors' own limit)
 
 
 def valid_file_name(name: str) -> bool:
@@ -202,8 +202,7 @@ class Manifest(BaseModel):
 
     # -- sealing ---------------------------------------------------------------------------
     def canonical_bytes(self) -> bytes:
-        body = self.model_dump(mode="json", exclude={"digest"})
-        return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+        return canonical_json(self.model_dump(mode="json", exclude={"digest"}))
 
     def compute_digest(self) -> str:
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
@@ -325,21 +324,10 @@ def safetensors_names(read: Callable[[int, int], bytes], size: int) -> list[str]
     """The tensor names in the header of a safetensors file of ``size`` bytes, in header order
     (a name the header gives twice comes twice); None when the bytes are not a safetensors file.
     ``read(offset, length)`` reads the file."""
-    if size < 10:
+    header = read_header(read, size)
+    if isinstance(header, str):
         return None
-    n = int.from_bytes(read(0, 8), "little")
-    if not 2 <= n <= min(MAX_HEADER_BYTES, size - 8):
-        return None
-    raw = bytes(read(8, n))
-    if raw[:1] != b"{":
-        return None
-    try:
-        pairs = json.loads(raw, object_pairs_hook=lambda kv: kv)  # keeps repeated keys, unlike a dict
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(pairs, list):
-        return None
-    return [k for k, _ in pairs if k != "__metadata__"]
+    return [k for k, _ in header[0] if k != "__metadata__"]
 
 
 def duplicate_tensors(headers: Iterable[tuple[str, list[str] | None]]) -> list[str]:

@@ -11,13 +11,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Literal
 
 from fastapi import FastAPI, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
@@ -25,9 +24,9 @@ from starlette.routing import Match
 from rolloutd.registry.server.blobs import Blob, stream_range
 from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
 from rolloutd.registry.server.service import RegistryService
-from rolloutd.registry.server.store import REPLICA_ID_RE, Heartbeat
 from rolloutd.wire import errors
-from rolloutd.wire.manifest import FILE_NAME_RE, MAX_VERSION, Manifest, VersionNumber, valid_file_name
+from rolloutd.wire.manifest import FILE_NAME_RE, MAX_VERSION, Manifest, valid_file_name
+from rolloutd.wire.messages import REPLICA_ID_RE, DemandRequest, Heartbeat, LeaseRequest, RenewRequest
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -36,25 +35,6 @@ SWEEP_INTERVAL_S = 1.0
 
 VersionPath = Path(ge=1, le=MAX_VERSION, description="version number")
 ReplicaIdPath = Path(pattern=REPLICA_ID_RE.pattern, description="node-unique server id, e.g. node7.gpu0-3")
-
-
-class LeaseRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    holder: str = Field(min_length=1, max_length=256, description="who holds it, e.g. node name")
-    version: VersionNumber | Literal["latest"] = Field(description='a version number, or "latest" (atomic)')
-    ttl_s: float = Field(60.0, gt=0, description="seconds until it expires unless renewed "
-                         "(capped at the registry's max_lease_ttl_s; the reply has the TTL granted)")
-
-
-class RenewRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    ttl_s: float | None = Field(None, gt=0, description="new TTL; unset keeps the lease's TTL")
-
-
-class DemandRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
-    min_version: VersionNumber | None = Field(description="every replica should "
-                                    "load at least this version; null clears the demand")
 
 
 _REF = "#/components/schemas/{model}"

@@ -4,7 +4,6 @@ heartbeat fast path. Pure ASGI, so that it costs next to nothing per request.
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import time
@@ -14,6 +13,7 @@ from fastapi.responses import JSONResponse
 
 from rolloutd.registry.server.service import RegistryService
 from rolloutd.wire import errors
+from rolloutd.wire.auth import bearer_ok
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -100,9 +100,7 @@ class Guard:
         return None
 
     def _authorized(self, scope) -> bool:
-        value = _header(scope, b"authorization") or ""
-        scheme, _, token = value.partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.token)
+        return bearer_ok(_header(scope, b"authorization"), self.token)
 
 
 def _is_heartbeat(scope) -> bool:

@@ -17,9 +17,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped, Upload
 from rolloutd.registry.server.settings import RegistrySettings
-from rolloutd.registry.server.store import Heartbeat, Store, Version, VersionState
+from rolloutd.registry.server.store import Store, Version, VersionState
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
+from rolloutd.wire.messages import Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
 

@@ -17,22 +17,19 @@ import enum
 import heapq
 import logging
 import math
-import re
 import secrets
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
-
 from rolloutd.registry.server.blobs import Blob
 from rolloutd.wire import errors
-from rolloutd.wire.manifest import Count, Manifest, VersionNumber
+from rolloutd.wire.manifest import Manifest
+from rolloutd.wire.messages import REPLICA_ID_RE, Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
 
-REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 _EXPIRED_MEMORY = 10_000  # how many expired lease ids are remembered, to say "expired" not "unknown"
 
 
@@ -78,44 +75,6 @@ class Lease:
     def to_json(self, now: float) -> dict:
         return {"lease_id": self.id, "holder": self.holder, "version": self.version,
                 "ttl_s": self.ttl_s, "expires_in_s": round(max(0.0, self.expires_at - now), 3)}
-
-
-class GateReport(BaseModel):
-    """The last gate of a server: the check, after a load, that it serves the version's logprobs."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
-
-    ok: bool = Field(description="the server passed")
-    canary: bool = Field(description="the version's canary was scored (false: only the finite-logprob probe)")
-    max_abs_dlogprob: float | None = Field(None, ge=0, description="max |served - expected| logprob over the "
-                                           "canary's continuation (null: no canary, or a non-finite value)")
-    tolerance: float | None = Field(None, gt=0, description="the canary's tolerance")
-    tokens: Count = Field(0, description="positions scored")
-
-
-class Heartbeat(BaseModel):
-    """What a node reports for one server (contract with the daemon)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
-
-    node: str = Field(min_length=1, max_length=253)
-    server: str = Field(min_length=1, max_length=128)
-    endpoint: str | None = Field(None, max_length=512, description="where generation requests go")
-    state: str = Field(min_length=1, max_length=32)
-    version: VersionNumber | None = Field(None, description="version loaded now")
-    target: VersionNumber | None = Field(None, description="version it is moving to")
-    incarnation: Count = Field(0, description="how many times the server was (re)started")
-    registry_instance: str | None = Field(None, max_length=64, description="instance it synced with")
-    timings: dict[str, float] = Field(default_factory=dict, max_length=32,
-                                      description="last update's phase durations, seconds")
-    gate: GateReport | None = Field(None, description="last update's gate (absent: none ran yet)")
-
-    @model_serializer(mode="wrap")
-    def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
-        data = handler(self)  # without a gate, the body is what registries before the field accept
-        if isinstance(data, dict) and data.get("gate", 0) is None:
-            del data["gate"]
-        return data
 
 
 @dataclass

@@ -1,0 +1,110 @@
+"""The messages a node, a trainer and the registry exchange (contract, design §4), written once:
+the registry parses requests with these models, its clients send them; clients parse replies
+with the reply models, which ignore keys they do not know, so a newer registry may add some."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+
+from rolloutd.wire.manifest import Count, VersionNumber
+
+# A replica id is ``<node>.<server>``: node configs refuse a name this would not take.
+REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+
+
+# -- requests ------------------------------------------------------------------------------------
+
+class GateReport(BaseModel):
+    """The last gate of a server: the check, after a load, that it serves the version's logprobs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    ok: bool = Field(description="the server passed")
+    canary: bool = Field(description="the version's canary was scored (false: only the finite-logprob probe)")
+    max_abs_dlogprob: float | None = Field(None, ge=0, description="max |served - expected| logprob over the "
+                                           "canary's continuation (null: no canary, or a non-finite value)")
+    tolerance: float | None = Field(None, gt=0, description="the canary's tolerance")
+    tokens: Count = Field(0, description="positions scored")
+
+
+class Heartbeat(BaseModel):
+    """What a node reports for one server (contract with the daemon)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    node: str = Field(min_length=1, max_length=253)
+    server: str = Field(min_length=1, max_length=128)
+    endpoint: str | None = Field(None, max_length=512, description="where generation requests go")
+    state: str = Field(min_length=1, max_length=32)
+    version: VersionNumber | None = Field(None, description="version loaded now")
+    target: VersionNumber | None = Field(None, description="version it is moving to")
+    incarnation: Count = Field(0, description="how many times the server was (re)started")
+    registry_instance: str | None = Field(None, max_length=64, description="instance it synced with")
+    timings: dict[str, float] = Field(default_factory=dict, max_length=32,
+                                      description="last update's phase durations, seconds")
+    gate: GateReport | None = Field(None, description="last update's gate (absent: none ran yet)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        data = handler(self)  # without a gate, the body is what registries before the field accept
+        if isinstance(data, dict) and data.get("gate", 0) is None:
+            del data["gate"]
+        return data
+
+
+class LeaseRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    holder: str = Field(min_length=1, max_length=256, description="who holds it, e.g. node name")
+    version: VersionNumber | Literal["latest"] = Field(description='a version number, or "latest" (atomic)')
+    ttl_s: float = Field(60.0, gt=0, description="seconds until it expires unless renewed "
+                         "(capped at the registry's max_lease_ttl_s; the reply has the TTL granted)")
+
+
+class RenewRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    ttl_s: float | None = Field(None, gt=0, description="new TTL; unset keeps the lease's TTL")
+
+
+class DemandRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
+    min_version: VersionNumber | None = Field(description="every replica should "
+                                    "load at least this version; null clears the demand")
+
+
+# -- replies -------------------------------------------------------------------------------------
+
+class Reply(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class LatestInfo(Reply):
+    instance: str
+    version: int | None
+    digest: str | None
+    total_bytes: int | None
+
+
+class LeaseInfo(Reply):
+    lease_id: str
+    holder: str
+    version: int
+    ttl_s: float
+    expires_in_s: float
+    digest: str | None = None
+
+
+class Demand(Reply):
+    min_version: int | None
+
+
+class HeartbeatReply(Reply):
+    instance: str
+    latest: int | None
+    demand: Demand
+
+
+class Replicas(Reply):
+    replicas: list[dict]
