@@ -284,7 +284,7 @@ def test_admin_api_of_a_real_daemon_survives_fuzzing(tmp_path):
                  "--max-examples", "30", "--seed", "20261201", "--request-timeout", "20", "--no-color"],
                 capture_output=True, text=True, timeout=240, cwd=tmp_path)
             out = run.stdout + run.stderr
-            assert run.returncode == 0, out[-6000:]
+            assert run.returncode == 0, out[-6000:] + "\n--- the daemon's log ---\n" + daemon.log.read_text()[-6000:]
             cases = re.search(r"(\d+) generated", out)
             assert cases and int(cases.group(1)) >= 150, out[-3000:]
             # tokens where they do not belong: wrong ones, in the path, in another scheme
