@@ -32,8 +32,12 @@ HEADERS = {
 
 
 def is_public(path: str) -> bool:
-    """The page and its assets: no data, no token needed."""
-    return path == UI_PATH or path.startswith(UI_PATH + "/")
+    """The page and its files: no data, no token needed. One path component, nothing more: no
+    path that the router might resolve elsewhere is let through."""
+    if path == UI_PATH:
+        return True
+    name = path[len(UI_PATH) + 1:] if path.startswith(UI_PATH + "/") else ""
+    return name in ASSETS
 
 
 def _read(name: str) -> bytes:
