@@ -154,3 +154,38 @@ def test_a_replica_gone_since_the_pass_is_left_out(store, clock):
 
 def test_failing_states_are_the_daemons_state_names():
     assert FAILING_STATES <= {s.name for s in ServerState}
+
+
+def test_the_registry_exports_the_fleet_figures_as_metrics(clock):
+    from prometheus_client import generate_latest
+
+    from rolloutd.registry.server.service import RegistryService
+    from rolloutd.registry.server.settings import RegistrySettings
+    service = RegistryService(RegistrySettings(), clock=clock)
+
+    def beat(rid: str, state: str, version: int | None = None) -> None:
+        node, server = rid.split(".")
+        service.heartbeat(rid, Heartbeat(node=node, server=server, state=state, version=version).model_dump_json())
+    for rid in ("n1.s0", "n1.s1", "n2.s0"):
+        beat(rid, "SERVING")
+    publish(service.store, 1)
+    publish(service.store, 2)
+    clock.advance(3)
+    beat("n1.s0", "SERVING", 2)
+    beat("n1.s1", "BACKOFF", 1)
+    clock.advance(30)
+    beat("n2.s0", "SERVING", 2)
+    service.metrics.refresh(service.store)
+    text = generate_latest(service.metrics.registry).decode()
+    samples = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert samples['rolloutd_registry_replica_states{state="SERVING"}'] == "2.0"
+    assert samples['rolloutd_registry_replica_states{state="BACKOFF"}'] == "1.0"
+    buckets = ("0", "1", "2", "3+", "start model")
+    behind = [samples[f'rolloutd_registry_replicas_behind{{behind="{b}"}}'] for b in buckets]
+    assert behind == ["2.0", "1.0", "0.0", "0.0", "0.0"]
+    assert samples["rolloutd_registry_publish_to_serving_seconds_count"] == "2.0"
+    assert samples["rolloutd_registry_publish_to_serving_seconds_sum"] == "36.0"
+    assert samples['rolloutd_registry_publish_to_serving_seconds_bucket{le="5.0"}'] == "1.0"
+    beat("n1.s1", "SERVING", 2)
+    service.metrics.refresh(service.store)
+    assert 'state="BACKOFF"' not in generate_latest(service.metrics.registry).decode()

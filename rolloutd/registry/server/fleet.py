@@ -18,6 +18,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 
+from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.store import Replica, Store
 
 FAILING_STATES = frozenset({"BACKOFF", "FATAL"})  # the daemon's ServerState names for a failed server
@@ -97,13 +98,13 @@ class FleetView:
                 serving[hb.version] += 1
             if hb.version not in lags:
                 lags[hb.version] = store.rollouts.lag(hb.version, newest, now)[0]
-            behind[_lag_bucket(hb.version, lags[hb.version])] += 1
+            behind[behind_bucket(hb.version, lags[hb.version])] += 1
             failing += bool(problems)
             silent += "silent" in problems
         entries.sort(key=lambda e: (e.node, e.replica_id))
         summary = {"replicas": len(entries), "nodes": len({e.node for e in entries}),
                    "by_state": dict(sorted(by_state.items())), "with_problems": failing, "silent": silent,
-                   "behind": {k: behind[k] for k in ("0", "1", "2", "3+", "start model")}}
+                   "behind": {k: behind[k] for k in BEHIND_BUCKETS}}
         self._last = _Pass(now, stale_s, entries, summary, held, serving)
         return self._last
 
@@ -156,11 +157,3 @@ def _problems(rep: Replica, now: float, stale_s: float) -> tuple[str, ...]:
     if now - rep.last_seen > stale_s:
         found += ("silent",)
     return found
-
-
-def _lag_bucket(version: int | None, lag: int | None) -> str:
-    if version is None:
-        return "start model"
-    if lag is None or lag >= 3:
-        return "3+"
-    return str(lag)

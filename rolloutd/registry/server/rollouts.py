@@ -19,6 +19,7 @@ import bisect
 import math
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 HISTORY = 32              # versions whose publish-to-serving delays are kept
@@ -66,6 +67,7 @@ class RolloutLog:
         self._numbers = array("q")  # published versions, ascending (numbers only grow)
         self._times = array("d")    # their publish times, same order
         self._memory = published_memory
+        self.on_delay: Callable[[float], None] = lambda seconds: None  # each delay as it is recorded (metrics)
 
     def published(self, version: int, at: float) -> None:
         self._rollouts[version] = Rollout(version, at)
@@ -81,7 +83,9 @@ class RolloutLog:
         """A replica reported SERVING ``version`` for the first time."""
         rollout = self._rollouts.get(version)
         if rollout is not None and replica_first_seen <= rollout.published_at:
-            rollout.add(max(0.0, now - rollout.published_at))
+            delay = max(0.0, now - rollout.published_at)
+            rollout.add(delay)
+            self.on_delay(delay)
 
     def published_at(self, version: int) -> float | None:
         i = bisect.bisect_left(self._numbers, version)
@@ -105,3 +109,15 @@ class RolloutLog:
         """Every remembered version, oldest first: publish age and its publish-to-serving figures."""
         return [{"version": r.version, "published_age_s": round(now - r.published_at, 3), **r.stats()}
                 for r in self._rollouts.values()]
+
+
+BEHIND_BUCKETS = ("0", "1", "2", "3+", "start model")
+
+
+def behind_bucket(version: int | None, lag: int | None) -> str:
+    """How far behind the newest a replica is, in the buckets the fleet view and the metrics use."""
+    if version is None:
+        return "start model"
+    if lag is None or lag >= 3:
+        return "3+"
+    return str(lag)
