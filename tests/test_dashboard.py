@@ -98,7 +98,7 @@ def test_every_query_names_exported_metrics_and_labels(expr):
     for name, matchers in selectors:
         assert name in series, f"{name} is not exported by the code (query: {expr})"
         labels_here |= series[name]
-        for label, op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', matchers):
+        for label, _op, value in re.findall(r'(\w+)\s*(=~|!~|!=|=)\s*"([^"]*)"', matchers):
             assert label in series[name], f"{name} has no label {label}"
             if label in KNOWN_VALUES and not value.startswith("$"):
                 assert set(value.split("|")) <= KNOWN_VALUES[label], f"{label}={value!r} is never exported"
