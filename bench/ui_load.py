@@ -114,6 +114,39 @@ def page_stats(driver) -> dict:
     return got
 
 
+def view_cost(replicas: int, repeats: int = 20) -> dict:
+    """CPU time of one ``GET /v1/fleet`` answer at this fleet size, in this process (the store, the
+    view and the JSON encoding, no HTTP): with the pass over every replica (a cache miss: at most
+    once a second however many pages are open) and without (a hit). CPU time, not wall time, so
+    other processes on the machine count for little."""
+    from rolloutd.registry.server.fleet import FleetQuery, FleetView
+    from rolloutd.registry.server.store import Store
+    from rolloutd.wire.messages import Heartbeat
+    from tests.test_store import manifest
+    store = Store(keep_versions=3)
+    for v in (1, 2, 3):
+        store.publish(manifest(v), {})
+    states = ("SERVING",) * 17 + ("UPDATING", "BACKOFF", "SYNCING")
+    for k in range(replicas):
+        node, server = f"n{k // 8:04d}", f"s{k % 8}"
+        store.heartbeat(f"{node}-{server}", Heartbeat(node=node, server=server, state=states[k % len(states)],
+                                                      version=3 - (k % 7 == 0), target=3, incarnation=1,
+                                                      timings={"paused": 0.41, "pull": 2.7}))
+    out = {}
+    for name, cache_s in (("miss", 0.0), ("hit", 3600.0)):
+        view = FleetView(store, cache_s=cache_s)
+        view.document(FleetQuery())
+        t = time.process_time()
+        for _ in range(repeats):
+            body = json.dumps(view.document(FleetQuery()), separators=(",", ":"))
+        out[f"{name}_cpu_ms"] = round(1e3 * (time.process_time() - t) / repeats, 2)
+    out["answer_bytes"] = len(body)
+    # One open page polls every 2 s; the pass runs at most once a second, whoever asks.
+    out["one_page_cpu_share"] = round((out["miss_cpu_ms"]) / 2000, 4)
+    out["worst_cpu_share_any_pages"] = round(out["miss_cpu_ms"] / 1000, 4)
+    return out
+
+
 def cli_fetch_all(url: str) -> float:
     t = time.perf_counter()
     subprocess.run([sys.executable, "-m", "rolloutd.cli", "fleet", "--registry", url, "--json"], check=True,
@@ -129,11 +162,15 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     from tests.browser import chromium, full_screenshot, wait_for
     RESULTS.mkdir(parents=True, exist_ok=True)
+    cost = view_cost(args.replicas)
+    print(f"GET /v1/fleet at {args.replicas} replicas, in process: {cost['miss_cpu_ms']} ms CPU with the pass over "
+          f"every replica, {cost['hit_cpu_ms']} ms without; {cost['answer_bytes']} bytes", flush=True)
     body_file = Path(tempfile.mkstemp(prefix="ui_load.", suffix=".json")[1])
     body_file.write_text(TEMPLATE)
     registry_cmd = f"{shlex.quote(sys.executable)} -m rolloutd.cli registry"
     out: dict = {"replicas": args.replicas, "nodes": -(-args.replicas // 8), "rate": args.rate,
-                 "duration_s": args.duration_s, "cpus": os.cpu_count(), "loadavg_1m_start": os.getloadavg()[0]}
+                 "duration_s": args.duration_s, "cpus": os.cpu_count(), "loadavg_1m_start": os.getloadavg()[0],
+                 "view_cost": cost}
     try:
         with running_server("registry", args.server_cpu, registry_cmd) as (pid, port):
             url = f"http://{HOST}:{port}"
@@ -153,13 +190,21 @@ def main(argv: list[str] | None = None) -> int:
         body_file.unlink(missing_ok=True)
     a, b, c = out["A"], out["B"], out["C"]
     base_cpu = (a["server_cpu_share"] + c["server_cpu_share"]) / 2
+    heartbeat_us = (a["server_cpu_us_per_request"] + c["server_cpu_us_per_request"]) / 2
     out["ratios"] = {"cpu_B_over_AC": round(b["server_cpu_share"] / base_cpu, 3) if base_cpu else None,
+                     "us_per_heartbeat_B_over_AC": round(b["server_cpu_us_per_request"] / heartbeat_us, 3),
+                     # the page's CPU against the heartbeats' at the goal rate, side by side in one run
+                     "page_cpu_over_heartbeat_cpu": round(cost["miss_cpu_ms"] / 2000 / (args.rate * heartbeat_us / 1e6),
+                                                          4),
                      "p99_B_over_AC": round(b["p99_ms"] / ((a["p99_ms"] + c["p99_ms"]) / 2), 3),
                      "rss_B_minus_A_mib": round(b["rss_mib"] - a["rss_mib"], 1)}
     p = out["page"]
     print(f"page: {p['renders']} renders, last {p['render_last_ms']} ms, max {p['render_max_ms']} ms; "
           f"/v1/fleet p50 {p['fetch_p50_ms']} ms, max {p['fetch_max_ms']} ms, {p['body_bytes']} bytes; "
           f"{p['rows']} rows shown ({p['pageinfo']})")
+    print(f"one open page's CPU / the heartbeats' CPU at {args.rate:.0f}/s: "
+          f"{out['ratios']['page_cpu_over_heartbeat_cpu']}; CPU per heartbeat with the page open / without: "
+          f"{out['ratios']['us_per_heartbeat_B_over_AC']}")
     print(f"registry CPU with the page open / without: {out['ratios']['cpu_B_over_AC']}; heartbeat p99 ratio "
           f"{out['ratios']['p99_B_over_AC']}; RSS B - A {out['ratios']['rss_B_minus_A_mib']} MiB; "
           f"`rolloutd fleet --json` of every node: {out['cli_fetch_all_s']} s")

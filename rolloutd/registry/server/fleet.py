@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.store import Replica, Store
@@ -36,10 +37,9 @@ class FleetQuery:
     stale_s: float = 15.0    # silent this long: a problem
 
 
-@dataclass(frozen=True)
-class _Entry:
+class _Entry(NamedTuple):
+    node: str          # first: entries sort by (node, replica id) as plain tuples
     replica_id: str
-    node: str
     state: str
     version: int | None
     problems: tuple[str, ...]
@@ -50,6 +50,7 @@ class _Pass:
     at: float
     stale_s: float
     entries: list[_Entry]   # sorted by (node, replica id)
+    groups: list[tuple[str, list[_Entry]]]  # the entries by node, for a page without filters
     summary: dict
     held: Counter           # replicas per loaded version, any state
     serving: Counter        # replicas SERVING each version
@@ -85,47 +86,42 @@ class FleetView:
             return last
         store = self.store
         newest = store.latest.number if store.latest else None
-        lags: dict[int | None, int | None] = {}
-        entries, by_state, held, serving, behind = [], Counter(), Counter(), Counter(), Counter()
-        failing = silent = 0
+        buckets: dict[int | None, str] = {}  # per distinct version, not per replica
+        entries = []
         for rid, rep in store.directory().items():
             hb = rep.heartbeat
-            problems = _problems(rep, now, stale_s)
-            entries.append(_Entry(rid, hb.node, hb.state, hb.version, problems))
-            by_state[hb.state] += 1
-            held[hb.version] += 1
-            if hb.state == "SERVING":
-                serving[hb.version] += 1
-            if hb.version not in lags:
-                lags[hb.version] = store.rollouts.lag(hb.version, newest, now)[0]
-            behind[behind_bucket(hb.version, lags[hb.version])] += 1
-            failing += bool(problems)
-            silent += "silent" in problems
-        entries.sort(key=lambda e: (e.node, e.replica_id))
+            ok = hb.state not in FAILING_STATES and (hb.gate is None or hb.gate.ok) and now - rep.last_seen <= stale_s
+            entries.append(_Entry(hb.node, rid, hb.state, hb.version, () if ok else _problems(rep, now, stale_s)))
+            if hb.version not in buckets:
+                buckets[hb.version] = behind_bucket(hb.version, store.rollouts.lag(hb.version, newest, now)[0])
+        entries.sort()
+        held = Counter(e.version for e in entries)
+        serving = Counter(e.version for e in entries if e.state == "SERVING")
+        behind = Counter()
+        for version, n in held.items():
+            behind[buckets[version]] += n
+        with_problems = [e.problems for e in entries if e.problems]
         summary = {"replicas": len(entries), "nodes": len({e.node for e in entries}),
-                   "by_state": dict(sorted(by_state.items())), "with_problems": failing, "silent": silent,
+                   "by_state": dict(sorted(Counter(e.state for e in entries).items())),
+                   "with_problems": len(with_problems), "silent": sum("silent" in p for p in with_problems),
                    "behind": {k: behind[k] for k in BEHIND_BUCKETS}}
-        self._last = _Pass(now, stale_s, entries, summary, held, serving)
+        self._last = _Pass(now, stale_s, entries, _grouped(entries), summary, held, serving)
         return self._last
 
     # -- one page of nodes -------------------------------------------------------------------------
     def _page(self, p: _Pass, q: FleetQuery, now: float) -> dict:
-        needle = q.node.lower()
-        groups: list[tuple[str, list[_Entry]]] = []
-        for e in p.entries:
-            if (needle and needle not in e.node.lower()) or (q.state and e.state != q.state) \
-                    or (q.problems and not e.problems):
-                continue
-            if groups and groups[-1][0] == e.node:
-                groups[-1][1].append(e)
-            else:
-                groups.append((e.node, [e]))
+        groups = p.groups
+        if q.node or q.state or q.problems:
+            needle = q.node.lower()
+            groups = _grouped(e for e in p.entries if not ((needle and needle not in e.node.lower())
+                              or (q.state and e.state != q.state) or (q.problems and not e.problems)))
         pages = max(1, math.ceil(len(groups) / q.per_page))
         chosen = groups[(q.page - 1) * q.per_page:q.page * q.per_page]
         directory = self.store.directory()
         items = [self._node(name, [(e, directory.get(e.replica_id)) for e in members], now, q.stale_s)
                  for name, members in chosen]
-        return {"total": len(groups), "replicas": sum(len(m) for _, m in groups), "page": q.page,
+        replicas = len(p.entries) if groups is p.groups else sum(len(m) for _, m in groups)
+        return {"total": len(groups), "replicas": replicas, "page": q.page,
                 "per_page": q.per_page, "pages": pages, "items": items}
 
     def _node(self, name: str, members: list[tuple[_Entry, Replica | None]], now: float, stale_s: float) -> dict:
@@ -145,6 +141,17 @@ class FleetView:
                 "pull_s": hb.timings.get("pull"), "timings": hb.timings,
                 "gate": None if hb.gate is None else hb.gate.model_dump(mode="json"),
                 "error": hb.last_error, "problems": list(_problems(rep, now, stale_s))}
+
+
+def _grouped(entries) -> list[tuple[str, list[_Entry]]]:
+    """Sorted entries as (node, its entries), in order."""
+    groups: list[tuple[str, list[_Entry]]] = []
+    for e in entries:
+        if groups and groups[-1][0] == e.node:
+            groups[-1][1].append(e)
+        else:
+            groups.append((e.node, [e]))
+    return groups
 
 
 def _problems(rep: Replica, now: float, stale_s: float) -> tuple[str, ...]:
