@@ -1,7 +1,8 @@
 """Heartbeats: one task per server, on its own timer, reporting to the registry.
 
 Each beat is a ``PUT /v1/replicas/<node>.<server>`` with the server's state, loaded version,
-target, incarnation, endpoint and last update's phase durations. The task only reads the
+target, incarnation, endpoint, last update's phase durations and gate, the node's last pull time
+and the server's last error (the registry's fleet view shows them). The task only reads the
 supervisor's fields, so a pull or an update never delays it. The reply's newest version and
 demand go to the updater. A failed beat is counted and logged when the registry is lost and
 when it is back, not on every beat; beats go on at the same interval. Cancelling the task
