@@ -155,6 +155,11 @@ def test_chromium_shows_a_running_daemon_live_and_nothing_for_a_wrong_token(tmp_
             render = driver.execute_script("return window.rolloutdFleet")
             print(f"fleet page: state change shown {delay_s:.2f} s after the daemon's status; "
                   f"{render['renders']} renders, last {render['lastRenderMs']:.1f} ms; screenshot {shot}")
+            driver.find_element("id", "signout").click()  # forgetting the token takes the data away
+            wait_for(driver, lambda: driver.find_element("id", "login").is_displayed(), 10, "asking for a token")
+            time.sleep(2.5)
+            assert shown_states(driver) == {} and "node-a" not in driver.page_source
+            assert driver.execute_script("return sessionStorage.length") == 0
 
         with chromium(tmp_path / "profile-wrong") as driver:  # a fresh profile: no token kept anywhere
             driver.get(f"{reg.url}/ui#token=wrong-token")

@@ -320,6 +320,7 @@ function wire() {
   $("signout").addEventListener("click", () => {
     sessionStorage.removeItem(TOKEN_KEY);
     clearTimeout(timer);
+    if (inflight) inflight.abort();  // an answer still on its way must not bring the data back
     showLogin("");
   });
   let typing = null;
