@@ -216,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from rolloutd.node.adminctl import add_parsers as add_admin
     add_admin(sub)
+    from rolloutd.registry.fleetctl import add_parser as add_fleet
+    add_fleet(sub)
     from rolloutd.demo.serve import add_parser as add_demo
     add_demo(sub)
     return parser

@@ -213,6 +213,10 @@ class RegistryHTTP:
     def replicas(self) -> list[dict]:
         return self._call("GET", "/v1/replicas")["replicas"]
 
+    def fleet(self, **query: Any) -> dict:
+        """One page of the fleet view (``GET /v1/fleet``; the query's keys are its parameters)."""
+        return self._call("GET", "/v1/fleet", params={k: v for k, v in query.items() if v not in (None, "")})
+
     def demand(self, min_version: int | None) -> None:
         """Ask every replica for at least ``min_version`` (None clears it)."""
         self._call("PUT", "/v1/demand", json={"min_version": min_version})

@@ -11,6 +11,11 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from rolloutd.wire.manifest import Count, VersionNumber
 
+MAX_ERROR_CHARS = 512
+# Heartbeat fields added after the first registries: left out of the body when unset, and left
+# out by a node whose registry refuses them (rollout/heartbeat.py).
+OPTIONAL_HEARTBEAT_FIELDS = ("gate", "last_error")
+
 # A replica id is ``<node>.<server>``: node configs refuse a name this would not take.
 REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
 
@@ -46,12 +51,16 @@ class Heartbeat(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict, max_length=32,
                                       description="last update's phase durations, seconds")
     gate: GateReport | None = Field(None, description="last update's gate (absent: none ran yet)")
+    last_error: str | None = Field(None, max_length=MAX_ERROR_CHARS, description="the server's last failure, "
+                                   "if any (it stays after the server recovered)")
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
-        data = handler(self)  # without a gate, the body is what registries before the field accept
-        if isinstance(data, dict) and data.get("gate", 0) is None:
-            del data["gate"]
+        data = handler(self)  # without them, the body is what registries before these fields accept
+        if isinstance(data, dict):
+            for name in OPTIONAL_HEARTBEAT_FIELDS:
+                if data.get(name, 0) is None:
+                    del data[name]
         return data
 
 

@@ -24,6 +24,7 @@ from starlette.routing import Match
 from rolloutd.registry.server.blobs import Blob, stream_range
 from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
 from rolloutd.registry.server.service import RegistryService
+from rolloutd.registry.server.ui import add_ui_routes
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FILE_NAME_RE, MAX_VERSION, Manifest, valid_file_name
 from rolloutd.wire.messages import REPLICA_ID_RE, DemandRequest, Heartbeat, LeaseRequest, RenewRequest
@@ -120,6 +121,7 @@ def create_app(service: RegistryService) -> FastAPI:
     _add_version_routes(app, service)
     _add_lease_routes(app, service)
     _add_replica_routes(app, service)
+    add_ui_routes(app, service)
     _with_body_defs(app)
 
     @app.get("/healthz")

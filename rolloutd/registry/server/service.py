@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped, Upload
+from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.settings import RegistrySettings
 from rolloutd.registry.server.store import Store, Version, VersionState
 from rolloutd.wire import errors
@@ -23,6 +25,9 @@ from rolloutd.wire.manifest import Manifest, ManifestError, duplicate_tensors, s
 from rolloutd.wire.messages import Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
+
+# Seconds to minutes on a small fleet and model; up to an hour for a large one over a slow link.
+PUBLISH_TO_SERVING_BUCKETS = (.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
 
 class Metrics:
@@ -41,6 +46,17 @@ class Metrics:
         self.versions = Gauge("rolloutd_registry_versions", "Versions holding bytes", ["state"], registry=r)
         self.leases = Gauge("rolloutd_registry_leases", "Live leases", registry=r)
         self.replicas = Gauge("rolloutd_registry_replicas", "Replicas in the directory", registry=r)
+        self.replica_states = Gauge("rolloutd_registry_replica_states", "Replicas in the directory by the state "
+                                    "they reported last", ["state"], registry=r)
+        self.replicas_behind = Gauge("rolloutd_registry_replicas_behind", "Replicas by how many versions "
+                                     "were published after the one they hold (start model: none loaded)",
+                                     ["behind"], registry=r)
+        self.publish_to_serving = Histogram("rolloutd_registry_publish_to_serving_seconds", "From a version's "
+                                            "publish to each replica's first SERVING report of it (replicas "
+                                            "that were in the directory at the publish)",
+                                            buckets=PUBLISH_TO_SERVING_BUCKETS, registry=r)
+        for bucket in BEHIND_BUCKETS:
+            self.replicas_behind.labels(bucket)
 
     def refresh(self, store: Store) -> None:
         latest = store.latest
@@ -49,6 +65,16 @@ class Metrics:
             self.versions.labels(state.value).set(sum(v.state is state for v in store.versions()))
         self.leases.set(store.lease_count())
         self.replicas.set(store.replica_count())
+        states, behind = Tally(), Tally()
+        newest = latest.number if latest else None
+        for c in store.replica_counts():
+            states[c["state"]] += c["count"]
+            behind[behind_bucket(c["version"], store.rollouts.lag(c["version"], newest, store.now())[0])] += c["count"]
+        self.replica_states.clear()  # a state no replica reports any more is dropped, not left at its last count
+        for state, n in states.items():
+            self.replica_states.labels(state).set(n)
+        for bucket in BEHIND_BUCKETS:
+            self.replicas_behind.labels(bucket).set(behind[bucket])
 
 
 class RegistryService:
@@ -60,6 +86,7 @@ class RegistryService:
                            replica_forget_after_s=settings.replica_forget_after_s,
                            reclaim=self.blobs.reclaim)
         self.metrics = Metrics()
+        self.store.rollouts.on_delay = self.metrics.publish_to_serving.observe
         self.token = settings.read_token()
         self._publish_lock: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None
