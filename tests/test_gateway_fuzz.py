@@ -21,7 +21,7 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rolloutd.gateway.relay import ROUTES
+from rolloutd.gateway.policy import ROUTES
 
 from .conftest import free_port
 from .gateway_harness import GatewayThread
