@@ -19,7 +19,7 @@ import pytest
 
 from rolloutd.config import Config
 from rolloutd.node.metrics import Metrics
-from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.leftovers import ChildRecords
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
 

@@ -53,7 +53,7 @@ from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.updater import Updater
-from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.leftovers import ChildRecords
 from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor

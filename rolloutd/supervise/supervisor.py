@@ -38,7 +38,8 @@ from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
 from rolloutd.rollout.updater import Target, Updater
-from rolloutd.supervise.child import Child, ChildError, ChildRecords
+from rolloutd.supervise.child import Child, ChildError
+from rolloutd.supervise.leftovers import ChildRecords
 from rolloutd.supervise.plugin_path import child_env
 from rolloutd.supervise.states import Lifecycle, ServerState
 from rolloutd.supervise.vllm_http import VllmClient
