@@ -204,7 +204,7 @@ def test_a_bug_in_a_long_lived_task_is_logged_counted_and_retried():
     ("n" * 100, ["s" * 30], "node.name"),  # node.server over the registry's 128 characters
 ])
 def test_a_node_name_the_registry_would_refuse_is_a_config_error(node, servers, message):
-    servers_yaml = "".join(f"  - {{name: {s}, model: m, port: {8001 + i}}}\n" for i, s in enumerate(servers))
+    servers_yaml = "".join(f"  - {{name: {s}, model: m, public_port: {9001 + i}}}\n" for i, s in enumerate(servers))
     text = f"registry: {{url: 'http://r:1'}}\nnode: {{name: {json.dumps(node)}}}\nservers:\n{servers_yaml}"
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         parse_config(text)
@@ -213,7 +213,7 @@ def test_a_node_name_the_registry_would_refuse_is_a_config_error(node, servers, 
 
 def test_a_node_name_the_registry_takes_is_accepted():
     cfg = parse_config("registry: {url: 'http://r:1'}\nnode: {name: 'gpu-node_7.rack2:a@b'}\n"
-                       f"servers:\n  - {{name: {'s' * 63}, model: m, port: 8001}}\n")
+                       f"servers:\n  - {{name: {'s' * 63}, model: m, public_port: 9001}}\n")
     assert cfg.node_name == "gpu-node_7.rack2:a@b"
 
 
@@ -231,3 +231,4 @@ def test_shutdown_deregisters_every_replica_before_its_server_is_signalled(daemo
     assert seen == {"s0": (True, False), "s1": (True, False)}, seen
     for name, pid in pids.items():  # and the server was stopped after, as usual
         assert f"{name}[{pid}]: fake_vllm: stopping" in d.log_text()
+

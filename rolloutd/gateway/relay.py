@@ -1,9 +1,10 @@
 """The gateway's transport: the only way to a ``vllm serve`` from other hosts.
 
 vLLM's pause and weight routes and ``/collective_rpc`` have no authentication, so every vLLM
-child listens on loopback. For each server, the daemon listens on the node's public address
-(``gateway.host``, the server's ``public_port``) and relays what the server's :class:`Policy`
-(policy.py: allow-list, token, pause and hold, counting) lets through to the loopback vLLM:
+child listens on a UNIX socket only the daemon's user can reach (supervise/sockets.py). For each
+server, the daemon listens on the node's public address (``gateway.host``, the server's
+``public_port``) and relays what the server's :class:`Policy` (policy.py: allow-list, token,
+pause and hold, counting) lets through to that socket:
 
 - **Streaming.** The answer is passed on piece by piece as vLLM writes it (SSE included),
   never buffered whole. A client that goes away (closes its side) closes the connection to
@@ -20,8 +21,8 @@ It is a relay at the level of asyncio protocols, with llhttp (``httptools``) par
 sides: a streamed generation passes through it once per token, so each request and each piece
 must cost microseconds, not the hundreds a general HTTP client and server spend (see
 bench/README.md, "Gateway cost"). One request per client connection is answered at a time,
-in order (pipelined requests wait their turn); requests to vLLM go over kept-alive loopback
-connections.
+in order (pipelined requests wait their turn); requests to vLLM go over kept-alive connections
+to its socket.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import json
 import logging
 import socket
 import time
+from pathlib import Path
 
 import httptools
 
@@ -69,13 +71,13 @@ class Gateway:
     """One server's public listener: client connections in, kept-alive connections to vLLM out,
     and between them the server's :class:`Policy`."""
 
-    def __init__(self, name: str, upstream_port: int, port: int, settings: GatewaySettings, token: str | None,
+    def __init__(self, name: str, upstream: Path, port: int, settings: GatewaySettings, token: str | None,
                  metrics: Metrics):
         self.name, self.port, self.settings, self.metrics = name, port, settings, metrics
         self.policy = Policy(name, settings, token, metrics)
-        self.upstream_port = upstream_port
+        self.upstream = str(upstream)  # vLLM's UNIX socket
         self.limit = int(settings.max_body_bytes)
-        self.host_header = b"127.0.0.1:%d" % upstream_port
+        self.host_header = b"localhost"
         self._server: asyncio.Server | None = None
         self._clients: set[_Client] = set()
         self._idle: list[_Upstream] = []  # kept-alive connections to vLLM, newest last
@@ -95,8 +97,7 @@ class Gateway:
         except OSError as e:
             raise GatewayError(f"gateway {self.name}: cannot listen on {self.settings.host}:{self.port}: "
                                f"{e.strerror or e}") from None
-        log.info("gateway %s: listening on %s:%d -> 127.0.0.1:%d", self.name, self.settings.host, self.port,
-                 self.upstream_port)
+        log.info("gateway %s: listening on %s:%d -> %s", self.name, self.settings.host, self.port, self.upstream)
 
     async def stop(self) -> None:
         """Stop listening and end every connection (a request in flight is cut off)."""
@@ -163,7 +164,7 @@ class Gateway:
     async def _connect(self) -> _Upstream:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(5):
-            _, up = await loop.create_connection(lambda: _Upstream(self), "127.0.0.1", self.upstream_port)
+            _, up = await loop.create_unix_connection(lambda: _Upstream(self), self.upstream)
         return up
 
     def _take_idle(self) -> _Upstream | None:
@@ -617,8 +618,7 @@ class _Upstream(asyncio.Protocol):
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        _nodelay(transport)
+        self.transport = transport  # a UNIX socket: no Nagle to turn off
 
     def send(self, exchange: _Exchange, reused: bool) -> None:
         self.exchange, exchange.upstream, self.reused = exchange, self, reused

@@ -116,7 +116,8 @@ class ServerStatus(_Model):
     name: str = Field(description="the server's name in the config")
     state: ServerState = Field(description="lifecycle state")
     pid: int | None = Field(description="pid of its `vllm serve` process while one runs")
-    port: int = Field(description="its loopback port (vLLM)")
+    socket: str = Field(description="the UNIX socket its vLLM listens on (it opens no TCP port): only "
+                        "rolloutd's user can reach it")
     public_port: int = Field(description="its gateway's port on gateway.host")
     gpus: list[int] = Field(description="GPU indices it uses")
     endpoint: str = Field(description="URL the registry lists for it")

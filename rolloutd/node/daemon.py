@@ -1,7 +1,8 @@
 """``rolloutd run``: the node daemon, wiring every part together under one task group.
 
-Start: read the tokens, stop what a crashed earlier run left behind (``ChildRecords``), clean
-the mirror's partial pulls, put the plugin where children import it, bind the admin API
+Start: read the tokens, stop what a crashed earlier run left behind (``ChildRecords``), make the
+directory of the servers' sockets (mode 0700), clean the mirror's partial pulls, put the plugin
+where children import it, bind the admin API
 (an address in use fails here, before anything is spawned), then run under one
 ``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
 supervisor and a heartbeat task.
@@ -55,6 +56,7 @@ from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.leftovers import ChildRecords
 from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
 
@@ -103,6 +105,7 @@ class Daemon:
         self.records = ChildRecords(cfg.state_dir / "children")
         for line in await self.records.reap_leftovers(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
             log.warning("clean %s", line)
+        prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
         self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes))
         self.mirror.clean_partials()
         self.plugin_dir = install_plugin(cfg.state_dir / "plugin")
@@ -210,8 +213,8 @@ class Daemon:
 
     # -- servers ----------------------------------------------------------------------------------------
     async def _open_gateway(self, spec) -> Gateway:
-        gateway = Gateway(spec.name, spec.port, spec.gateway_port, self.cfg.gateway, self.gateway_token,
-                          self.metrics)
+        gateway = Gateway(spec.name, self.cfg.socket_path(spec.name), spec.public_port, self.cfg.gateway,
+                          self.gateway_token, self.metrics)
         await gateway.start()
         return gateway
 
