@@ -53,6 +53,7 @@ from rolloutd.node.notify import Notifier
 from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.leftovers import ChildRecords
 from rolloutd.supervise.plugin_path import install_plugin
@@ -91,7 +92,7 @@ class Daemon:
         self._changing = asyncio.Lock()  # reloads and restarts change self.servers
         self._terms = 0
         self._tick = time.monotonic()
-        self._slots: tuple[tuple, asyncio.Semaphore] | None = None
+        self._slots = RolloutSlots(1)  # one for the daemon's life: a reload resizes it (rollout/slots.py)
         self._tg: asyncio.TaskGroup | None = None
 
     def conf(self) -> Config:
@@ -234,14 +235,12 @@ class Daemon:
         await _cancel(running.task)
         await running.gateway.stop()
 
-    def _rollout_slots(self) -> asyncio.Semaphore:
-        """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise."""
+    def _rollout_slots(self) -> RolloutSlots:
+        """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise. The
+        same slots before and after a reload, with the limit of the configuration running now."""
         u = self.cfg.update
-        size = u.max_unavailable if u.strategy == "rolling" else max(1, len(self.cfg.servers))
-        key = (u.strategy, size)
-        if self._slots is None or self._slots[0] != key:
-            self._slots = (key, asyncio.Semaphore(size))
-        return self._slots[1]
+        self._slots.resize(u.max_unavailable if u.strategy == "rolling" else max(1, len(self.cfg.servers)))
+        return self._slots
 
     def _in_use(self) -> set[int]:
         used = set()
@@ -292,6 +291,7 @@ class Daemon:
             log.warning("reload: %s changed; these take effect when rolloutd restarts", ", ".join(kept))
             new = new.model_copy(update={s: getattr(old, s) for s in FIXED_SECTIONS})
         self.cfg = new
+        self._rollout_slots()  # a larger limit lets waiting servers in now
         message = await self._apply_servers(old, new)
         if kept:
             message += f"; needs a restart of rolloutd: {', '.join(kept)}"

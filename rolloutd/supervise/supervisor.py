@@ -37,6 +37,7 @@ from rolloutd.config import Server as ServerConfig
 from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
+from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.supervise.child import Child, ChildError
 from rolloutd.supervise.leftovers import ChildRecords
@@ -76,7 +77,7 @@ def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dic
 
 class Supervisor:
     def __init__(self, spec: ServerConfig, conf: Callable[[], Config], updater: Updater, *,
-                 slots: Callable[[], asyncio.Semaphore], records: ChildRecords, plugin_dir: Path, metrics: Metrics,
+                 slots: Callable[[], RolloutSlots], records: ChildRecords, plugin_dir: Path, metrics: Metrics,
                  on_state: Callable[[str, ServerState, ServerState], None] | None = None,
                  gateway: Gateway | None = None):
         self.spec, self._conf, self.updater, self.gateway = spec, conf, updater, gateway
