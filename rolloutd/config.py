@@ -299,6 +299,12 @@ class Update(_Section):
     resume_timeout_s: Seconds = Field(30.0, description="longest wait for POST /resume")
     max_reapply: int = Field(1, ge=0, description="a failed load is applied again this many times before "
                             "the server is restarted")
+    serve_mirror_when_registry_down: bool = Field(False, description="rolloutd (re)started while the registry "
+                                                  "cannot be reached: sync every server to the newest complete "
+                                                  "version in the mirror and serve it, instead of waiting in "
+                                                  "SYNCING until the registry answers. Off: a server is never "
+                                                  "SERVING on weights the registry has not named since rolloutd "
+                                                  "started")
     keep_kv_cache: bool = Field(False, description="partial-rollout semantics: keep every KV cache across an "
                                 "update, so requests frozen by pause_mode keep go on attending to KV computed "
                                 "with the old weights, and new requests reuse prefix-cache blocks of the old "

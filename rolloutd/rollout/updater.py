@@ -11,9 +11,13 @@ Contract:
   :class:`Target`. Servers wait on :meth:`Updater.next_target` and apply it themselves.
 - A registry that restarted (its ``instance`` changed) is resynchronised: numbers from the old
   instance mean nothing, so the node moves to the new instance's newest version whatever its
-  number (targets are compared by instance, version and digest, never by number alone).
+  number. Targets are compared by version and digest, never by number alone: the digest names
+  the bytes, so the same version republished by a new instance is not loaded again.
 - The registry unreachable, or a pull failing: the servers keep serving what they hold; the
-  loop retries with a growing delay (``registry.retry_initial_s`` .. ``retry_max_s``).
+  loop retries with a growing delay (``registry.retry_initial_s`` .. ``retry_max_s``). Unreachable
+  before the first decision (a restart during an outage): servers wait in SYNCING, unless
+  ``update.serve_mirror_when_registry_down``, which makes the mirror's newest complete version
+  the target (from no registry instance: the registry's newest replaces it once it answers).
 - :meth:`verify` re-checks a target's mirror copy chunk by chunk when a server failed to load
   it; a damaged copy is removed and pulled again.
 """
@@ -47,7 +51,7 @@ class Target:
     version: int
     digest: str
     path: Path
-    instance: str
+    instance: str | None = field(compare=False)  # the registry's that named it; None: the mirror's own
 
     def update_info(self) -> dict:
         return {"path": str(self.path), "digest": self.digest}
@@ -124,6 +128,7 @@ class Updater:
         self._pulling = asyncio.Lock()
         self._asked = False
         self._pending_since: float | None = None
+        self._no_mirror_said = False
 
     # -- inputs from elsewhere ------------------------------------------------------------------
     def poke(self, asked: bool = True) -> None:
@@ -191,6 +196,8 @@ class Updater:
                 info = await self._watch()
             except (errors.RegistryUnavailable, errors.RegistryError) as e:
                 self._failed_contact(str(e))
+                if isinstance(e, errors.RegistryUnavailable):
+                    await self._serve_mirror()
                 await self._sleep(delay)
                 delay = min(delay * 2, self._conf().registry.retry_max_s)
                 continue
@@ -230,6 +237,25 @@ class Updater:
             info = poll.result()
         self._contact(info.instance, info.version)
         return info
+
+    async def _serve_mirror(self) -> None:
+        """No registry before the first decision: with ``update.serve_mirror_when_registry_down``,
+        the target is the newest complete version in the mirror (pulled and checked before the
+        restart; the plugin checks its digest again as it loads)."""
+        if self.settled.is_set() or not self._conf().update.serve_mirror_when_registry_down:
+            return
+        version = await asyncio.to_thread(self.mirror.newest)
+        manifest = None if version is None else await asyncio.to_thread(self.mirror.manifest, version)
+        if manifest is None:
+            if not self._no_mirror_said:
+                self._no_mirror_said = True
+                log.warning("the registry is unreachable and the mirror holds no complete version: servers wait "
+                            "for the registry")
+            return
+        log.warning("serve version %d from the mirror: the registry is unreachable at start "
+                    "(update.serve_mirror_when_registry_down)", version)
+        await self._publish(Target(version, manifest.digest, self.mirror.path(version), None))
+        self.settled.set()
 
     async def _step(self, info: LatestInfo) -> bool:
         """Decide and, if so, pull and publish. False when a pull failed (retry later)."""
