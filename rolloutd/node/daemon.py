@@ -13,10 +13,11 @@ watchdog stay true while servers stop. Signal handlers only set events: SIGTERM 
 for the ordered shutdown, a second one kills every server's process group at once; SIGHUP asks
 the reloader task for a reload.
 
-Crash policy: the updater, the reloader and every heartbeat task run under :func:`keep`: a crash
-(a bug, or a reply nobody expected) is logged with its traceback, counted in
-``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay. Only
-shutdown ends the task group.
+Crash policy: every long-lived task (the admin API, the updater, the reloader, and per server its
+supervisor and its heartbeats) runs under :func:`keep`: a crash (a bug, or a reply nobody
+expected) is logged with its traceback, counted in ``rolloutd_task_errors_total{task}``, and the
+loop is started again after a growing delay; a crashed supervisor first stops its server's
+process group, and the admin API binds its address again. Only shutdown ends the task group.
 
 Shutdown, each step bounded by a ``shutdown.*`` deadline: wait for a reload in progress,
 deregister every replica (the trainer stops routing to a server before it stops answering),
@@ -134,7 +135,8 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                admin = tg.create_task(self.admin.serve(), name="admin")
+                admin = tg.create_task(keep("admin", self.admin.serve, self.metrics, done=lambda: self.admin.stopped),
+                                       name="admin")
                 updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
                 reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
                 for spec in cfg.servers:
@@ -224,7 +226,7 @@ class Daemon:
                          plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state,
                          gateway=gateway)
         running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)
-        running.task = self._tg.create_task(sup.run(), name=f"server-{spec.name}")
+        running.task = self._tg.create_task(keep("supervisor", sup.run, self.metrics), name=f"server-{spec.name}")
         running.beats = self._tg.create_task(keep("heartbeat", running.heartbeater.run, self.metrics),
                                              name=f"heartbeat-{spec.name}")
         self.servers[spec.name] = running
@@ -259,7 +261,8 @@ class Daemon:
             log.info("restart %s: asked through the admin API", name)
             await _cancel(running.task)
             running.supervisor.reset_failures()
-            running.task = self._tg.create_task(running.supervisor.run(), name=f"server-{name}")
+            running.task = self._tg.create_task(keep("supervisor", running.supervisor.run, self.metrics),
+                                                name=f"server-{name}")
         return f"server {name} restarted"
 
     async def update_now(self) -> str:
@@ -368,15 +371,18 @@ class Daemon:
 
 
 async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, *,
-               initial_s: float = 1.0, max_s: float = 30.0) -> None:
-    """Run the long-lived loop ``run`` until cancelled. A crash is a bug or a peer's surprise,
-    never a reason to take every server down with the daemon: log it with its traceback, count it
-    in ``task_errors_total{task}``, wait (``initial_s`` doubling up to ``max_s``), start it again."""
+               initial_s: float = 1.0, max_s: float = 30.0, done: Callable[[], bool] | None = None) -> None:
+    """Run the long-lived loop ``run`` until cancelled (or until it returns when ``done()`` says
+    it was asked to). A crash is a bug or a peer's surprise, never a reason to take every server
+    down with the daemon: log it with its traceback, count it in ``task_errors_total{task}``, wait
+    (``initial_s`` doubling up to ``max_s``), start it again."""
     delay = initial_s
     while True:
         started = time.monotonic()
         try:
             await run()
+            if done is not None and done():
+                return
             raise RuntimeError("returned")  # these loops end only by being cancelled
         except Exception:
             if time.monotonic() - started > max_s:  # it had run well for a while: back to the short delay

@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -114,7 +115,11 @@ class Supervisor:
 
     # -- the whole life -------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Supervise until cancelled; cancelling stops the server (ordered, with deadlines)."""
+        """Supervise until cancelled; cancelling stops the server (ordered, with deadlines).
+
+        A bug outside one process's life (``_live`` turns those inside it into a restart) stops
+        the server's process group, leaves the server in BACKOFF and raises: the daemon's crash
+        policy counts it and calls ``run`` again after a delay, which starts a new process."""
         try:
             while True:
                 error = await self._live()
@@ -123,6 +128,22 @@ class Supervisor:
         except asyncio.CancelledError:
             await self._stop()
             raise
+        except Exception as e:
+            await self._crashed(e)
+            raise
+
+    async def _crashed(self, error: Exception) -> None:
+        """Leave nothing running behind a crashed ``run``: no process, a state ``_live`` starts from."""
+        self.last_error = f"internal error: {error!r}"[:200]
+        try:
+            await self._terminate(self._conf().restart.failed_grace_s)
+        except Exception:  # the same bug may be in the way: the group is killed all the same
+            log.exception("stop %s after a crash", self.name)
+            if self.child is not None:
+                self.child.kill_group(signal.SIGKILL)
+        if self.state.running:
+            with contextlib.suppress(Exception):
+                self.lifecycle.set(S.BACKOFF, self.last_error)
 
     async def _live(self) -> str:
         """One process, from spawn to failure; returns what failed."""
