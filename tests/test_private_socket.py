@@ -25,7 +25,7 @@ from rolloutd.registry import EmbeddedRegistry
 
 from .daemon_harness import AS_NOBODY, DaemonProcess, config, socket_probe, vllm_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 SYSTEM_PYTHON = Path("/usr/bin/python3")  # nobody cannot run the test's own interpreter (under /root)
 
 
@@ -83,10 +83,11 @@ def test_another_user_reaches_no_vllm_route_while_the_gateway_serves(tmp_path):
     model = tinymodel.build(tmp_path / "model", seed=0)
     with EmbeddedRegistry(port=0) as registry:
         registry.publish(1, tinymodel.state_dict(tinymodel.TINY, 11), shard_bytes=600_000, chunk_bytes=1 << 16)
-        cfg = config(tmp_path, registry.url, [vllm_server("gpu0", model, "0")])
+        # vLLM's start: about 30 s alone, many minutes on a busy machine
+        cfg = config(tmp_path, registry.url, [vllm_server("gpu0", model, "0")], restart={"start_timeout_s": 600})
         daemon = DaemonProcess(cfg, tmp_path).start()
         try:
-            st = daemon.wait_versions({"gpu0": 1}, 300)
+            st = daemon.wait_versions({"gpu0": 1}, 660)
             server = daemon.server("gpu0", st)
             sock = daemon.socket("gpu0")
             assert server["socket"] == str(sock)
