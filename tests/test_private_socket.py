@@ -112,3 +112,13 @@ def test_another_user_reaches_no_vllm_route_while_the_gateway_serves(tmp_path):
     assert status == 200 and answer["choices"][0]["weight_versions"][0]["version"] == "1", seen["generate"]
     assert seen["pause"][0] == 404, seen["pause"]
     assert paused == {"is_paused": False}
+
+
+def test_a_child_holds_no_listening_socket_of_the_daemon(daemons):
+    """The daemon's own listeners (admin API, gateways) stay the daemon's: a child that inherited
+    one would hold it open (and accept on it) for as long as it lives. The fake vLLM as child."""
+    d = daemons(servers=2)
+    st = d.wait(lambda s: all(x["state"] == "SERVING" for x in s["servers"]), 30, "both SERVING")
+    daemon_ports = listening_tcp_ports(d.proc.pid)
+    assert d.cfg["admin"]["port"] in daemon_ports
+    assert {s["name"]: listening_tcp_ports(s["pid"]) for s in st["servers"]} == {"s0": [], "s1": []}
