@@ -214,7 +214,7 @@ class Admin(_Section):
 class Gateway(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="address every server's gateway listens on: "
                       "the node's public address (e.g. 0.0.0.0) for trainers on other hosts, which then needs "
-                      "token_file or allow_unauthenticated; vLLM itself only ever listens on loopback")
+                      "token_file or allow_unauthenticated; vLLM itself listens on no TCP port at all")
     token_file: LaxPath | None = Field(None, description="file holding the gateway's token; when set, every "
                                        "request needs `Authorization: Bearer <token>`; null: no token, which "
                                        "a host other than loopback refuses unless allow_unauthenticated")
