@@ -59,7 +59,8 @@ def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
         sock.close()
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(backlog)
-    sock.set_inheritable(True)
+    # Not inheritable (Python's default): every vLLM child would otherwise hold the admin API's
+    # listening socket open for as long as it lives (uvloop's spawn closes only close-on-exec fds).
     return sock
 
 

@@ -163,8 +163,8 @@ def daemons(tmp_path, registry):
               env: dict | None = None, **sections):
         d = directory or tmp_path / f"d{len(started)}"
         d.mkdir(exist_ok=True)
-        specs = [{"name": f"s{i}", "model": "fake-model", "port": free_port(),
-                  "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(servers)]
+        specs = [{"name": f"s{i}", "model": "fake-model", "env": {"FAKE_VLLM_FAULTS": faults}}
+                 for i in range(servers)]
         sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
                                 "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5}, **sections}
         daemon = DaemonProcess(config(d, registry_url or registry.url, specs, fake=True, **sections), d)

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from .vllm_server import FAST_CPU_FLAGS, ROOT, VLLM
+from .vllm_server import FAST_CPU_FLAGS, ROOT, VLLM, client
 
 FAKE_VLLM = ROOT / "tests" / "fake_vllm.py"
 
@@ -52,10 +53,34 @@ def _zombie(proc_dir: str) -> bool:
     return stat[stat.rindex(")") + 2] == "Z"
 
 
-def vllm_server(name: str, model: Path, port: int, cpus: str, **extra) -> dict:
+def vllm_server(name: str, model: Path, cpus: str, **extra) -> dict:
     """A config entry for a real ``vllm serve`` (CPU build) bound to ``cpus``."""
-    return {"name": name, "model": str(model), "port": port, "public_port": _free_port(),
+    return {"name": name, "model": str(model), "public_port": _free_port(),
             "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus}, **extra}
+
+
+def uds_client(socket: Path | str, **kw) -> httpx.Client:
+    """An HTTP client of a server on a UNIX socket (a vLLM child, or the fake)."""
+    return client(Path(socket), **kw)
+
+
+# Runs a command as another user of the machine (nobody), with no supplementary group.
+AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+
+
+def socket_probe(socket: str | Path) -> str:
+    """A standard-library Python script that asks the server on the UNIX socket ``socket`` for
+    ``GET /is_paused`` and prints the answer's status line, or the name of the error it got."""
+    return textwrap.dedent(f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect({str(socket)!r})
+            s.sendall(b"GET /is_paused HTTP/1.0\\r\\n\\r\\n")
+            print(s.recv(100).split(b"\\r\\n")[0].decode())
+        except OSError as e:
+            print(type(e).__name__)
+    """)
 
 
 def config(tmp: Path, registry_url: str, servers: list[dict], *, fake: bool = False, tag: str | None = None,
@@ -117,6 +142,14 @@ class DaemonProcess:
         r = httpx.get(self.url + "/status", timeout=10)
         r.raise_for_status()
         return r.json()
+
+    def socket(self, name: str) -> Path:
+        """Where server ``name``'s vLLM listens (only this user can reach it)."""
+        return Path(self.cfg["state_dir"]) / "sockets" / f"{name}.sock"
+
+    def vllm(self, name: str, **kw) -> httpx.Client:
+        """A client straight to server ``name``'s vLLM, on its socket (not through its gateway)."""
+        return uds_client(self.socket(name), **kw)
 
     def server(self, name: str, status: dict | None = None) -> dict:
         return next(s for s in (status or self.status())["servers"] if s["name"] == name)

@@ -1,7 +1,10 @@
 """A fake ``vllm serve`` for fault tests: the routes of vLLM's dev mode that rolloutd calls, and
 faults a real server cannot be made to show. It is not vLLM: it loads no model.
 
-    python tests/fake_vllm.py serve MODEL --host H --port P [other vllm args, ignored]
+    python tests/fake_vllm.py serve MODEL --uds PATH [other vllm args, ignored]
+
+It listens on the UNIX socket ``--uds`` as rolloutd starts vLLM (``--host``/``--port``: on TCP
+instead, for a test that wants one).
 
 Standard library and aiohttp only. Routes (JSON): ``GET /health``, ``POST /pause?mode=``,
 ``POST /resume``, ``GET /is_paused``, ``POST /reset_prefix_cache``, ``POST /start_weight_update``,
@@ -17,7 +20,7 @@ fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). Errors are HT
 ``{"ok": bool}`` lets a test make a running fake healthy or unhealthy; ``POST /fake/faults``
 ``{"faults": "fail=/pause"}`` replaces its faults while it runs (``""``: none); ``POST
 /fake/engine_dies`` acts out vLLM's API server after its engine core died: the ``spawn_child``
-child is killed, the port closes, requests in flight are never answered, the process lives on.
+child is killed, the listener closes, requests in flight are never answered, the process lives on.
 
 Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen``,
 ``exit_at_start=CODE``, ``exit_after=SECONDS`` (status 1), ``ignore_term``,
@@ -76,7 +79,7 @@ class FakeVllm:
         self.loaded_dir: str | None = None
         self.label = "default"
         self.failed_once: set[str] = set()
-        self.site: web.TCPSite | None = None
+        self.site: web.BaseSite | None = None
         self.child: subprocess.Popen | None = None
 
     def routes(self, fault: str) -> set[str]:
@@ -241,6 +244,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("model")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds", help="listen on this UNIX socket instead of --host/--port")
     args, _ignored = parser.parse_known_args(argv)
     return args
 
@@ -273,10 +277,12 @@ async def serve(args: argparse.Namespace, faults: dict[str, list[str]], child: s
     fake.child = child
     runner = web.AppRunner(fake.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    fake.site = web.TCPSite(runner, args.host, args.port)
+    if args.uds:
+        fake.site, where = web.UnixSite(runner, args.uds), f"unix:{args.uds}"
+    else:
+        fake.site, where = web.TCPSite(runner, args.host, args.port), f"http://{args.host}:{args.port}"
     await fake.site.start()
-    say(f"serving {args.model} on http://{args.host}:{args.port} (pid {os.getpid()}, "
-        f"faults: {','.join(faults) or 'none'})")
+    say(f"serving {args.model} on {where} (pid {os.getpid()}, faults: {','.join(faults) or 'none'})")
     try:
         await stop.wait()
     finally:

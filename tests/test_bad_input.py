@@ -50,7 +50,6 @@ from rolloutd.wire import errors
 from rolloutd.wire.manifest import ManifestError, build_manifest, hash_chunks
 from vllm_plugin.checkpoint import MirrorError, check_version, manifest_digest
 
-from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, tagged_pids, wait_until
 from .registry_proxy import InLoopProxy
 from .test_registry_fuzz import schemathesis
@@ -269,7 +268,7 @@ def test_admin_api_of_a_real_daemon_survives_fuzzing(tmp_path):
         reg.publish(1, state_dict(TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
         node_dir = tmp_path / "node"
         node_dir.mkdir()
-        cfg = config(node_dir, reg.url, [{"name": "s0", "model": "fake-model", "port": free_port()}], fake=True,
+        cfg = config(node_dir, reg.url, [{"name": "s0", "model": "fake-model"}], fake=True,
                      registry={"token_file": str(tmp_path / "registry.token")},
                      admin={"token_file": str(tmp_path / "admin.token")},
                      gateway={"token_file": str(tmp_path / "gateway.token")},
@@ -338,9 +337,9 @@ vllm:
 servers:
   - name: gpu0
     model: /models/policy-init
-    port: 8001
+    public_port: 9001
     gpus: [0]
-  - {name: gpu1, model: /models/policy-init, port: 8002, gpus: [1], env: {A: "1"}}
+  - {name: gpu1, model: /models/policy-init, public_port: 9002, gpus: [1], env: {A: "1"}}
 """
 SOURCE = "m.yaml"
 _QUOTED = r'\["(?:[^"\\]|\\.)*"\]'

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from rolloutd.supervise.child import MAX_LINE_BYTES, Child, ChildError, ChildRecords, describe_exit
+from rolloutd.supervise.child import MAX_LINE_BYTES, Child, ChildError, describe_exit
+from rolloutd.supervise.leftovers import ChildRecords
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -220,7 +221,8 @@ async def test_a_record_is_written_at_spawn_and_removed_at_stop(children, caplog
 DAEMON = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
-    from rolloutd.supervise.child import Child, ChildRecords
+    from rolloutd.supervise.child import Child
+    from rolloutd.supervise.leftovers import ChildRecords
 
     async def main():
         records = ChildRecords(Path(sys.argv[1]))

@@ -25,7 +25,7 @@ from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port
-from .daemon_harness import config, vllm_server
+from .daemon_harness import AS_NOBODY, config, socket_probe, vllm_server
 from .nspawn import ROOT, Machine, enabled_host_units, host_root
 from .test_vllm_plugin import generate
 from .vllm_server import VLLM, require_vllm
@@ -44,7 +44,7 @@ class Node:
         self.registry = registry
         self.cfg = cfg
         self.admin = f"http://127.0.0.1:{cfg['admin']['port']}"
-        self.vllm_url = f"http://127.0.0.1:{cfg['servers'][0]['port']}"
+        self.gateway = f"http://127.0.0.1:{cfg['servers'][0]['public_port']}"  # the network namespace is shared
 
     def status(self) -> dict:
         return httpx.get(self.admin + "/status", timeout=5).json()
@@ -96,7 +96,7 @@ def node(debs, tmp_path_factory):
     model = tinymodel.build(work / "model", seed=0)
     registry = EmbeddedRegistry(port=free_port()).start()
     registry.publish(1, tinymodel.state_dict(tinymodel.TINY, SEED_V1), shard_bytes=600_000, chunk_bytes=1 << 16)
-    cfg = config(work, registry.url, [vllm_server("gpu0", model, free_port(), "0")],
+    cfg = config(work, registry.url, [vllm_server("gpu0", model, "0")],
                  shutdown={"server_grace_s": 10, "kill_wait_s": 10})
     del cfg["state_dir"], cfg["mirror"]  # the package's: /var/lib/rolloutd, /dev/shm/rolloutd
     log = tmp_path_factory.mktemp("guest") / "console.log"
@@ -147,8 +147,21 @@ def test_activating_until_the_server_is_serving(node):
     # Never active before the server serves version 1.
     assert all(state == "SERVING" and version == 1 for unit, state, version in samples if unit == "active")
     assert node.unit("StatusText")["StatusText"] == "gpu0 SERVING v1; registry ok"
-    outputs = generate(node.vllm_url)
+    outputs = generate(node.gateway)
     assert all(spans[0]["version"] == "1" for _, spans in outputs), outputs
+
+
+SOCKET = "/var/lib/rolloutd/sockets/gpu0.sock"
+
+
+def test_the_servers_socket_is_the_service_users_alone(node):
+    """Under the unit's hardening, vLLM listens on a socket in a 0700 directory of the user rolloutd:
+    that user reaches it; another (nobody) is refused."""
+    assert node.machine.run("stat", "-c", "%a %U", str(Path(SOCKET).parent)).stdout.split() == ["700", "rolloutd"]
+    probe = socket_probe(SOCKET)
+    as_service = node.machine.run("runuser", "-u", "rolloutd", "--", "/usr/bin/python3", "-c", probe)
+    as_nobody = node.machine.run(*AS_NOBODY, "/usr/bin/python3", "-c", probe)
+    assert (as_service.stdout.strip(), as_nobody.stdout.strip()) == ("HTTP/1.1 200 OK", "PermissionError")
 
 
 def test_killed_vllm_group_comes_back_without_restarting_the_daemon(node):

@@ -67,7 +67,7 @@ def demo_config(work: Path, registry_url: str, vllm: str, model: Path) -> Config
                  "args": ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
                           "--kv-cache-memory-bytes", str(64 << 20)],
                  "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
-        "servers": [{"name": "cpu0", "model": str(model), "port": _free_port(), "public_port": _free_port()}],
+        "servers": [{"name": "cpu0", "model": str(model), "public_port": _free_port()}],
     })
 
 

@@ -1,7 +1,8 @@
 """``rolloutd run``: the node daemon, wiring every part together under one task group.
 
-Start: read the tokens, stop what a crashed earlier run left behind (``ChildRecords``), clean
-the mirror's partial pulls, put the plugin where children import it, bind the admin API
+Start: read the tokens, stop what a crashed earlier run left behind (``ChildRecords``), make the
+directory of the servers' sockets (mode 0700), clean the mirror's partial pulls, put the plugin
+where children import it, bind the admin API
 (an address in use fails here, before anything is spawned), then run under one
 ``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
 supervisor and a heartbeat task.
@@ -12,10 +13,11 @@ watchdog stay true while servers stop. Signal handlers only set events: SIGTERM 
 for the ordered shutdown, a second one kills every server's process group at once; SIGHUP asks
 the reloader task for a reload.
 
-Crash policy: the updater, the reloader and every heartbeat task run under :func:`keep`: a crash
-(a bug, or a reply nobody expected) is logged with its traceback, counted in
-``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay. Only
-shutdown ends the task group.
+Crash policy: every long-lived task (the admin API, the updater, the reloader, and per server its
+supervisor and its heartbeats) runs under :func:`keep`: a crash (a bug, or a reply nobody
+expected) is logged with its traceback, counted in ``rolloutd_task_errors_total{task}``, and the
+loop is started again after a growing delay; a crashed supervisor first stops its server's
+process group, and the admin API binds its address again. Only shutdown ends the task group.
 
 Shutdown, each step bounded by a ``shutdown.*`` deadline: wait for a reload in progress,
 deregister every replica (the trainer stops routing to a server before it stops answering),
@@ -52,9 +54,11 @@ from rolloutd.node.notify import Notifier
 from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Updater
-from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.leftovers import ChildRecords
 from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
 
@@ -89,7 +93,7 @@ class Daemon:
         self._changing = asyncio.Lock()  # reloads and restarts change self.servers
         self._terms = 0
         self._tick = time.monotonic()
-        self._slots: tuple[tuple, asyncio.Semaphore] | None = None
+        self._slots = RolloutSlots(1)  # one for the daemon's life: a reload resizes it (rollout/slots.py)
         self._tg: asyncio.TaskGroup | None = None
 
     def conf(self) -> Config:
@@ -103,6 +107,7 @@ class Daemon:
         self.records = ChildRecords(cfg.state_dir / "children")
         for line in await self.records.reap_leftovers(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
             log.warning("clean %s", line)
+        prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
         self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes))
         self.mirror.clean_partials()
         self.plugin_dir = install_plugin(cfg.state_dir / "plugin")
@@ -130,7 +135,8 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                admin = tg.create_task(self.admin.serve(), name="admin")
+                admin = tg.create_task(keep("admin", self.admin.serve, self.metrics, done=lambda: self.admin.stopped),
+                                       name="admin")
                 updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
                 reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
                 for spec in cfg.servers:
@@ -210,8 +216,8 @@ class Daemon:
 
     # -- servers ----------------------------------------------------------------------------------------
     async def _open_gateway(self, spec) -> Gateway:
-        gateway = Gateway(spec.name, spec.port, spec.gateway_port, self.cfg.gateway, self.gateway_token,
-                          self.metrics)
+        gateway = Gateway(spec.name, self.cfg.socket_path(spec.name), spec.public_port, self.cfg.gateway,
+                          self.gateway_token, self.metrics)
         await gateway.start()
         return gateway
 
@@ -220,7 +226,7 @@ class Daemon:
                          plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state,
                          gateway=gateway)
         running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)
-        running.task = self._tg.create_task(sup.run(), name=f"server-{spec.name}")
+        running.task = self._tg.create_task(keep("supervisor", sup.run, self.metrics), name=f"server-{spec.name}")
         running.beats = self._tg.create_task(keep("heartbeat", running.heartbeater.run, self.metrics),
                                              name=f"heartbeat-{spec.name}")
         self.servers[spec.name] = running
@@ -231,14 +237,12 @@ class Daemon:
         await _cancel(running.task)
         await running.gateway.stop()
 
-    def _rollout_slots(self) -> asyncio.Semaphore:
-        """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise."""
+    def _rollout_slots(self) -> RolloutSlots:
+        """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise. The
+        same slots before and after a reload, with the limit of the configuration running now."""
         u = self.cfg.update
-        size = u.max_unavailable if u.strategy == "rolling" else max(1, len(self.cfg.servers))
-        key = (u.strategy, size)
-        if self._slots is None or self._slots[0] != key:
-            self._slots = (key, asyncio.Semaphore(size))
-        return self._slots[1]
+        self._slots.resize(u.max_unavailable if u.strategy == "rolling" else max(1, len(self.cfg.servers)))
+        return self._slots
 
     def _in_use(self) -> set[int]:
         used = set()
@@ -257,7 +261,8 @@ class Daemon:
             log.info("restart %s: asked through the admin API", name)
             await _cancel(running.task)
             running.supervisor.reset_failures()
-            running.task = self._tg.create_task(running.supervisor.run(), name=f"server-{name}")
+            running.task = self._tg.create_task(keep("supervisor", running.supervisor.run, self.metrics),
+                                                name=f"server-{name}")
         return f"server {name} restarted"
 
     async def update_now(self) -> str:
@@ -289,6 +294,7 @@ class Daemon:
             log.warning("reload: %s changed; these take effect when rolloutd restarts", ", ".join(kept))
             new = new.model_copy(update={s: getattr(old, s) for s in FIXED_SECTIONS})
         self.cfg = new
+        self._rollout_slots()  # a larger limit lets waiting servers in now
         message = await self._apply_servers(old, new)
         if kept:
             message += f"; needs a restart of rolloutd: {', '.join(kept)}"
@@ -365,15 +371,18 @@ class Daemon:
 
 
 async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, *,
-               initial_s: float = 1.0, max_s: float = 30.0) -> None:
-    """Run the long-lived loop ``run`` until cancelled. A crash is a bug or a peer's surprise,
-    never a reason to take every server down with the daemon: log it with its traceback, count it
-    in ``task_errors_total{task}``, wait (``initial_s`` doubling up to ``max_s``), start it again."""
+               initial_s: float = 1.0, max_s: float = 30.0, done: Callable[[], bool] | None = None) -> None:
+    """Run the long-lived loop ``run`` until cancelled (or until it returns when ``done()`` says
+    it was asked to). A crash is a bug or a peer's surprise, never a reason to take every server
+    down with the daemon: log it with its traceback, count it in ``task_errors_total{task}``, wait
+    (``initial_s`` doubling up to ``max_s``), start it again."""
     delay = initial_s
     while True:
         started = time.monotonic()
         try:
             await run()
+            if done is not None and done():
+                return
             raise RuntimeError("returned")  # these loops end only by being cancelled
         except Exception:
             if time.monotonic() - started > max_s:  # it had run well for a while: back to the short delay
