@@ -157,6 +157,7 @@ SOCKET = "/var/lib/rolloutd/sockets/gpu0.sock"
 def test_the_servers_socket_is_the_service_users_alone(node):
     """Under the unit's hardening, vLLM listens on a socket in a 0700 directory of the user rolloutd:
     that user reaches it; another (nobody) is refused."""
+    node.wait("gpu0 SERVING", node.serving, 300)
     assert node.machine.run("stat", "-c", "%a %U", str(Path(SOCKET).parent)).stdout.split() == ["700", "rolloutd"]
     probe = socket_probe(SOCKET)
     as_service = node.machine.run("runuser", "-u", "rolloutd", "--", "/usr/bin/python3", "-c", probe)
