@@ -161,12 +161,12 @@ class _Slice(web.StreamResponse):
 
     def __init__(self, path: Path, start: int, end: int, status: int, headers: dict[str, str]):
         super().__init__(status=status, headers={**headers, "content-type": "application/octet-stream"})
-        self._path, self._start, self._end = path, start, end
+        self._file_path, self._from, self._to = path, start, end
 
     async def prepare(self, request: web.BaseRequest):
         loop = asyncio.get_running_loop()
         try:
-            f = await loop.run_in_executor(None, open, self._path, "rb")
+            f = await loop.run_in_executor(None, open, self._file_path, "rb")
         except OSError:
             self.set_status(404)
             self.content_length = 0
@@ -177,7 +177,7 @@ class _Slice(web.StreamResponse):
             if transport is None or transport.is_closing():
                 return writer
             await writer.drain()
-            await loop.sendfile(transport, f, self._start, self._end - self._start)
+            await loop.sendfile(transport, f, self._from, self._to - self._from)
             await super().write_eof()
             return writer
         finally:

@@ -18,7 +18,8 @@ The reply, for each version the node is pulling:
   handed out, and its chunks do not count as held, for ``holder_ttl_s``.
 - ``origin``: chunks to take from the origin now: chunks that no live node holds and no other
   puller has been given (given chunks expire after ``assign_ttl_s`` if their puller never
-  announces them). At most ``origin_per_puller`` at a time, taken at a point of the version
+  announces them). At most ``origin_per_puller`` at a time (four times as many for a puller
+  alone), taken at a point of the version
   that depends on the node, so that concurrent pullers start on different chunks.
 
 Cost per announcement: a few big-integer operations over the version's chunk maps (no loop
@@ -76,7 +77,7 @@ class _Swarm:
 
 class Tracker:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, holder_ttl_s: float = 30.0,
-                 assign_ttl_s: float = 30.0, max_peers: int = 8, origin_per_puller: int = 4,
+                 assign_ttl_s: float = 30.0, max_peers: int = 8, origin_per_puller: int = 8,
                  rng: random.Random | None = None):
         self._clock = clock
         self.holder_ttl_s, self.assign_ttl_s = holder_ttl_s, assign_ttl_s
@@ -183,14 +184,17 @@ class Tracker:
         for _, h in live.items():
             held_anywhere |= h.bits
         mine_given = swarm.by_node.get(node, 0) & lacking
-        want = self.origin_per_puller - bin(mine_given).count("1")
+        pullers = sum(1 for h in swarm.holders.values() if h.pulling and h.bits != full(swarm.count))
+        # Alone, a puller may run further ahead: nobody else would take those chunks anyway.
+        limit = self.origin_per_puller * (1 if pullers > 1 else 4)
+        want = limit - mine_given.bit_count()
         free = lacking & ~held_anywhere & ~swarm.given_bits
         for chunk in _take(free, want, _start(node, swarm.count)):
             swarm.give(chunk, node, now + self.assign_ttl_s)
             mine_given |= 1 << chunk
         return {"peers": [{"node": n, "url": h.url, "chunks": to_hex(h.bits)} for n, h in peers],
                 "origin": to_hex(mine_given),
-                "pullers": sum(1 for h in swarm.holders.values() if h.pulling and h.bits != full(swarm.count))}
+                "pullers": pullers}
 
 
 def _start(node: str, count: int) -> int:
