@@ -129,7 +129,7 @@ def publish_files(source: str, files: Iterable[Path], settings: ObjectStoreSetti
         try:
             with open(path, "rb") as f:
                 obstore.put(store, key, f, chunk_size=UPLOAD_PART_BYTES)
-        except (OSError, RuntimeError, ValueError) as e:
+        except Exception as e:  # obstore raises its own classes (PermissionDeniedError, GenericError, ...)
             raise ObjectStoreError(f"upload {path.name} to {source}: {_short(e)}") from None
         log.info("upload %s to %s/%s (%d bytes)", path.name, source, path.name, path.stat().st_size)
         if progress is not None:
