@@ -31,9 +31,10 @@ def weed_binary() -> Path:
 
 
 class SeaweedS3:
-    def __init__(self, directory: Path, *, bucket: str = BUCKET, host: str = "127.0.0.1"):
+    def __init__(self, directory: Path, *, bucket: str = BUCKET, host: str = "127.0.0.1", prefix: list[str] = ()):
         from .conftest import free_port
         self.dir, self.bucket, self.host = Path(directory), bucket, host
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NS]: run it on another host
         self.dir.mkdir(parents=True, exist_ok=True)
         self.ports = {name: free_port() for name in (
             "master.port", "master.port.grpc", "volume.port", "volume.port.grpc", "filer.port",
@@ -61,8 +62,8 @@ class SeaweedS3:
 
     def start(self, timeout_s: float = 60.0) -> SeaweedS3:
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(self.argv(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True, cwd=self.dir)
+            self.proc = subprocess.Popen([*self.prefix, *self.argv()], stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir)
         self._wait_ready(timeout_s)
         return self
 

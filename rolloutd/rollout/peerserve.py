@@ -119,7 +119,8 @@ class PeerServer:
             headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
         if request.method == "HEAD":
             return web.Response(status=status, headers=headers)
-        response = _Slice(path, start, end, status, headers)
+        # The pull in progress may commit meanwhile: its partial file is then the complete one.
+        response = _Slice([path, self.mirror.path(version) / name], start, end, status, headers)
         self.served_bytes += end - start
         return response
 
@@ -148,8 +149,8 @@ class PeerServer:
 
         def checked(start: int, end: int) -> bool:
             bits = self.ledger.partial(version)
-            if bits is None:  # committed meanwhile: the complete copy is served on the next request
-                return False
+            if bits is None:  # committed meanwhile (or abandoned): the complete copy, if any
+                return self.mirror.manifest(version) is not None
             lo, hi = start // chunk_bytes, (end - 1) // chunk_bytes
             want = ((1 << (hi - lo + 1)) - 1) << (first_bit + lo)
             return bits.bits & want == want
@@ -159,15 +160,14 @@ class PeerServer:
 class _Slice(web.StreamResponse):
     """Bytes [start, end) of a file, sent with ``sendfile`` (no copy through Python)."""
 
-    def __init__(self, path: Path, start: int, end: int, status: int, headers: dict[str, str]):
+    def __init__(self, paths: list[Path], start: int, end: int, status: int, headers: dict[str, str]):
         super().__init__(status=status, headers={**headers, "content-type": "application/octet-stream"})
-        self._file_path, self._from, self._to = path, start, end
+        self._file_paths, self._from, self._to = paths, start, end
 
     async def prepare(self, request: web.BaseRequest):
         loop = asyncio.get_running_loop()
-        try:
-            f = await loop.run_in_executor(None, open, self._file_path, "rb")
-        except OSError:
+        f = await loop.run_in_executor(None, _open_first, self._file_paths)
+        if f is None:
             self.set_status(404)
             self.content_length = 0
             return await super().prepare(request)
@@ -182,3 +182,12 @@ class _Slice(web.StreamResponse):
             return writer
         finally:
             await loop.run_in_executor(None, f.close)
+
+
+def _open_first(paths: list[Path]):
+    for path in paths:
+        try:
+            return open(path, "rb")
+        except OSError:
+            continue
+    return None

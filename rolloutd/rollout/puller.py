@@ -210,6 +210,7 @@ class Puller:
             raise RuntimeError(f"a pull of {self.progress.target} is in progress: one at a time")
         progress = self.progress = PullProgress(target=version, clock=self.clock)
         partial: Partial | None = None
+        self.last_plan = None
         try:
             lease = await self._take_lease(version)
             progress.version = lease.version
@@ -251,6 +252,8 @@ class Puller:
         finally:
             if partial is not None:
                 await _settle(asyncio.to_thread(self.mirror.discard, partial))
+            if self.last_plan is not None:  # after the commit: peers are served the partial until then
+                self.swarm.finish(self.last_plan)
             await self._release()
             if progress.ended_at is None:  # only if something stranger than an Exception ended it
                 progress.ended_at = self.clock()
@@ -309,8 +312,6 @@ class Puller:
                 keeper.cancel()
         except BaseExceptionGroup as group:
             raise _first(group) from None
-        finally:
-            self.swarm.finish(plan)
 
     async def _worker(self, plan: ChunkPlan, manifest: Manifest, partial: Partial, failures: dict[int, int]) -> None:
         while (pick := await plan.next()) is not None:  # each chunk goes to one worker at a time
