@@ -141,9 +141,11 @@ class Fleet:
     def registry_url(self) -> str:
         return f"http://{self.address('trainer')}:{REGISTRY_PORT}"
 
-    def start_registry(self, *extra: str, data_dir: Path | None = None) -> str:
+    def start_registry(self, *extra: str, data_dir: Path | None = None, token: bool = True) -> str:
         argv = [PYTHON, "-m", "rolloutd.cli", "registry", "--host", self.address("trainer"), "--port",
-                str(REGISTRY_PORT), "--token-file", str(self.token_file), "--holder-ttl-s", "5", *extra]
+                str(REGISTRY_PORT), "--holder-ttl-s", "5", *extra]
+        if token:
+            argv += ["--token-file", str(self.token_file)]
         if data_dir is not None:
             argv += ["--data-dir", str(data_dir)]
         self.registry = self.spawn("trainer", argv, self.dir / "registry.log")

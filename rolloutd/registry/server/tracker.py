@@ -23,12 +23,15 @@ The reply, for each version the node is pulling:
   that depends on the node, so that concurrent pullers start on different chunks.
 
 Cost per announcement: a few big-integer operations over the version's chunk maps (no loop
-over chunks), plus one AND per holder to find those worth sampling.
+over chunks nor over holders: the union of what holders have is kept as they announce, and
+peers are drawn by a bounded number of random probes); a departure makes the next reply
+rebuild the union once, O(holders).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 import zlib
@@ -59,6 +62,10 @@ class _Swarm:
     given: dict[int, tuple[str, float]] = field(default_factory=dict)  # chunk -> (node, expires at)
     given_bits: int = 0                          # the chunks of ``given``, as a map
     by_node: dict[str, int] = field(default_factory=dict)  # node -> the chunks given to it
+    union: int = 0                               # chunks some holder (not suspect) has
+    names: list[str] = field(default_factory=list)  # holders, to draw peers from
+    pulling: set[str] = field(default_factory=set)  # holders pulling and not complete
+    stale: bool = False                          # union and names need a rebuild (a holder left)
 
     def give(self, chunk: int, node: str, expires_at: float) -> None:
         self.given[chunk] = (node, expires_at)
@@ -96,6 +103,8 @@ class Tracker:
             if peer != node:
                 if peer not in self._suspect:
                     log.info("suspect holder %s for %.0f s: %s could not use it", peer, self.holder_ttl_s, node)
+                    for swarm in self._swarms.values():
+                        swarm.stale = True  # its chunks no longer count as held
                 self._suspect[peer] = now + self.holder_ttl_s
         named: set[int] = set()
         views = {}
@@ -111,7 +120,15 @@ class Tracker:
                 bits = full(count) if held.chunks is None else from_hex(held.chunks, count)
             except ValueError:
                 continue
+            if node not in swarm.holders:
+                swarm.names.append(node)
             swarm.holders[node] = _Held(body.url, bits, held.pulling, now)
+            if node not in self._suspect:
+                swarm.union |= bits
+            if held.pulling and bits != full(count):
+                swarm.pulling.add(node)
+            else:
+                swarm.pulling.discard(node)
             for chunk in ones(bits & swarm.given_bits):
                 swarm.take_back(chunk)  # delivered (by whoever was given it): it is held now
             if held.pulling and bits != full(count):
@@ -135,6 +152,8 @@ class Tracker:
         now = self._clock()
         for node in [n for n, until in self._suspect.items() if until <= now]:
             del self._suspect[node]
+            for swarm in self._swarms.values():
+                swarm.stale = True  # its chunks count again
         for version, swarm in list(self._swarms.items()):
             for chunk in [c for c, (_, expires) in swarm.given.items() if expires <= now]:
                 log.info("take back chunk %d of version %d from %s (not delivered in %.0f s)", chunk, version,
@@ -169,22 +188,55 @@ class Tracker:
         if swarm is None:
             return
         swarm.holders.pop(node, None)
+        swarm.pulling.discard(node)
+        swarm.stale = True
         for chunk in ones(swarm.by_node.get(node, 0)):
             swarm.take_back(chunk)
         if not swarm.holders:
             del self._swarms[version]
 
+    def _refresh(self, swarm: _Swarm) -> None:
+        """Rebuild what a departure made stale: O(holders), only after someone left."""
+        if swarm.stale:
+            swarm.names = list(swarm.holders)
+            swarm.union = 0
+            for n, h in swarm.holders.items():
+                if n not in self._suspect:
+                    swarm.union |= h.bits
+            swarm.stale = False
+
+    def _peers(self, swarm: _Swarm, node: str, lacking: int) -> list[tuple[str, _Held]]:
+        """Up to ``max_peers`` holders with a chunk ``node`` lacks, drawn at random: every holder
+        looked at in a small swarm, a bounded number in a large one (the cost of an announcement
+        does not grow with the fleet)."""
+        names = swarm.names
+        if not names:
+            return []
+        size = len(names)
+        # A random walk over distinct places of the list (a start and a stride prime to its length):
+        # spread over the holders, and no run of pullers with nothing to give can hide the rest.
+        start, stride = self._rng.randrange(size), self._rng.randrange(1, size) if size > 1 else 1
+        while math.gcd(stride, size) != 1:
+            stride += 1
+        probes = size if size <= 4 * self.max_peers else 8 * self.max_peers
+        chosen: dict[str, _Held] = {}
+        for k in range(probes):
+            n = names[(start + k * stride) % size]
+            h = swarm.holders.get(n)
+            if n == node or n in chosen or h is None or n in self._suspect or not h.bits & lacking:
+                continue
+            chosen[n] = h
+            if len(chosen) == self.max_peers:
+                break
+        return list(chosen.items())
+
     def _view(self, swarm: _Swarm, node: str, mine: int, now: float) -> dict:
+        self._refresh(swarm)
         lacking = full(swarm.count) & ~mine
-        live = {n: h for n, h in swarm.holders.items() if n != node and now - h.seen <= self.holder_ttl_s
-                and self._suspect.get(n, 0.0) <= now}
-        useful = [(n, h) for n, h in live.items() if h.bits & lacking]
-        peers = self._rng.sample(useful, min(self.max_peers, len(useful)))
-        held_anywhere = 0
-        for _, h in live.items():
-            held_anywhere |= h.bits
+        peers = self._peers(swarm, node, lacking)
+        held_anywhere = swarm.union
         mine_given = swarm.by_node.get(node, 0) & lacking
-        pullers = sum(1 for h in swarm.holders.values() if h.pulling and h.bits != full(swarm.count))
+        pullers = len(swarm.pulling)
         # Alone, a puller may run further ahead: nobody else would take those chunks anyway.
         limit = self.origin_per_puller * (1 if pullers > 1 else 4)
         want = limit - mine_given.bit_count()
