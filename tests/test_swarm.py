@@ -68,8 +68,9 @@ def make_node(name: str, reg: EmbeddedRegistry, tmp_path, **settings) -> Node:
     port = free_port()
     mirror = Mirror(tmp_path / name, 1 << 30)
     client = RegistryClient(reg.url, reg.service.token)
-    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=TOKEN, announce_every_s=0.1,
-                                announce_idle_s=0.5, origin_wait_s=2.0, **settings), client, mirror, node=name)
+    settings = {"announce_every_s": 0.1, "announce_idle_s": 0.5, "origin_wait_s": 2.0, **settings}
+    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=TOKEN, **settings), client,
+                  mirror, node=name)
     server = PeerServer(mirror, swarm.ledger, "127.0.0.1", port, TOKEN).start()
     puller = Puller(client, mirror, holder=name, streams=4, request_bytes=CHUNK, swarm=swarm)
     node = Node(name, mirror, client, swarm, server, puller)
@@ -201,3 +202,61 @@ def test_a_listener_off_loopback_needs_a_token(tmp_path):
     from rolloutd.rollout.swarm import Ledger
     with pytest.raises(PeerServerError, match="needs a token"):
         PeerServer(mirror, Ledger(mirror), "0.0.0.0", free_port(), None)
+
+
+async def test_a_dropped_peer_stays_out_of_the_count_for_the_whole_pull(tmp_path):
+    """A liar claiming every chunk, forgotten by the tracker's suspicion after a moment unless the
+    pullers keep naming it: the pull must not wait on chunks only the liar claims to hold."""
+    from rolloutd.wire.messages import Announce, HeldVersion
+    token = tmp_path / "registry.token"
+    token.write_text(TOKEN)
+    with EmbeddedRegistry(port=0, token_file=token, holder_ttl_s=0.3, assign_ttl_s=5) as reg:
+        publish(reg, tmp_path, mib=8)
+        digest = reg.manifest(1).digest
+        runner, port = await bad_peer(corrupt=True)
+        liar = RegistryClient(reg.url, TOKEN)
+        claim = Announce(url=f"http://127.0.0.1:{port}", versions={"1": HeldVersion(digest=digest)})
+
+        async def keep_claiming():
+            while True:
+                await liar.announce("liar", claim)
+                await asyncio.sleep(0.1)
+        claimer = asyncio.ensure_future(keep_claiming())
+        node = make_node("honest", reg, tmp_path, origin_wait_s=30.0)  # no fallback in this test's time
+        try:
+            await asyncio.sleep(0.3)
+            await asyncio.wait_for(node.puller.pull("latest"), 20)
+            node.check(1)
+        finally:
+            claimer.cancel()
+            await node.close()
+            await liar.close()
+            await runner.cleanup()
+
+
+async def test_every_announcement_of_a_pull_names_the_peers_it_dropped(tmp_path):
+    """Named once, a dropped peer would count as a holder again once the tracker's suspicion
+    lapsed, and chunks only it claims would never be handed out of the origin."""
+    from rolloutd.wire.manifest import Manifest
+    from rolloutd.wire.messages import AnnounceReply, SwarmView
+
+    sent = []
+
+    class RecordingClient:  # a FAKE registry client: records what would be announced
+        async def announce(self, node, body):
+            sent.append(body.failed)
+            return AnnounceReply(instance="x", versions={})
+
+    mirror = Mirror(tmp_path / "m", 1 << 30)
+    swarm = Swarm(SwarmSettings(enabled=True, url="http://127.0.0.1:1"), RecordingClient(), mirror, node="me")
+    manifest = Manifest.model_validate({"version": 1, "chunk_bytes": 4096, "files": [
+        {"name": "a", "size": 8192, "chunks": ["0" * 32, "1" * 32]}]}).sealed()
+    plan = swarm.plan(manifest, tmp_path)
+    plan.update(SwarmView(peers=[{"node": "liar", "url": "http://127.0.0.1:2", "chunks": "3"}], origin="0"))
+    pick = await plan.next()
+    assert pick.source.is_peer and pick.source.node == "liar"
+    plan.failed(pick, "bad bytes")
+    await swarm.announce()
+    await swarm.announce()
+    assert sent == [["liar"], ["liar"]]
+    await swarm.close()

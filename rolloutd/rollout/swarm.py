@@ -12,7 +12,10 @@ holds for its peers, and the announcements that tie both to the registry's track
   the origin all the same: the registry is the last source, never a missing one. A peer that
   fails (gone, silent for its read timeout, slower than ``peer_chunk_timeout_s`` for a chunk,
   or serving bytes that fail the digest) is dropped for the rest of the pull and the chunk is
-  fetched elsewhere; peer failures do not count against ``max_chunk_retries``.
+  fetched elsewhere; peer failures do not count against ``max_chunk_retries``. Dropped peers are
+  named in every announcement of the pull, so the tracker does not count what they claim to
+  hold. A pull with nothing to fetch and nothing in flight for ``4 × origin_wait_s`` takes one
+  chunk from the origin whatever the tracker says.
 - :class:`Swarm`: the node's sources and its announcer loop: ``PUT /v1/holders/{node}`` every
   ``announce_every_s`` while pulling (and soon after a chunk lands), every
   ``announce_idle_s`` at rest; each reply updates the plan of the pull in progress.
@@ -47,6 +50,7 @@ from rolloutd.wire.messages import Announce, AnnounceReply, HeldVersion, SwarmVi
 log = logging.getLogger("rolloutd.rollout.swarm")
 
 ANNOUNCE_MIN_GAP_S = 0.2  # a landed chunk is announced at most this soon after the last announcement
+STALL_FACTOR = 4  # nothing to fetch and nothing in flight for this many origin_wait_s: one chunk from the origin
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,6 @@ class ChunkPlan:
         self._changed = asyncio.Event()
         self._idle_since: float | None = None
         self.tracker_ok_at: float | None = None  # the last tracker reply
-        self.failed_peers: set[str] = set()      # to report at the next announcement
         self.bytes_from: dict[str, int] = {}  # "origin" / "peers" -> bytes checked
 
     @property
@@ -179,6 +182,13 @@ class ChunkPlan:
                          self.manifest.version, self.origin.label, self.origin_wait_s)
                 self._given |= left
                 pick = self._from_origin(left)
+            elif pick is None and self._stalled():
+                # The tracker answers but gives nothing this puller can use, and nothing is in
+                # flight: whatever the reason (a holder only this node cannot reach), one chunk
+                # from the origin, so that no view of the swarm can stop a pull.
+                pick = self._from_origin(left)
+                log.info("take chunk %d of version %d from the %s: nothing to fetch for %.0f s", pick.bit,
+                         self.manifest.version, self.origin.label, STALL_FACTOR * self.origin_wait_s)
             if pick is not None:
                 self._idle_since = None
                 self._inflight |= 1 << pick.bit
@@ -193,10 +203,20 @@ class ChunkPlan:
                 async with asyncio.timeout(max(0.01, wait)):
                     await self._changed.wait()
 
+    @property
+    def dropped(self) -> list[str]:
+        """Peers this pull gave up on: told to the tracker at every announcement, so that it keeps
+        their chunks from counting as held while any puller cannot use them."""
+        return sorted(self._dropped)[:64]
+
     def _tracker_silent(self) -> bool:
         now = self._clock()
         idle = self._idle_since is not None and now - self._idle_since >= self.origin_wait_s
         return idle and (self.tracker_ok_at is None or now - self.tracker_ok_at >= self.origin_wait_s)
+
+    def _stalled(self) -> bool:
+        idle = self._idle_since is not None and self._clock() - self._idle_since >= STALL_FACTOR * self.origin_wait_s
+        return idle and not self._inflight
 
     def _from_peer(self, left: int) -> Pick | None:
         best: list[tuple[int, float, str, int]] = []
@@ -242,7 +262,6 @@ class ChunkPlan:
         if pick.source.is_peer:
             node = pick.source.node
             self._dropped.add(node)
-            self.failed_peers.add(node)
             self._holders.pop(node, None)
             log.warning("drop peer %s for version %d: %s", node, self.manifest.version, why[:300])
         self._changed.set()
@@ -336,15 +355,13 @@ class Swarm:
     async def announce(self) -> AnnounceReply | None:
         self._last_announce = time.monotonic()
         plan = self._plan
-        failed = sorted(plan.failed_peers)[:64] if plan is not None else []
+        failed = plan.dropped if plan is not None else []
         body = Announce(url=self.settings.url, versions=self.ledger.held(), failed=failed)
         try:
             reply = await self.client.announce(self.node, body)
         except errors.RegistryError as e:
             log.debug("announce: %s", e)
             return None
-        if plan is not None:
-            plan.failed_peers.difference_update(failed)
         if plan is not None and (view := reply.versions.get(str(plan.manifest.version))) is not None:
             plan.update(view)
         return reply
