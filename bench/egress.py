@@ -133,6 +133,7 @@ def run_faults(fleet: Fleet, data: Path, sums, size: int, *, nodes: int, chunk: 
                                    fleet.registry_url, "--token-file", str(fleet.token_file), "--node", "liar",
                                    "--host", fleet.address("trainer"), "--port", "9399", "--version", "1"],
                        fleet.dir / "fake_peer.log")
+    trainer0 = fleet.tx_bytes("trainer")
     published = fleet.publish(1, data, chunk_bytes=chunk)
     victim, survivors = daemons[-1], daemons[:-1]
 
@@ -157,6 +158,7 @@ def run_faults(fleet: Fleet, data: Path, sums, size: int, *, nodes: int, chunk: 
     dropped = sum(d.log_text().count("drop peer liar") for d in survivors)
     return {"nodes": nodes, "survivors": len(survivors), "seconds": round(max(done.values()) - published, 2),
             "node_killed_at_s": killed_at, "registry_restarted_at_s": restarted_at,
+            "trainer_tx_ratio": round((fleet.tx_bytes("trainer") - trainer0) / size, 3),
             "fake_peer": log[-1] if log else "", "fake_peer_dropped_by": dropped,
             "not_identical": identical(fleet, survivors, 1, sums)}
 

@@ -52,8 +52,10 @@ LT_CLIENT = textwrap.dedent("""
         for o in others:
             h.connect_peer((o, LT_PORT))
         time.sleep(0.1)
-    st = h.status()
-    print(json.dumps({"seconds": time.monotonic() - t0, "download": st.total_payload_download}), flush=True)
+    seconds, st = time.monotonic() - t0, h.status()
+    h.flush_cache()  # the files complete on disk before the bench reads them (not timed)
+    time.sleep(1.0)
+    print(json.dumps({"seconds": seconds, "download": st.total_payload_download}), flush=True)
     while True:
         time.sleep(1)
 """).replace("LT_PORT", str(PORT))
@@ -79,13 +81,14 @@ def run(fleet: Fleet, python: str, torrent: Path, data: Path, sums, size: int, n
         shutil.rmtree(fleet.dir / f"lt{i}", ignore_errors=True)
     before = fleet.served_bytes()
     addrs = [fleet.address(f"node{i}") for i in range(nodes)]
-    procs, logs = [], []
+    procs, logs, started = [], [], []
     start = time.monotonic()
     for i in range(nodes):
         save = fleet.dir / f"lt{i}"
         save.mkdir()
         logs.append(fleet.dir / f"lt{i}.log")
         logs[-1].write_text("")
+        started.append(time.monotonic())
         procs.append(fleet.spawn(f"node{i}", [python, "-c", LT_CLIENT, str(torrent), str(save), addrs[i],
                                               json.dumps([a for a in addrs if a != addrs[i]])], logs[-1]))
     killed = None
@@ -93,8 +96,12 @@ def run(fleet: Fleet, python: str, torrent: Path, data: Path, sums, size: int, n
     deadline = time.monotonic() + timeout_s
     while len(done) < nodes - (1 if killed is not None else 0) and time.monotonic() < deadline:
         for i, log in enumerate(logs):
-            if i not in done and i != killed and log.read_text().strip():
-                done[i] = time.monotonic() - start
+            text = log.read_text()
+            if i not in done and i != killed and '"seconds"' in text:
+                # the client's own clock from its start (the flush after is not timed) + its start
+                done[i] = json.loads(text[text.index("{"):].splitlines()[0])["seconds"] + started[i] - start
+            if procs[i].poll() is not None and i != killed:
+                raise RuntimeError(f"libtorrent client on node{i} exited:\n{log.read_text()[-2000:]}")
         if kill and killed is None and fleet.served_bytes() - before > size * 0.3:
             killed = nodes - 1
             procs[killed].kill()
@@ -120,8 +127,9 @@ def main() -> int:
     p.add_argument("--rate-mbit", type=float, default=200.0)
     p.add_argument("--kill", action="store_true", help="also a run with one node killed mid-download")
     p.add_argument("--python", default=sys.executable, help="a Python with libtorrent")
+    p.add_argument("--dir", type=Path, default=None, help="scratch directory, kept (default: a temporary one)")
     args = p.parse_args()
-    scratch = Path(tempfile.mkdtemp(prefix="rolloutd-torrent-"))
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="rolloutd-torrent-"))
     result: dict = {"nodes": args.nodes, "size_mib": args.size_mib, "rate_mbit": args.rate_mbit,
                     "load_before": load()}
     try:
@@ -143,7 +151,8 @@ def main() -> int:
                 result["kill"] = run(fleet, args.python, torrent, data, sums, size, args.nodes, kill=True)
                 print("kill:", json.dumps(result["kill"]), flush=True)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        if args.dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
     result["load_after"] = load()
     print(json.dumps(result))
     return 0
