@@ -148,7 +148,8 @@ class NodeStatus(_Model):
     registry: RegistryStatus
     target: TargetStatus | None = Field(description="the version every server is moving to (null: none yet)")
     pull: PullStatus | None = Field(description="the current or last pull (null: none yet)")
-    pull_sources: PullSources = Field(description="where the last pull's bytes came from; what peers took")
+    pull_sources: PullSources | None = Field(None, description="where the last pull's bytes came from; what "
+                                              "peers took")
     mirror: MirrorStatus
     servers: list[ServerStatus]
 
