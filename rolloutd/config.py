@@ -463,9 +463,20 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_servers(self) -> Config:
-        if problems := list(self._server_conflicts()) + self._replica_id_problems():
+        if problems := list(self._server_conflicts()) + self._replica_id_problems() + self._peers_port_problems():
             raise _problems(problems)
         return self
+
+    def _peers_port_problems(self) -> list[tuple[Loc, str]]:
+        if not self.peers.enabled:
+            return []
+        taken = {self.admin.port: "the admin API's port (admin.port)"}
+        for i, s in enumerate(self.servers):
+            taken.setdefault(s.port, f"the port of servers[{i}]")
+            taken.setdefault(s.gateway_port, f"the public_port of servers[{i}]")
+        if self.peers.port in taken:
+            return [(("peers", "port"), f"{self.peers.port} is also {taken[self.peers.port]}")]
+        return []
 
     def _replica_id_problems(self) -> list[tuple[Loc, str]]:
         # Heartbeats go to /v1/replicas/<node>.<server>: a name the registry refuses would fail every
