@@ -19,7 +19,10 @@ Contract:
 - ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
   One pull at a time per ``Puller``.
 
-Bytes come through the registry client (aiohttp) in pieces of ``piece_bytes``: requests start
+Where each chunk comes from is the pull's :class:`~rolloutd.rollout.swarm.ChunkPlan`: the version's
+origin (the registry, or the object store its manifest names) and, with peers on, other nodes
+(``rolloutd/rollout/sources.py``); a failed peer is dropped and the chunk fetched elsewhere,
+without counting against ``max_chunk_retries``. Bytes come in pieces of ``piece_bytes``: requests start
 on chunk boundaries, so every write but a file's last covers whole pages (tmpfs zero-fills the
 rest of a page a write covers only partly). The event loop is never blocked for long: one
 piece's hash and write take about a millisecond; allocating and committing the partial
