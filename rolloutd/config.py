@@ -280,6 +280,46 @@ class Pull(_Section):
     timeout_s: Seconds = Field(3600.0, description="longest time for a whole pull")
 
 
+class Peers(_Section):
+    enabled: bool = Field(False, description="take chunks from other nodes and serve this node's chunks to "
+                          "them (the chunk swarm: the trainer then sends about one copy of a version however "
+                          "many nodes pull it); off by default because it opens a listener to other nodes")
+    host: str = Field("0.0.0.0", min_length=1, description="address of the peer listener, reachable from the "
+                      "other nodes; it serves only checked chunks of versions, read-only, with a token")
+    port: int = Field(9300, ge=1, le=65535, description="TCP port of the peer listener")
+    advertise_url: str | None = Field(None, description="the listener's URL as other nodes reach it, e.g. "
+                                      "http://10.0.0.7:9300; null: http://<node.advertise_host>:<port>")
+    token_file: LaxPath | None = Field(None, description="file holding the token every node of the fleet "
+                                       "presents to its peers; null: registry.token_file (a listener off "
+                                       "loopback refuses to start without either)")
+    announce_every_s: Seconds = Field(0.5, description="while pulling: how often the registry's tracker "
+                                      "hears which chunks this node holds (and says where to take the rest)")
+    announce_idle_s: Seconds = Field(10.0, description="at rest: how often it hears which complete versions "
+                                     "this node serves (keep it under the registry's --holder-ttl-s)")
+    peer_timeout_s: Seconds = Field(10.0, description="longest silence from a peer before it is dropped "
+                                    "for the pull")
+    peer_chunk_timeout_s: Seconds = Field(60.0, description="longest time for one chunk from a peer before "
+                                          "it is dropped for the pull and the chunk fetched elsewhere")
+    origin_wait_s: Seconds = Field(5.0, description="with nothing to fetch and no word from the tracker "
+                                   "for this long, take the rest from the origin (registry or object store)")
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"https?://[^\s/]+", url.rstrip("/")):
+            raise ValueError("expected http://HOST:PORT (no path)")
+        return url.rstrip("/") if url else url
+
+
+class ObjectStore(_Section):
+    endpoint: str | None = Field(None, description="the S3-compatible service versions published with "
+                                 "`to: s3://...` are read from, e.g. http://minio:9000; null: AWS S3")
+    region: str = Field("us-east-1", min_length=1, description="the bucket's region")
+    credentials_file: LaxPath | None = Field(None, description="JSON or YAML file with access_key_id, "
+                                             "secret_access_key and optionally session_token; null: the "
+                                             "environment's AWS_* variables")
+
+
 class Update(_Section):
     pause_mode: Literal["abort", "wait", "keep"] = Field("keep", description="how a server pauses for an "
                                                          "update: abort running requests, wait for them to "
@@ -406,8 +446,8 @@ class Server(_Section):
 
 # -- the whole file ------------------------------------------------------------------------------
 
-SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "pull", "update", "heartbeat", "health", "restart",
-            "shutdown", "vllm")
+SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "pull", "peers", "object_store", "update", "heartbeat",
+            "health", "restart", "shutdown", "vllm")
 
 
 class Config(_Section):
@@ -421,6 +461,9 @@ class Config(_Section):
                                "where each server's vLLM listens")
     mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
     pull: Pull = Field(default_factory=Pull, description="how a version is pulled into the mirror")
+    peers: Peers = Field(default_factory=Peers, description="the chunk swarm: chunks from and to other nodes")
+    object_store: ObjectStore = Field(default_factory=ObjectStore, description="where versions published to "
+                                      "an object store are read from")
     update: Update = Field(default_factory=Update, description="when and how servers load a new version")
     heartbeat: Heartbeat = Field(default_factory=Heartbeat, description="each server's state reported to the "
                                  "registry")
@@ -439,9 +482,20 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_servers(self) -> Config:
-        if problems := list(self._server_conflicts()) + self._replica_id_problems():
+        if problems := list(self._server_conflicts()) + self._replica_id_problems() + self._peers_port_problems():
             raise _problems(problems)
         return self
+
+    def _peers_port_problems(self) -> list[tuple[Loc, str]]:
+        if not self.peers.enabled:
+            return []
+        taken = {self.admin.port: "the admin API's port (admin.port)"}
+        for i, s in enumerate(self.servers):
+            taken.setdefault(s.port, f"the port of servers[{i}]")
+            taken.setdefault(s.gateway_port, f"the public_port of servers[{i}]")
+        if self.peers.port in taken:
+            return [(("peers", "port"), f"{self.peers.port} is also {taken[self.peers.port]}")]
+        return []
 
     def _replica_id_problems(self) -> list[tuple[Loc, str]]:
         # Heartbeats go to /v1/replicas/<node>.<server>: a name the registry refuses would fail every
@@ -495,6 +549,11 @@ class Config(_Section):
     def node_name(self) -> str:
         """This node's name: ``node.name``, else the machine's host name."""
         return self.node.name or socket.gethostname()
+
+    @property
+    def peers_url(self) -> str:
+        """Where other nodes reach this node's peer listener."""
+        return self.peers.advertise_url or f"http://{self.advertise_host}:{self.peers.port}"
 
     @property
     def advertise_host(self) -> str:
@@ -655,7 +714,7 @@ def _keys_at(loc: Loc) -> list[str]:
 
 
 def _file_problems(cfg: Config) -> Iterator[tuple[Loc, str]]:
-    for section in ("registry", "admin", "gateway"):
+    for section in ("registry", "admin", "gateway", "peers"):
         try:
             read_token(getattr(cfg, section).token_file)
         except ConfigError as e:

@@ -175,3 +175,12 @@ def daemons(tmp_path, registry):
     for daemon in started:
         daemon.kill_everything()
         wait_until(lambda d=daemon: tagged_pids(d.tag) == [], 10, "every process of the daemon gone")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 server (SeaweedFS, ``weed mini``) on loopback free ports, one bucket, credentials
+    in ``s3.credentials_file``; stopped after the module."""
+    from .s3_server import SeaweedS3
+    with SeaweedS3(tmp_path_factory.mktemp("s3")) as server:
+        yield server

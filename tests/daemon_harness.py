@@ -116,12 +116,15 @@ def _free_port() -> int:
 class DaemonProcess:
     """``python -m rolloutd.cli run -c CONFIG`` in its own session, output in ``log``."""
 
-    def __init__(self, cfg: dict, directory: Path):
+    def __init__(self, cfg: dict, directory: Path, *, prefix: list[str] = ()):
         self.cfg, self.dir = cfg, directory
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NS]: run it on another host
         self.path = directory / "rolloutd.yaml"
         self.write(cfg)
         self.tag = cfg["vllm"]["env"]["ROLLOUTD_TEST_TAG"]
-        self.url = f"http://127.0.0.1:{cfg['admin']['port']}"
+        host = cfg["admin"].get("host", "127.0.0.1")
+        host = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
+        self.url = f"http://{host}:{cfg['admin']['port']}"
         self.log = directory / "rolloutd.log"
         self.proc: subprocess.Popen | None = None
 
@@ -133,7 +136,8 @@ class DaemonProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(extra_env)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(self.path)],
+            argv = [*self.prefix, sys.executable, "-m", "rolloutd.cli", "run", "-c", str(self.path)]
+            self.proc = subprocess.Popen(argv,
                                          cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         return self

@@ -52,6 +52,8 @@ STATUS = {
     "pull": {"target": "latest", "version": 12, "state": "pulling", "bytes_done": 1 << 30,
              "bytes_total": 4 << 30, "rate_bytes_per_s": 512.0 * (1 << 20), "eta_s": 6.0, "retries": 1,
              "seconds": 2.0, "error": None},
+    "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
+                     "url": "http://10.0.0.7:9300", "served_bytes": 9 << 30, "served_requests": 1152},
     "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "versions": [10, 11]},
     "servers": [
         {"name": "gpu0", "state": "SERVING", "pid": 5001, "socket": "/var/lib/rolloutd/sockets/gpu0.sock",

@@ -94,6 +94,15 @@ class MirrorStatus(_Model):
     versions: list[int] = Field(description="complete versions it holds")
 
 
+class PullSources(_Model):
+    peers: bool = Field(description="the chunk swarm is on (peers.enabled)")
+    last_pull: dict[str, int] = Field(description="bytes of the last pull by kind of source: origin (the "
+                                      "registry or the object store) and peers")
+    url: str | None = Field(None, description="this node's peer listener as other nodes reach it")
+    served_bytes: int | None = Field(None, description="bytes this node served its peers since it started")
+    served_requests: int | None = Field(None, description="requests its peer listener answered")
+
+
 class GateStatus(_Model):
     ok: bool = Field(description="the server passed the gate")
     canary: bool = Field(description="the version's canary was scored (false: it has none; only the probe ran)")
@@ -141,6 +150,8 @@ class NodeStatus(_Model):
     registry: RegistryStatus
     target: TargetStatus | None = Field(description="the version every server is moving to (null: none yet)")
     pull: PullStatus | None = Field(description="the current or last pull (null: none yet)")
+    pull_sources: PullSources | None = Field(None, description="where the last pull's bytes came from; what "
+                                              "peers took")
     mirror: MirrorStatus
     servers: list[ServerStatus]
 

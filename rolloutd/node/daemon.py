@@ -51,10 +51,13 @@ from rolloutd.gateway.relay import Gateway, GatewayError
 from rolloutd.node.admin import AdminServer, create_app
 from rolloutd.node.metrics import Metrics
 from rolloutd.node.notify import Notifier
+from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.slots import RolloutSlots
+from rolloutd.rollout.swarm import Swarm, SwarmSettings
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.leftovers import ChildRecords
 from rolloutd.supervise.plugin_path import install_plugin
@@ -66,7 +69,7 @@ log = logging.getLogger("rolloutd")
 S = ServerState
 
 # Sections a running daemon cannot change: they name its identity, its sockets and its files.
-FIXED_SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "state_dir")
+FIXED_SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "state_dir", "peers", "object_store")
 
 
 @dataclass
@@ -115,12 +118,20 @@ class Daemon:
         self.client = RegistryClient(cfg.registry.url, registry_token, timeouts=Timeouts(
             connect_s=cfg.registry.connect_timeout_s, request_s=cfg.registry.request_timeout_s,
             read_s=cfg.pull.read_timeout_s))
-        self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use)
+        self.swarm = Swarm(swarm_settings(cfg, registry_token), self.client, self.mirror, node=cfg.node_name,
+                           object_store=ObjectStoreSettings(**cfg.object_store.model_dump()),
+                           read_timeout_s=cfg.pull.read_timeout_s)
+        self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use,
+                               swarm=self.swarm)
         gateways = {}
+        self.peer_server = None
         try:
             for spec in cfg.servers:  # every public port bound before anything is spawned
                 gateways[spec.name] = await self._open_gateway(spec)
-        except GatewayError:
+            if cfg.peers.enabled:
+                self.peer_server = PeerServer(self.mirror, self.swarm.ledger, cfg.peers.host, cfg.peers.port,
+                                              self.swarm.settings.token).start()
+        except (GatewayError, PeerServerError):
             await asyncio.gather(*(g.stop() for g in gateways.values()))
             self.admin.stop()
             await self.client.close()
@@ -138,12 +149,17 @@ class Daemon:
                 admin = tg.create_task(keep("admin", self.admin.serve, self.metrics, done=lambda: self.admin.stopped),
                                        name="admin")
                 updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
+                announcer = tg.create_task(keep("announcer", self.swarm.run_announcer, self.metrics),
+                                           name="announcer")
                 reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
                 for spec in cfg.servers:
                     self._start_server(spec, gateways[spec.name])
                 await self._main()
-                await self._shutdown(updater, reloader, admin)
+                await self._shutdown(updater, reloader, admin, announcer)
         finally:
+            if self.peer_server is not None:
+                self.peer_server.stop()
+            await self.swarm.close()
             await self.client.close()
             self._unhandle_signals()
         log.info("stop rolloutd: every server stopped")
@@ -327,7 +343,8 @@ class Daemon:
         return message + (f"; not started: {', '.join(failed)}" if failed else "")
 
     # -- shutdown ---------------------------------------------------------------------------------------
-    async def _shutdown(self, updater: asyncio.Task, reloader: asyncio.Task, admin: asyncio.Task) -> None:
+    async def _shutdown(self, updater: asyncio.Task, reloader: asyncio.Task, admin: asyncio.Task,
+                        announcer: asyncio.Task) -> None:
         self.notifier.stopping()
         log.info("stop: deregister %d server(s), then stop them, the updater and the admin API", len(self.servers))
         async with self._changing:  # a reload or restart in progress ends first (its steps have deadlines)
@@ -336,6 +353,7 @@ class Daemon:
             await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
             await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
             await _cancel(updater)
+            await _cancel(announcer)  # the tracker forgets this node's chunks
             self.admin.stop()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.cfg.shutdown.admin_grace_s):
@@ -364,10 +382,29 @@ class Daemon:
             "registry": self.updater.registry.as_dict(now),
             "target": {"version": target.version, "digest": target.digest} if target else None,
             "pull": progress.as_dict() if progress is not None else None,
+            "pull_sources": self._pull_sources(),
             "mirror": {"dir": str(self.mirror.dir), "max_bytes": self.mirror.max_bytes,
                        "usage_bytes": self.mirror.usage_bytes(), "versions": self.mirror.versions()},
             "servers": servers,
         }
+
+
+    def _pull_sources(self) -> dict:
+        """Bytes of the last pull by kind of source, and what this node served its peers."""
+        plan = self.updater.puller.last_plan
+        out = {"last_pull": dict(plan.bytes_from) if plan is not None else {}, "peers": self.cfg.peers.enabled}
+        if self.peer_server is not None:
+            out.update(url=self.swarm.settings.url, served_bytes=self.peer_server.served_bytes,
+                       served_requests=self.peer_server.requests)
+        return out
+
+
+def swarm_settings(cfg: Config, registry_token: str | None) -> SwarmSettings:
+    p = cfg.peers
+    token = read_token(p.token_file) if p.token_file is not None else registry_token
+    return SwarmSettings(enabled=p.enabled, url=cfg.peers_url, token=token, announce_every_s=p.announce_every_s,
+                         announce_idle_s=p.announce_idle_s, peer_timeout_s=p.peer_timeout_s,
+                         peer_chunk_timeout_s=p.peer_chunk_timeout_s, origin_wait_s=p.origin_wait_s)
 
 
 async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, *,

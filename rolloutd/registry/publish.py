@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from rolloutd.objstore import ObjectStoreSettings, publish_files, version_source
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import (
     DEFAULT_CHUNK_BYTES,
@@ -251,32 +252,44 @@ class RegistryHTTP:
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None, partial: bool = False) -> Manifest:
+                canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                store: ObjectStoreSettings | None = None) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
-        model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`)."""
+        model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`).
+        ``to`` and ``store``: as for :meth:`publish_dir`."""
         with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
             save_shards(state_dict, Path(tmp), shard_bytes)
-            return self.publish_dir(version, Path(tmp), chunk_bytes=chunk_bytes,
-                                    metadata=metadata, progress=progress, canary=canary,
-                                    partial=partial)
+            return RegistryHTTP.publish_dir(self, version, Path(tmp), chunk_bytes=chunk_bytes,
+                                            metadata=metadata, progress=progress, canary=canary,
+                                            partial=partial, to=to, store=store)
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None, partial: bool = False) -> Manifest:
+                    canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                    store: ObjectStoreSettings | None = None) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
         Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
         ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
         that loads the version before it takes traffic again. ``partial``: the files carry only
         some of the model's tensors on purpose; the rest keeps its weights (without it, a version
-        that lacks a tensor of the served model fails to load, naming it)."""
+        that lacks a tensor of the served model fails to load, naming it).
+
+        ``to="s3://bucket/prefix"``: the files go to the object store under ``<prefix>/<version>/``
+        instead of the registry, which keeps the manifest (naming that source), the leases and
+        the version's lifecycle; ``store`` says where the S3 service is and which file holds
+        the credentials (:class:`~rolloutd.objstore.ObjectStoreSettings`). The registry never
+        deletes objects: a bucket lifecycle rule, or the trainer, removes retired versions."""
         files = safetensors_files(path)
+        source = version_source(to, version) if to is not None else None
         manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                  partial=partial)
+                                  partial=partial, source=source)
         try:
             if self.manifest(version).digest == manifest.digest:
                 return manifest
         except (errors.VersionUnknown, errors.VersionRetired):
             pass
+        if source is not None:
+            return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress)
         total, done = manifest.total_bytes, 0
         for p in files:
             def body(p=p) -> Iterator[bytes]:
@@ -289,6 +302,23 @@ class RegistryHTTP:
                         yield piece
             self._call("PUT", f"/v1/uploads/{version}/files/{p.name}", content=body(),
                        headers={"content-length": str(p.stat().st_size)})
+        self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
+                   headers={"content-type": "application/json"})
+        return manifest
+
+    def _publish_to_store(self, manifest: Manifest, files: list[Path], store: ObjectStoreSettings,
+                          progress: Progress | None) -> Manifest:
+        """Files to the object store first, then the manifest: a version is never visible before
+        its bytes are where it says."""
+        self._call("GET", "/v1/versions/latest")  # fail on a wrong token before uploading gigabytes
+        done = 0
+
+        def stored(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(done, manifest.total_bytes)
+        publish_files(manifest.source, files, store, stored)
         self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
                    headers={"content-type": "application/json"})
         return manifest
@@ -342,9 +372,15 @@ class EmbeddedRegistry(RegistryHTTP):
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None, partial: bool = False) -> Manifest:
+                canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                store: ObjectStoreSettings | None = None) -> Manifest:
         """Serialize, hash and stage shard by shard in the caller's thread (one shard in
-        memory at a time), then publish on the registry's loop."""
+        memory at a time), then publish on the registry's loop. With ``to``, the files go to
+        the object store (:meth:`RegistryHTTP.publish_dir`)."""
+        if to is not None:
+            return super().publish(version, state_dict, shard_bytes=shard_bytes, chunk_bytes=chunk_bytes,
+                                   metadata=metadata, progress=progress, canary=canary, partial=partial,
+                                   to=to, store=store)
         state_dict = drop_aliases(checkpoint_tensors(state_dict))
         total = sum(_nbytes(t) for t in state_dict.values())  # tensor bytes; headers come on top
         entries: list[FileEntry] = []
@@ -363,7 +399,11 @@ class EmbeddedRegistry(RegistryHTTP):
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None, partial: bool = False) -> Manifest:
+                    canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                    store: ObjectStoreSettings | None = None) -> Manifest:
+        if to is not None:
+            return super().publish_dir(version, path, chunk_bytes=chunk_bytes, metadata=metadata,
+                                       progress=progress, canary=canary, partial=partial, to=to, store=store)
         files = safetensors_files(path)
         with self._staging(version):
             manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,

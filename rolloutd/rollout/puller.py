@@ -19,7 +19,10 @@ Contract:
 - ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
   One pull at a time per ``Puller``.
 
-Bytes come through the registry client (aiohttp) in pieces of ``piece_bytes``: requests start
+Where each chunk comes from is the pull's :class:`~rolloutd.rollout.swarm.ChunkPlan`: the version's
+origin (the registry, or the object store its manifest names) and, with peers on, other nodes
+(``rolloutd/rollout/sources.py``); a failed peer is dropped and the chunk fetched elsewhere,
+without counting against ``max_chunk_retries``. Bytes come in pieces of ``piece_bytes``: requests start
 on chunk boundaries, so every write but a file's last covers whole pages (tmpfs zero-fills the
 rest of a page a write covers only partly). The event loop is never blocked for long: one
 piece's hash and write take about a millisecond; allocating and committing the partial
@@ -45,6 +48,8 @@ from pydantic import ValidationError
 
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror, Partial
+from rolloutd.rollout.sources import ByteSource, SourceError
+from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
 from rolloutd.wire.messages import LeaseInfo
@@ -175,7 +180,8 @@ class Puller:
     def __init__(self, client: RegistryClient, mirror: Mirror, *, holder: str, streams: int = 4,
                  request_bytes: int = 16 * MiB, max_chunk_retries: int = 3, lease_ttl_s: float = 60.0,
                  renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES, retry_delay_s: float = 0.1,
-                 in_use: Callable[[], set[int]] = set, clock: Callable[[], float] = time.monotonic):
+                 in_use: Callable[[], set[int]] = set, clock: Callable[[], float] = time.monotonic,
+                 swarm: Swarm | None = None):
         if streams < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
             raise ValueError("streams and request_bytes must be positive, max_chunk_retries >= 0, "
                              "lease_ttl_s > 0")
@@ -190,6 +196,11 @@ class Puller:
         self.clock = clock
         self.progress: PullProgress | None = None
         self._lease: LeaseInfo | None = None
+        # Where chunks come from: the origin (registry or object store) and, with peers on, other
+        # nodes; the default is the registry alone.
+        self.swarm = swarm or Swarm(SwarmSettings(), client, mirror, node=holder)
+        self.peer_chunk_timeout_s = self.swarm.settings.peer_chunk_timeout_s
+        self.last_plan: ChunkPlan | None = None
 
     @property
     def lease(self) -> LeaseInfo | None:
@@ -202,6 +213,7 @@ class Puller:
             raise RuntimeError(f"a pull of {self.progress.target} is in progress: one at a time")
         progress = self.progress = PullProgress(target=version, clock=self.clock)
         partial: Partial | None = None
+        self.last_plan = None
         try:
             lease = await self._take_lease(version)
             progress.version = lease.version
@@ -243,6 +255,8 @@ class Puller:
         finally:
             if partial is not None:
                 await _settle(asyncio.to_thread(self.mirror.discard, partial))
+            if self.last_plan is not None:  # after the commit: peers are served the partial until then
+                self.swarm.finish(self.last_plan)
             await self._release()
             if progress.ended_at is None:  # only if something stranger than an Exception ended it
                 progress.ended_at = self.clock()
@@ -287,49 +301,71 @@ class Puller:
 
     # -- chunks -----------------------------------------------------------------------------------
     async def _fetch_all(self, manifest: Manifest, partial: Partial) -> None:
-        """``streams`` workers take chunks in file order; the lease is renewed meanwhile. The
-        first failure cancels the rest."""
-        work = _chunks(manifest)
+        """``streams`` workers take chunks from the pull's plan (:class:`ChunkPlan`: in file order
+        from the origin alone, or from peers and the origin as the tracker says); the lease is
+        renewed meanwhile. The first failure cancels the rest."""
+        plan = self.last_plan = self.swarm.plan(manifest, partial.dir)
+        failures: dict[int, int] = {}  # chunk -> failed attempts from the origin
         try:
             async with asyncio.TaskGroup() as tg:
                 keeper = tg.create_task(self._keep_lease(manifest.version))
                 async with asyncio.TaskGroup() as workers:
-                    for _ in range(min(self.streams, sum(len(f.chunks) for f in manifest.files))):
-                        workers.create_task(self._worker(work, manifest, partial))
+                    for _ in range(min(self.streams, plan.count)):
+                        workers.create_task(self._worker(plan, manifest, partial, failures))
                 keeper.cancel()
         except BaseExceptionGroup as group:
             raise _first(group) from None
 
-    async def _worker(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial) -> None:
-        for entry, index in work:  # one shared iterator: each chunk goes to one worker
-            fd = partial.open(entry.name)
+    async def _worker(self, plan: ChunkPlan, manifest: Manifest, partial: Partial, failures: dict[int, int]) -> None:
+        while (pick := await plan.next()) is not None:  # each chunk goes to one worker at a time
+            fd = partial.open(pick.entry.name)
             try:
-                await self._fetch_chunk(manifest, entry, index, fd)
+                await self._fetch_chunk(manifest, plan, pick, fd, failures)
             finally:
                 os.close(fd)
 
-    async def _fetch_chunk(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
-        """Fetch one chunk into ``fd`` and check it; again on failure, up to the retry limit."""
+    async def _fetch_chunk(self, manifest: Manifest, plan: ChunkPlan, pick: Pick, fd: int,
+                           failures: dict[int, int]) -> None:
+        """One attempt at one chunk from the source the plan chose. A failure puts the chunk back
+        in the plan: a failed peer is dropped and the chunk fetched elsewhere; a failed origin
+        transfer counts against ``max_chunk_retries``."""
+        entry, index, source = pick.entry, pick.index, pick.source
         where = f"version {manifest.version} file {entry.name} chunk {index}"
-        last = ""
-        for attempt in range(self.max_chunk_retries + 1):
-            if attempt:
-                self.progress.retries += 1
-                await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
+        try:
             try:
-                await self._transfer(manifest, entry, index, fd)
+                if source.is_peer:  # a slow peer is as good as gone: the chunk goes elsewhere
+                    async with asyncio.timeout(self.peer_chunk_timeout_s):
+                        await self._transfer(manifest, entry, index, fd, source)
+                else:
+                    await self._transfer(manifest, entry, index, fd, source)
+            except TimeoutError:
+                raise SourceError(f"{source.label}: chunk not done in {self.peer_chunk_timeout_s:g} s") from None
+        except _FATAL as e:
+            plan.failed(pick, _describe(e))
+            raise PullError(f"{where}: {_describe(e)}") from None
+        except OSError as e:  # the client turns network errors into RegistryUnavailable
+            plan.failed(pick, _describe(e))
+            raise PullError(f"{where}: cannot write to the mirror: {e}") from None
+        except (_ChunkCorrupt, errors.RegistryError) as e:
+            last = _describe(e)
+            if source.is_peer:
+                self.progress.retries += 1
+                plan.failed(pick, f"{where}: {last}")
                 return
-            except _FATAL as e:
-                raise PullError(f"{where}: {_describe(e)}") from None
-            except OSError as e:  # the client turns network errors into RegistryUnavailable
-                raise PullError(f"{where}: cannot write to the mirror: {e}") from None
-            except (_ChunkCorrupt, errors.RegistryError) as e:
-                last = _describe(e)
-                log.warning("retry %s (attempt %d of %d failed): %s", where, attempt + 1,
-                            self.max_chunk_retries + 1, last)
-        raise PullError(f"{where}: failed {self.max_chunk_retries + 1} times; last: {last}")
+            attempt = failures[pick.bit] = failures.get(pick.bit, 0) + 1
+            if attempt > self.max_chunk_retries:
+                plan.failed(pick, last)
+                raise PullError(f"{where}: failed {attempt} times; last: {last}") from None
+            self.progress.retries += 1
+            log.warning("retry %s (attempt %d of %d failed): %s", where, attempt, self.max_chunk_retries + 1, last)
+            await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
+            plan.failed(pick, last)
+            return
+        start, end = manifest.chunk_span(entry, index)
+        plan.done(pick, end - start)
+        self.swarm.landed(pick)
 
-    async def _transfer(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
+    async def _transfer(self, manifest: Manifest, entry: FileEntry, index: int, fd: int, source: ByteSource) -> None:
         """One attempt: the chunk's bytes in requests of at most ``request_bytes``, each piece
         hashed and written at its offset as it arrives. A failed attempt takes back the bytes
         it had added to the progress."""
@@ -338,8 +374,8 @@ class Puller:
         try:
             for req_start in range(start, end, self.request_bytes):
                 req_end = min(end, req_start + self.request_bytes)
-                pieces = self.client.stream_range(manifest.version, entry.name, req_start, req_end,
-                                                  piece_bytes=self.piece_bytes)
+                pieces = source.stream(manifest.version, entry.name, req_start, req_end,
+                                       piece_bytes=self.piece_bytes)
                 async with contextlib.aclosing(pieces):  # a failed write must close the response too
                     async for piece in pieces:
                         sink(piece)
@@ -398,12 +434,6 @@ class Puller:
             pass
         except Exception as e:
             log.warning("cannot release lease %s on version %d: %s", lease.lease_id, lease.version, _describe(e))
-
-
-def _chunks(manifest: Manifest) -> Iterator[tuple[FileEntry, int]]:
-    for entry in manifest.files:
-        for index in range(len(entry.chunks)):
-            yield entry, index
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

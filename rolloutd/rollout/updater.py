@@ -37,6 +37,7 @@ from rolloutd.node.metrics import Metrics
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullResult, PullState
+from rolloutd.rollout.swarm import Swarm
 from rolloutd.wire import errors
 from rolloutd.wire.messages import HeartbeatReply, LatestInfo
 
@@ -111,7 +112,8 @@ class RegistryView:
 
 class Updater:
     def __init__(self, conf: Callable[[], Config], client: RegistryClient, mirror: Mirror, metrics: Metrics, *,
-                 in_use: Callable[[], set[int]], clock: Callable[[], float] = time.monotonic):
+                 in_use: Callable[[], set[int]], clock: Callable[[], float] = time.monotonic,
+                 swarm: Swarm | None = None):
         self._conf, self._client, self.mirror, self._metrics = conf, client, mirror, metrics
         self._in_use, self._clock = in_use, clock
         cfg = conf()
@@ -119,7 +121,7 @@ class Updater:
         self.puller = Puller(client, mirror, holder=cfg.node_name, streams=cfg.pull.streams,
                              request_bytes=int(cfg.pull.request_bytes),
                              max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
-                             in_use=in_use)
+                             in_use=in_use, swarm=swarm)
         self.target: Target | None = None
         self.settled = asyncio.Event()   # the first decision was made (a target, or nothing to load)
         self._changed = asyncio.Condition()

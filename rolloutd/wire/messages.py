@@ -5,11 +5,11 @@ with the reply models, which ignore keys they do not know, so a newer registry m
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from rolloutd.wire.manifest import Count, VersionNumber
+from rolloutd.wire.manifest import Count, ManifestDigest, VersionNumber
 
 MAX_ERROR_CHARS = 512
 # Heartbeat fields added after the first registries: left out of the body when unset, and left
@@ -83,6 +83,31 @@ class DemandRequest(BaseModel):
                                     "load at least this version; null clears the demand")
 
 
+class HeldVersion(BaseModel):
+    """What a node holds of one version: all of it, or the chunks of a pull in progress."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    digest: ManifestDigest = Field(description="the manifest digest it holds (another is ignored)")
+    chunks: str | None = Field(None, pattern=r"^[0-9a-f]{1,4096}$", description="chunks held and checked, "
+                               "bit i = chunk i of the version in manifest order, lowercase hex; null: all")
+    pulling: bool = Field(False, description="a pull of it is in progress: the reply says where from")
+
+
+class Announce(BaseModel):
+    """``PUT /v1/holders/{node}``: where a node serves chunks to its peers, and what it holds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    url: str = Field(min_length=8, max_length=512, pattern=r"^https?://[^\s/]+$",
+                     description="the node's peer listener, e.g. http://10.0.0.7:9300")
+    versions: dict[Annotated[str, Field(pattern=r"^[1-9][0-9]{0,15}$")], HeldVersion] = Field(
+        max_length=16, description="version number -> what the node holds of it")
+    failed: list[Annotated[str, Field(pattern=REPLICA_ID_RE.pattern)]] = Field(
+        default_factory=list, max_length=64, description="peers that failed this node since its last "
+        "announcement (gone, too slow, or bad bytes): not handed out for a while")
+
+
 # -- replies -------------------------------------------------------------------------------------
 
 class Reply(BaseModel):
@@ -117,3 +142,23 @@ class HeartbeatReply(Reply):
 
 class Replicas(Reply):
     replicas: list[dict]
+
+
+class PeerInfo(Reply):
+    node: str
+    url: str
+    chunks: str  # hex chunk map, as in HeldVersion (every bit set: complete)
+
+
+class SwarmView(Reply):
+    """For one version being pulled: peers that hold chunks the puller lacks (a sample, spread
+    over pullers) and the chunks it should take from the origin (registry or object store) now."""
+
+    peers: list[PeerInfo]
+    origin: str  # hex chunk map
+    pullers: int = 0  # nodes pulling the version now
+
+
+class AnnounceReply(Reply):
+    instance: str
+    versions: dict[str, SwarmView]

@@ -20,9 +20,10 @@ from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDroppe
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.settings import RegistrySettings
 from rolloutd.registry.server.store import Store, Version, VersionState
+from rolloutd.registry.server.tracker import Tracker
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
-from rolloutd.wire.messages import Heartbeat
+from rolloutd.wire.messages import REPLICA_ID_RE, Announce, Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -81,10 +82,12 @@ class RegistryService:
     def __init__(self, settings: RegistrySettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.blobs = DiskStore(Path(settings.data_dir)) if settings.data_dir else MemoryStore()
+        self.tracker = Tracker(clock=clock, holder_ttl_s=settings.holder_ttl_s, assign_ttl_s=settings.assign_ttl_s,
+                               max_peers=settings.max_peers)
         self.store = Store(keep_versions=settings.keep_versions, clock=clock,
                            max_lease_ttl_s=settings.max_lease_ttl_s,
                            replica_forget_after_s=settings.replica_forget_after_s,
-                           reclaim=self.blobs.reclaim)
+                           reclaim=self._reclaim)
         self.metrics = Metrics()
         self.store.rollouts.on_delay = self.metrics.publish_to_serving.observe
         self.token = settings.read_token()
@@ -106,6 +109,23 @@ class RegistryService:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def _reclaim(self, version: int) -> None:
+        self.blobs.reclaim(version)
+        self.tracker.forget_version(version)  # no puller is sent to a peer for bytes nobody may keep
+
+    def announce(self, node: str, body: bytes) -> dict:
+        """A node's peer listener and what it holds -> where it should take what it lacks."""
+        if not REPLICA_ID_RE.fullmatch(node):
+            raise errors.InvalidRequest(f"invalid node name {node[:140]!r}")
+        views = self.tracker.announce(node, errors.parse(Announce, body), self._manifest_of)
+        return {"instance": self.store.instance, "versions": views}
+
+    def _manifest_of(self, version: int) -> Manifest | None:
+        try:
+            return self.store.get(version).manifest
+        except (errors.VersionUnknown, errors.VersionRetired):
+            return None
 
     def heartbeat(self, replica_id: str, body: bytes) -> dict:
         """One replica's heartbeat (raw JSON body) -> the reply with latest and demand."""
@@ -173,6 +193,8 @@ class RegistryService:
         async with self._lock():
             if self.store.check_publishable(manifest):
                 return self.store.get(manifest.version), False
+            if manifest.source is not None:  # the bytes are in an object store: the manifest only
+                return self._publish_committed(manifest, await asyncio.to_thread(self.blobs.commit, manifest)), True
             self._check_staged(manifest)
             self._publishing.add(manifest.version)
             try:
@@ -188,9 +210,12 @@ class RegistryService:
                 blobs = await asyncio.to_thread(self.blobs.commit, manifest)
             finally:
                 self._publishing.discard(manifest.version)
-            version = self.store.publish(manifest, blobs)
-            self.metrics.publishes.inc()
-            return version, True
+            return self._publish_committed(manifest, blobs), True
+
+    def _publish_committed(self, manifest: Manifest, blobs: dict) -> Version:
+        version = self.store.publish(manifest, blobs)
+        self.metrics.publishes.inc()
+        return version
 
     def _check_staged(self, manifest: Manifest) -> None:
         sizes = self.blobs.staged_sizes(manifest.version)
