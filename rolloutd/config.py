@@ -491,8 +491,7 @@ class Config(_Section):
             return []
         taken = {self.admin.port: "the admin API's port (admin.port)"}
         for i, s in enumerate(self.servers):
-            taken.setdefault(s.port, f"the port of servers[{i}]")
-            taken.setdefault(s.gateway_port, f"the public_port of servers[{i}]")
+            taken.setdefault(s.public_port, f"the public_port of servers[{i}]")
         if self.peers.port in taken:
             return [(("peers", "port"), f"{self.peers.port} is also {taken[self.peers.port]}")]
         return []

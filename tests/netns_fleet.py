@@ -237,7 +237,7 @@ class Fleet:
             if object_store:
                 sections["object_store"] = {"endpoint": self.s3.endpoint, "credentials_file":
                                             str(self.s3.credentials_file)}
-            cfg = config(d, self.registry_url, [{"name": "s0", "model": "fake-model", "port": 8001,
+            cfg = config(d, self.registry_url, [{"name": "s0", "model": "fake-model",
                                                  "public_port": 9001}], fake=True, **sections)
             daemon = DaemonProcess(cfg, d, prefix=["ip", "netns", "exec", self.ns(host)])
             daemon.start()

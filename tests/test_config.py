@@ -423,7 +423,7 @@ def test_mutations_only_raise_config_error_with_a_line_and_a_path(data):
 
 def test_the_peer_listener_needs_a_port_of_its_own():
     text = ("registry: {url: 'http://trainer:8700'}\nadmin: {port: 9300}\npeers: {enabled: true}\n"
-            "servers: [{name: gpu0, model: /m, port: 8001}]\n")
+            "servers: [{name: gpu0, model: /m, public_port: 9001}]\n")
     with pytest.raises(ConfigError, match=r"peers\.port: 9300 is also the admin API's port"):
         parse_config(text)
     assert parse_config(text.replace("enabled: true", "enabled: false")).peers.port == 9300  # off: unused
