@@ -22,6 +22,10 @@ routes to the loopback vLLM:
   behaviour is the same whether vLLM queues requests during a pause (0.32) or refuses them
   (0.33); a request that reached vLLM just as it paused and came back 503 is held and sent
   again.
+- **Version contract.** A request with ``X-Rolloutd-Min-Version: N`` is forwarded only while the
+  server holds version ``N`` or newer; else ``409 version_behind`` with ``Retry-After`` and
+  ``X-Rolloutd-Version`` (what it holds), so a client in any language can ask for fresh
+  weights (``rolloutd.wire.version_contract``). A held request is checked once it is released.
 
 - **Bounded.** Each client connection is a state machine (:class:`Reading`) whose states carry
   their timeouts (head, body, idle keep-alive; none while a request is being answered); at most
@@ -54,6 +58,7 @@ import httptools
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.node.metrics import Metrics
 from rolloutd.supervise.states import ServerState
+from rolloutd.wire import version_contract
 from rolloutd.wire.auth import bearer_ok
 
 log = logging.getLogger("rolloutd.gateway.relay")
@@ -82,9 +87,11 @@ FEED_BYTES = 4096  # what one read is parsed in pieces of, so that reading ahead
 # and what must not pass: the relay answers ``Expect`` itself and names no server.
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
                   b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
-_DROP_REQUEST = _HOP | {b"host", b"authorization", b"expect"}
+_DROP_REQUEST = _HOP | {b"host", b"authorization", b"expect", version_contract.MIN_VERSION_HEADER.lower().encode()}
 _DROP_RESPONSE = _HOP | {b"server"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_MIN_VERSION = version_contract.MIN_VERSION_HEADER.lower().encode()
+_BAD_VERSION = -1
 
 
 class GatewayError(OSError):
@@ -104,6 +111,7 @@ class Gateway:
         self.host_header = b"127.0.0.1:%d" % upstream_port
         self._token = token.encode() if token else None
         self.state = ServerState.STOPPED
+        self.version: int | None = None  # the version the server holds (None: its start model)
         self._serving = asyncio.Event()
         self._server: asyncio.Server | None = None
         self._clients: set[_Client] = set()
@@ -148,6 +156,10 @@ class Gateway:
         else:
             self._serving.clear()
 
+    def on_version(self, version: int | None) -> None:
+        """The version the server holds now (set by its supervisor before it serves it)."""
+        self.version = version
+
     # -- what a request gets --------------------------------------------------------------------
     def refusal(self, method: str, path: str, authorization: bytes | None) -> tuple | None:
         """The gateway's own answer to a request, or None when it is forwarded."""
@@ -163,6 +175,18 @@ class Gateway:
 
     def _authorized(self, authorization: bytes | None) -> bool:
         return bearer_ok(authorization, self._token)
+
+    def behind(self, exchange: _Exchange) -> tuple | None:
+        """The refusal of a request that asks for a newer version than the serving server holds
+        (None: it may go on; a server not serving yet is judged once it serves)."""
+        want = exchange.min_version
+        if want is None or not self._serving.is_set() or (self.version or 0) >= want:
+            return None
+        held = version_contract.held_text(self.version)
+        return (version_contract.BEHIND_STATUS, version_contract.BEHIND_CODE,
+                f"server {self.name} holds version {held}; the request wants {want} or newer",
+                ((b"Retry-After", str(self.settings.retry_after_s).encode()),
+                 (version_contract.VERSION_HEADER.encode(), held.encode())))
 
     def unavailable(self, message: str) -> tuple:
         return 503, "unavailable", message, ((b"Retry-After", str(self.settings.retry_after_s).encode()),)
@@ -190,6 +214,9 @@ class Gateway:
         try:
             while True:
                 await self._ready(exchange.deadline)
+                if (refusal := self.behind(exchange)) is not None:
+                    exchange.client.answer_error(exchange, *refusal)
+                    return
                 up = reused = self._take_idle()
                 if up is None:
                     try:
@@ -270,7 +297,7 @@ class _Exchange:
     """One request from a client and what the gateway does with it."""
 
     __slots__ = ("client", "method", "target", "path", "headers", "authorization", "length", "expect", "body",
-                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream")
+                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream", "min_version")
 
     def __init__(self, client: _Client):
         self.client = client
@@ -285,6 +312,7 @@ class _Exchange:
         self.http10 = False
         self.task: asyncio.Task | None = None
         self.upstream: _Upstream | None = None
+        self.min_version: int | None = None  # X-Rolloutd-Min-Version (_BAD_VERSION: not a version)
 
     def request_bytes(self, host: bytes, connection_tokens: frozenset[bytes]) -> bytes:
         """The request as sent to vLLM: the same target, method, headers and body; a Host of
@@ -541,6 +569,8 @@ class _Client(asyncio.Protocol):
             ex.length = int(value)  # llhttp has checked it is a number
         elif low == b"expect":
             ex.expect = value.lower() == b"100-continue"
+        elif low == _MIN_VERSION:
+            ex.min_version = version_contract.parse_min_version(value) or _BAD_VERSION
 
     def on_headers_complete(self) -> None:
         if self.state is Reading.DONE:
@@ -560,6 +590,8 @@ class _Client(asyncio.Protocol):
         ex.path = ex.target.partition(b"?")[0].decode("latin-1")
         ex.deadline = time.monotonic() + gw.settings.hold_max_s
         ex.refusal = gw.refusal(ex.method, ex.path, ex.authorization)
+        if ex.refusal is None and ex.min_version == _BAD_VERSION:
+            ex.refusal = (400, "bad_request", f"{version_contract.MIN_VERSION_HEADER} must be a positive integer", ())
         if ex.refusal is None and ex.length is not None and ex.length > gw.limit:
             ex.refusal = (413, "too_large", f"request body of {ex.length} bytes; the limit is {gw.limit}", ())
         if ex.refusal is not None and (ex.expect or ex.refusal[0] == 413) and ex.length:
@@ -619,6 +651,8 @@ class _Client(asyncio.Protocol):
                     self.stalled = True  # resume_writing goes on
                     return
                 ex = self.queue[0]
+                if ex.refusal is None:
+                    ex.refusal = self.gw.behind(ex)
                 if ex.refusal is None:
                     self.gw.forward(ex)  # its answer comes later: answered() brings us back
                     return
