@@ -216,6 +216,8 @@ class Node:
         self.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.admin = f"http://127.0.0.1:{cfg['admin']['port']}"
         self.proc: subprocess.Popen | None = None
+        self.pulled: tuple[int, float] | None = None  # (version, seconds) of the last complete pull
+        self.paused: dict[str, tuple[int, float]] = {}  # server -> (version, seconds paused) of its last load
 
     def start(self) -> Node:
         with open(self.log, "ab") as out:
@@ -231,13 +233,25 @@ class Node:
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def update_times(self) -> tuple[int | None, float, float]:
-        """(version, pull seconds, longest pause of a server) of the last version the node loaded."""
+    async def note_updates(self) -> None:
+        """Remember the node's last complete pull and each server's last complete update (the
+        admin API shows the one under way, if any)."""
         st = await self.status() or {}
         pull = st.get("pull") or {}
-        updates = [s.get("last_update") or {} for s in st.get("servers", [])]
-        paused = max(((u.get("phases_s") or {}).get("paused", 0.0) for u in updates), default=0.0)
-        return pull.get("version"), float(pull.get("seconds") or 0.0), float(paused)
+        if pull.get("state") == "done" and pull.get("version"):
+            self.pulled = (pull["version"], float(pull["seconds"]))
+        for s in st.get("servers", []):
+            u = s.get("last_update") or {}
+            if u.get("ok"):
+                self.paused[s["name"]] = (u["version"], float((u.get("phases_s") or {}).get("paused", 0.0)))
+
+    def update_times(self) -> str:
+        """The last pull and the longest pause of the servers' last loads, with their versions."""
+        pull = f"pull {self.pulled[1]:.2f} s (v{self.pulled[0]})" if self.pulled else "pull -"
+        if not self.paused:
+            return f"{pull}  pause -"
+        version, seconds = max(self.paused.values(), key=lambda vs: (vs[0], vs[1]))
+        return f"{pull}  pause {seconds:.2f} s (v{version})"
 
     async def wait_serving(self, fleet: Fleet, version: int, timeout_s: float) -> None:
         """Until every server serves ``version`` in the fleet's view; RuntimeError as soon as the
@@ -344,13 +358,13 @@ class Loop:
         self.run.rewards.append(mean)
         if stale is not None:
             self.run.staleness.append(stale)
-        loaded, pull_s, pause_s = await self.node.update_times()
-        seen = Counter("+".join(map(str, s.gen.versions)) for s in samples)
+        await self.node.note_updates()
+        seen = Counter(tuple(s.gen.versions) for s in samples)
         say(f"{self.run.name} step {step:2d}/{self.args.steps}  reward {mean:.3f}  versions "
-            + " ".join(f"v{v}:{n}" for v, n in sorted(seen.items()))
+            + " ".join(f"v{'+'.join(map(str, v))}:{n}" for v, n in sorted(seen.items()))
             + (f"  staleness {stale}" if stale is not None else "")
-            + f"  | train {train_s:.2f} s  publish {publish_s:.2f} s  pull {pull_s:.2f} s  pause {pause_s:.2f} s"
-            + (f" (v{loaded})" if loaded else "") + f"  generate {gen_s:.2f} s (waited {waited_s:.2f} s)"
+            + f"  | train {train_s:.2f} s  publish {publish_s:.2f} s  {self.node.update_times()}"
+            + f"  generate {gen_s:.2f} s (waited {waited_s:.2f} s)"
             + (f"  | served-vs-trainer max |dlogprob| {gap:.1e}" if gap is not None else ""))
 
 
