@@ -343,3 +343,13 @@ def test_the_blocking_facade_generates_and_aborts(registry, http, fakes):
         future.cancel()
         assert f.cancelled.wait(5)
         assert fleet.stats["requests"] == 4 and fleet.replicas()[0]["in_flight"] == 0
+
+
+async def test_a_request_ended_early_at_the_models_length_is_complete(registry, http, fakes):
+    f = fakes(max_model_len=20)
+    f.script = ["abort:10"]  # every token it had room for, then aborted by an update
+    listed(http, f, 1)
+    async with fleet_of(registry) as fleet:
+        out = await fleet.generate(list(range(1, 11)), Sampling(max_tokens=100))
+    assert len(out.token_ids) == 10 and out.finish_reason == "length" and out.attempts == 1
+    assert len(f.requests) == 1

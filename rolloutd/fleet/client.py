@@ -63,7 +63,7 @@ log = logging.getLogger("rolloutd.fleet")
 
 GENERATE = "/inference/v1/generate"
 MODELS = "/v1/models"
-ROUTE_POLL_S = 0.05  # how often a request waiting for a replica looks again
+ROUTE_POLL_S = 0.1  # how often a request waiting for a replica looks again (a new listing wakes it sooner)
 
 
 class Step(enum.Enum):
@@ -113,6 +113,7 @@ class Fleet:
         self._http: aiohttp.ClientSession | None = None
         self._refresher: asyncio.Task | None = None
         self._poke: asyncio.Event | None = None
+        self._listed: asyncio.Event | None = None  # set (and replaced) at each new listing
         self._refresh_failing = False
 
     def __repr__(self) -> str:  # never shows a token
@@ -126,7 +127,7 @@ class Fleet:
         connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
                                          keepalive_timeout=self._keepalive_s, enable_cleanup_closed=True)
         self._http = aiohttp.ClientSession(connector=connector, json_serialize=_dumps)
-        self._poke = asyncio.Event()
+        self._poke, self._listed = asyncio.Event(), asyncio.Event()
         try:
             await self.refresh()
         except FleetError:
@@ -161,6 +162,15 @@ class Fleet:
             raise FleetError(f"cannot read the registry's directory at {self.registry_url}: {e!r}") from None
         newest = latest.get("version") if latest else None
         self.directory.apply(listing.get("replicas") or [], newest=newest, instance=listing.get("instance"))
+        listed, self._listed = self._listed, asyncio.Event()
+        listed.set()
+
+    async def _next_listing(self, at_most_s: float) -> None:
+        """Ask for a listing now, and wait for it (at most ``at_most_s``)."""
+        self._poke.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(at_most_s):
+                await self._listed.wait()
 
     async def _registry_get(self, path: str, missing_ok: bool = False) -> dict:
         timeout = aiohttp.ClientTimeout(total=self.connect_timeout_s + 10, connect=self.connect_timeout_s)
@@ -176,7 +186,7 @@ class Fleet:
 
     async def _refresh_loop(self) -> None:
         """Refresh every ``refresh_s``, or at once when a waiting request pokes (at most every
-        ``ROUTE_POLL_S * 4``). A registry that cannot be read keeps the last listing: the
+        ``ROUTE_POLL_S * 2``). A registry that cannot be read keeps the last listing: the
         replicas serve on whatever happens to the registry."""
         while True:
             with contextlib.suppress(TimeoutError):
@@ -195,7 +205,7 @@ class Fleet:
                 if self._refresh_failing:
                     log.info("refresh: the registry's directory is readable again")
                 self._refresh_failing = False
-            await asyncio.sleep(ROUTE_POLL_S * 4)
+            await asyncio.sleep(ROUTE_POLL_S * 2)
 
     @property
     def newest(self) -> int | None:
@@ -216,8 +226,7 @@ class Fleet:
             if self.clock() >= deadline:
                 raise NoReplica(f"{len(ready)} of {n} replicas at version >= {min_version} after {timeout_s:g} s "
                                 f"({self.directory.describe()})")
-            self._poke.set()
-            await asyncio.sleep(ROUTE_POLL_S * 2)
+            await self._next_listing(ROUTE_POLL_S * 2)
 
     # -- generation ------------------------------------------------------------------------------
     def floor(self, min_version: int | None, max_lag: int | None) -> int | None:
@@ -333,6 +342,9 @@ class _Request:
             replica = await self._route()
             self.step = Step.SEND
             outcome = await self._attempt(replica)
+            if outcome is None:  # continued up to the model's length: nothing is left to generate
+                self.gen.finish_reason, self.step = "length", Step.DONE
+                return self.gen
             self.gen.attempts += 1
             if isinstance(outcome, _Failure):
                 self._retry(replica, outcome)
@@ -353,14 +365,15 @@ class _Request:
             if now - waited_since >= fleet.wait_s:
                 raise NoReplica(self._why(f"no replica within {fleet.wait_s:g} s"))
             self.step = Step.ROUTE
-            fleet._poke.set()
-            await asyncio.sleep(ROUTE_POLL_S)
+            await fleet._next_listing(ROUTE_POLL_S)  # or an avoided replica's time is up
 
     def _why(self, what: str) -> str:
         want = f" at version >= {self.floor}" if self.floor is not None else ""
         return f"{what}{want} ({self.fleet.directory.describe()})"
 
-    async def _attempt(self, replica: Replica) -> Part | _Failure:
+    async def _attempt(self, replica: Replica) -> Part | _Failure | None:
+        """One request to ``replica``: its answer, or why it failed; None when the tokens so far
+        already fill the server's ``max_model_len``."""
         fleet, gen = self.fleet, self.gen
         replica.in_flight += 1
         try:
@@ -368,6 +381,8 @@ class _Request:
             tokens = gen.prompt_ids + gen.token_ids
             left = self.sampling.max_tokens - len(gen.token_ids)
             room = left if mml is None else min(left, mml - len(tokens))
+            if room <= 0 and gen.token_ids:
+                return None
             if room <= 0:
                 raise PromptTooLong(f"{len(tokens)} tokens leave no room under {replica.replica_id}'s max_model_len "
                                     f"{mml}", replica=replica.replica_id)
