@@ -111,12 +111,14 @@ class FakeReplica:
         tokens = [(prompt[-1] + 1 + i) % 1000 for i in range(n)]
         choice = {"index": 0, "token_ids": tokens, "finish_reason": reason,
                   "weight_versions": [{"version": self.label, "start": 0, "end": n}] if n else []}
-        if logprobs is not None:
-            choice["logprobs"] = {"content": [
-                {"token_id": t, "logprob": -0.5, "rank": logprobs + 1,  # outside the top k
-                 "top_logprobs": [{"token_id": t, "logprob": -0.5, "rank": logprobs + 1}]
-                 + [{"token_id": 900 + r, "logprob": -0.25 * r, "rank": r} for r in range(1, logprobs + 1)]}
-                for t in tokens]}
+        if logprobs is not None:  # as vLLM lists them: the sampled token (here never among the top
+            # ones) first, then the likeliest, the whole list cut at max(logprobs, 1) entries
+            def top(t: int) -> list[dict]:
+                entries = [{"token_id": t, "logprob": -9.0, "rank": 100}]
+                entries += [{"token_id": 900 + r, "logprob": -0.25 * r, "rank": r} for r in range(1, logprobs + 1)]
+                return entries[:max(logprobs, 1)]
+            choice["logprobs"] = {"content": [{"token_id": t, "logprob": -9.0, "rank": 100, "top_logprobs": top(t)}
+                                              for t in tokens]}
         return choice
 
     # -- as a daemon would list it -------------------------------------------------------------

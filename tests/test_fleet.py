@@ -299,16 +299,16 @@ async def test_sampling_settings_are_passed_through_and_top_logprobs_come_back(r
     sent = f.requests[0]
     assert sent["body"]["sampling_params"] == {
         "max_tokens": 3, "temperature": 0.7, "top_p": 0.9, "top_k": 20, "min_p": 0.05, "seed": 11,
-        "ignore_eos": True, "stop_token_ids": [2], "logprobs": 3, "repetition_penalty": 1.1}
+        "ignore_eos": True, "stop_token_ids": [2], "logprobs": 4, "repetition_penalty": 1.1}  # (one more: see Sampling)
     assert sent["body"]["token_ids"] == PROMPT and sent["body"]["stream"] is False
     assert sent["headers"]["Authorization"] == "Bearer gw-t0ken"
-    assert out.logprobs == [-0.5] * 3
+    assert out.logprobs == [-9.0] * 3
     assert out.top_logprobs == [[(901, -0.25), (902, -0.5), (903, -0.75)]] * 3  # ranked, the sampled one left out
 
 
 def test_sampling_refuses_what_it_cannot_honour():
-    for bad in ({"max_tokens": 0}, {"top_logprobs": 21}, {"top_p": 0}, {"temperature": -1},
-                {"logprobs": False, "top_logprobs": 2}, {"extra": {"max_tokens": 3}}):
+    for bad in ({"max_tokens": 0}, {"top_p": 0}, {"temperature": -1},
+                {"logprobs": False, "top_logprobs": 2}, {"top_logprobs": 20}, {"extra": {"max_tokens": 3}}):
         with pytest.raises(ValueError):
             Sampling(**bad)
 

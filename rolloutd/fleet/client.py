@@ -288,7 +288,8 @@ class Fleet:
                 replica.max_model_len = int(body["data"][0]["max_model_len"])
         return replica.max_model_len
 
-    async def _post(self, replica: Replica, body: dict, floor: int | None, deadline: float) -> Part | _Failure:
+    async def _post(self, replica: Replica, body: dict, top_k: int, floor: int | None,
+                    deadline: float) -> Part | _Failure:
         headers = dict(self._gateway_headers)
         if floor is not None:
             headers[contract.MIN_VERSION_HEADER] = str(floor)
@@ -296,8 +297,7 @@ class Fleet:
         async with self._http.post(replica.endpoint + GENERATE, json=body, headers=headers, timeout=timeout) as r:
             if r.status == 200:
                 try:
-                    return parse_part(await r.json(content_type=None),
-                                      body["sampling_params"].get("logprobs") or 0)
+                    return parse_part(await r.json(content_type=None), top_k)
                 except (BadAnswer, ValueError) as e:
                     return _Failure(f"answer not understood: {e}", "bad_answer", None)
             return await self._refusal(replica, r)
@@ -387,7 +387,7 @@ class _Request:
                 raise PromptTooLong(f"{len(tokens)} tokens leave no room under {replica.replica_id}'s max_model_len "
                                     f"{mml}", replica=replica.replica_id)
             body = {"token_ids": tokens, "sampling_params": self.sampling.params(room), "stream": False}
-            outcome = await fleet._post(replica, body, self.floor, self.deadline)
+            outcome = await fleet._post(replica, body, self.sampling.top_logprobs, self.floor, self.deadline)
         except aiohttp.ClientConnectorError as e:
             outcome = _Failure(f"cannot connect: {e.os_error or e}", "connect", None)
         except aiohttp.ClientError as e:  # the server closed or reset the connection before its answer's end

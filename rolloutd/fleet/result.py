@@ -126,7 +126,8 @@ def parse_part(body: Any, top_k: int) -> Part:
 
 def _top(entries: list[dict], k: int) -> list[tuple[int, float]]:
     """The ``k`` likeliest tokens at one position, likeliest first. vLLM lists the sampled token
-    first whatever its rank, then the top ones; a sampled token outside the top k is left out."""
+    first whatever its rank, then the likeliest ones (k + 1 asked for, see Sampling.params); a
+    sampled token outside the top k is left out."""
     seen: dict[int, tuple[int, float]] = {}
     for e in entries:
         rank = e.get("rank")

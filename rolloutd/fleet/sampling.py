@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-MAX_TOP_LOGPROBS = 20  # vLLM's default --max-logprobs
+MAX_TOP_LOGPROBS = 19  # vLLM's default --max-logprobs (20), less the one asked for on top (see params)
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,9 @@ class Sampling:
         if self.stop_token_ids:
             out["stop_token_ids"] = list(self.stop_token_ids)
         if self.logprobs:
-            out["logprobs"] = self.top_logprobs  # vLLM: the sampled token's, plus this many more
+            # vLLM lists the sampled token first, then the likeliest, and cuts the list at the
+            # number asked for: when the sampled token is not among the top k, the k-th would be
+            # cut. One more is asked for, and the result keeps the top k (result.parse_part).
+            out["logprobs"] = self.top_logprobs + 1 if self.top_logprobs else 0
         out.update(self.extra)
         return out
