@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,8 +65,9 @@ class FleetSync:
         return self.fleet.newest
 
     @property
-    def stats(self) -> dict[str, int]:
-        return self._call(_now(lambda: dict(self.fleet.stats)))
+    def stats(self) -> Counter[str]:
+        """A copy of :attr:`Fleet.stats` (requests, answers, retries by reason, continuations)."""
+        return self._call(_now(lambda: Counter(self.fleet.stats)))
 
     def close(self) -> None:
         if self._loop.is_closed():
