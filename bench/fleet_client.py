@@ -100,10 +100,18 @@ def start_servers(n: int) -> list[tuple[subprocess.Popen, str]]:
 
 
 def list_in(reg: EmbeddedRegistry, urls: list[str]) -> None:
+    """Heartbeat each server into the registry's directory, as its daemon would."""
     for i, url in enumerate(urls):
         httpx.put(f"{reg.url}/v1/replicas/bench.s{i}", json={
             "node": "bench", "server": f"s{i}", "endpoint": url, "state": "SERVING", "version": 1,
             "incarnation": 1}).raise_for_status()
+
+
+async def heartbeats(reg: EmbeddedRegistry, urls: list[str]) -> None:
+    """Go on heartbeating every 2 s (a replica silent for max_age_s is left out)."""
+    while True:
+        await asyncio.to_thread(list_in, reg, urls)
+        await asyncio.sleep(2)
 
 
 # -- the two paths ------------------------------------------------------------------------------------
@@ -170,7 +178,7 @@ def pct(values: list[float], q: float) -> float:
 # -- the run ------------------------------------------------------------------------------------------
 
 async def overhead(reg: EmbeddedRegistry, url: str, args: argparse.Namespace) -> dict:
-    list_in(reg, [url])
+    beats = asyncio.ensure_future(heartbeats(reg, [url]))
     direct = Direct([url])
     async with Fleet(reg.url) as fleet:
         paths = {"direct": direct, "fleet": ThroughFleet(fleet)}
@@ -184,13 +192,14 @@ async def overhead(reg: EmbeddedRegistry, url: str, args: argparse.Namespace) ->
                 lat[name] += ls
                 cpu[name].append(c)
     await direct.close()
+    beats.cancel()
     return {name: {"p50_us": pct(lat[name], 0.5) * 1e6, "p99_us": pct(lat[name], 0.99) * 1e6,
                    "cpu_us_per_request": statistics.median(cpu[name]) * 1e6, "requests": len(lat[name])}
             for name in lat}
 
 
 async def throughput(reg: EmbeddedRegistry, urls: list[str], args: argparse.Namespace) -> dict:
-    list_in(reg, urls)
+    beats = asyncio.ensure_future(heartbeats(reg, urls))
     direct = Direct(urls)
     async with Fleet(reg.url) as fleet:
         await fleet.wait_for(1, n=len(urls), timeout_s=10)
@@ -201,6 +210,7 @@ async def throughput(reg: EmbeddedRegistry, urls: list[str], args: argparse.Name
                 rates[name].append(await closed_loop(paths[name], args.concurrency, args.seconds))
         spread = {r["replica_id"]: r["answered"] for r in fleet.replicas()}
     await direct.close()
+    beats.cancel()
     return {"direct_rps": statistics.median(rates["direct"]), "fleet_rps": statistics.median(rates["fleet"]),
             "blocks": rates, "fleet_answers_per_server": spread}
 
