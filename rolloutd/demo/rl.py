@@ -308,7 +308,7 @@ class Loop:
         started = time.perf_counter()
         prompts = [make_prompt(self.rng) for _ in range(self.args.prompts)]
         jobs = [(p, Sampling(max_tokens=ANSWER_TOKENS, temperature=1.0, ignore_eos=True,
-                             seed=self.args.seed * 1_000_003 + step * 1000 + i * self.args.samples + j))
+                             seed=(self.args.seed << 40) + (step << 20) + i * self.args.samples + j))
                 for i, p in enumerate(prompts) for j in range(self.args.samples)]
         gens = await asyncio.gather(*(self.fleet.generate(p, s, min_version=min_version) for p, s in jobs))
         samples = [Sample(p, g, reward(p, g.token_ids)) for (p, _), g in zip(jobs, gens, strict=True)]
