@@ -32,7 +32,7 @@ def test_the_policy_learns_through_the_fleet_and_not_with_updates_off(tmp_path):
     assert summary["frozen_reward_last"] < 0.1, summary
     assert summary["max_staleness"] <= summary["k"]
     learn = re.findall(r"^rl: learn step +(\d+)/\d+ +reward (\S+) +versions (.*?) +staleness (\d+) +\| train (\S+) s "
-                       r"+publish (\S+) s +pull (\S+) s \(v\d+\) +pause (\S+) s \(v\d+\) +generate (\S+) s", out, re.M)
+                       r"+publish (\S+) s +pull (\S+)(?: s)? +pause (\S+) s \(v(\d+)\) +generate (\S+) s", out, re.M)
     frozen = re.findall(r"^rl: frozen step +(\d+)/\d+ +reward \S+ +versions (.*?) +\|", out, re.M)
     assert [int(s[0]) for s in learn] == [int(s[0]) for s in frozen] == list(range(1, STEPS + 1)), out
     assert all(f[1] == "v1:128" for f in frozen), frozen  # every frozen sample from version 1
@@ -40,6 +40,8 @@ def test_the_policy_learns_through_the_fleet_and_not_with_updates_off(tmp_path):
     assert seen[0] == {"1"} and any(v != {"1"} for v in seen[1:])  # the versions move with the trainer
     assert all(int(s[3]) <= 1 for s in learn)
     assert all(float(s[5]) > 0 for s in learn)  # a version published at every step
+    loaded = [int(s[8]) for s in learn]
+    assert loaded == sorted(loaded) and loaded[-1] >= STEPS // 2, loaded  # the node loads them as they come
     assert "served-vs-trainer max |dlogprob|" in out
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
     assert left == "", f"processes left behind: {left}"

@@ -216,8 +216,8 @@ class Node:
         self.path.write_text(yaml.safe_dump(cfg, sort_keys=False))
         self.admin = f"http://127.0.0.1:{cfg['admin']['port']}"
         self.proc: subprocess.Popen | None = None
-        self.pulled: tuple[int, float] | None = None  # (version, seconds) of the last complete pull
-        self.paused: dict[str, tuple[int, float]] = {}  # server -> (version, seconds paused) of its last load
+        self.pulls: dict[int, float] = {}  # version -> seconds its pull took
+        self.loads: dict[int, dict[str, float]] = {}  # version -> server -> seconds it was paused to load it
 
     def start(self) -> Node:
         with open(self.log, "ab") as out:
@@ -233,25 +233,30 @@ class Node:
         except (httpx.HTTPError, ValueError):
             return None
 
-    async def note_updates(self) -> None:
-        """Remember the node's last complete pull and each server's last complete update (the
-        admin API shows the one under way, if any)."""
-        st = await self.status() or {}
-        pull = st.get("pull") or {}
-        if pull.get("state") == "done" and pull.get("version"):
-            self.pulled = (pull["version"], float(pull["seconds"]))
-        for s in st.get("servers", []):
-            u = s.get("last_update") or {}
-            if u.get("ok"):
-                self.paused[s["name"]] = (u["version"], float((u.get("phases_s") or {}).get("paused", 0.0)))
+    async def watch(self) -> None:
+        """Note every pull and load the node completes (the admin API shows only the last one,
+        and with a version a step they follow each other fast)."""
+        while True:
+            st = await self.status() or {}
+            pull = st.get("pull") or {}
+            if pull.get("state") == "done" and pull.get("version"):
+                self.pulls[pull["version"]] = float(pull["seconds"])
+            for s in st.get("servers", []):
+                u = s.get("last_update") or {}
+                if u.get("ok"):
+                    paused = float((u.get("phases_s") or {}).get("paused", 0.0))
+                    self.loads.setdefault(u["version"], {})[s["name"]] = paused
+            await asyncio.sleep(0.25)
 
     def update_times(self) -> str:
-        """The last pull and the longest pause of the servers' last loads, with their versions."""
-        pull = f"pull {self.pulled[1]:.2f} s (v{self.pulled[0]})" if self.pulled else "pull -"
-        if not self.paused:
-            return f"{pull}  pause -"
-        version, seconds = max(self.paused.values(), key=lambda vs: (vs[0], vs[1]))
-        return f"{pull}  pause {seconds:.2f} s (v{version})"
+        """The pull, and the longest pause of a server, of the newest version every server loaded."""
+        done = [v for v, by in self.loads.items() if len(by) == SERVERS]
+        if not done:
+            return "pull -  pause -"
+        version = max(done)
+        pull = self.pulls.get(version)
+        return (f"pull {pull:.2f} s" if pull is not None else "pull -") + \
+            f"  pause {max(self.loads[version].values()):.2f} s (v{version})"
 
     async def wait_serving(self, fleet: Fleet, version: int, timeout_s: float) -> None:
         """Until every server serves ``version`` in the fleet's view; RuntimeError as soon as the
@@ -358,7 +363,6 @@ class Loop:
         self.run.rewards.append(mean)
         if stale is not None:
             self.run.staleness.append(stale)
-        await self.node.note_updates()
         seen = Counter(tuple(s.gen.versions) for s in samples)
         say(f"{self.run.name} step {step:2d}/{self.args.steps}  reward {mean:.3f}  versions "
             + " ".join(f"v{'+'.join(map(str, v))}:{n}" for v, n in sorted(seen.items()))
@@ -394,6 +398,7 @@ async def _run(args: argparse.Namespace, work: Path) -> dict:
         node = Node(work, node_config(work, reg.url, args.vllm, model_dir)).start()
         say(f"registry on {reg.url}; rolloutd run with {SERVERS} vllm serve (log: {node.log}); waiting for both "
             "to serve version 1")
+        watch = asyncio.ensure_future(node.watch())
         try:
             async with Fleet(reg.url, refresh_s=0.25, wait_s=args.start_timeout_s) as fleet:
                 await node.wait_serving(fleet, 1, args.start_timeout_s)
@@ -402,6 +407,8 @@ async def _run(args: argparse.Namespace, work: Path) -> dict:
                 learn = await Loop(args, fleet, reg, node, model_dir, version=1, publish=True).go()
                 stats = dict(fleet.stats)
         finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
             node.stop()
     w = args.window
     return {"reward_first": window_mean(learn.rewards, w, False), "reward_last": window_mean(learn.rewards, w, True),
