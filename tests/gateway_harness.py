@@ -53,6 +53,12 @@ class GatewayThread:
             self.gateway.on_state(state)
         self._call(apply())
 
+    def set_version(self, version: int | None) -> None:
+        """The version the server holds, as its supervisor would report it (applied before returning)."""
+        async def apply() -> None:
+            self.gateway.on_version(version)
+        self._call(apply())
+
     def stop(self) -> None:
         self._call(self.gateway.stop())
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -14,6 +14,10 @@
   behaviour is the same whether vLLM queues requests during a pause (0.32) or refuses them
   (0.33); a request that reached vLLM just as it paused and came back 503 is held and sent
   again (:meth:`Policy.held_again`).
+- **Version contract.** A request with ``X-Rolloutd-Min-Version: N`` is forwarded only while the
+  server holds version ``N`` or newer; else ``409 version_behind`` with ``Retry-After`` and
+  ``X-Rolloutd-Version`` (what it holds), so a client in any language can ask for fresh
+  weights (``rolloutd.wire.version_contract``). A held request is judged once it is released.
 - **Counting.** Every answer in ``gateway_requests_total{server,route,code}`` (``route="other"``
   for a path not on the list), every held request in ``gateway_held_total{server}``.
 
@@ -29,6 +33,7 @@ import time
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.node.metrics import Metrics
 from rolloutd.supervise.states import ServerState
+from rolloutd.wire import version_contract
 from rolloutd.wire.auth import bearer_ok
 
 # path -> methods: what a trainer needs for generation, and nothing that changes the server.
@@ -55,6 +60,7 @@ class Policy:
         self.name, self.settings, self.metrics = name, settings, metrics
         self._token = token.encode() if token else None
         self.state = ServerState.STOPPED
+        self.version: int | None = None  # the version the server holds (None: its start model)
         self._serving = asyncio.Event()
         self._counters: dict[tuple[str, int], object] = {}
 
@@ -70,6 +76,10 @@ class Policy:
         else:
             self._serving.clear()
 
+    def on_version(self, version: int | None) -> None:
+        """The version the server holds now (set by its supervisor before it serves it)."""
+        self.version = version
+
     # -- what a request gets --------------------------------------------------------------------
     def refusal(self, method: str, path: str, authorization: bytes | None) -> tuple | None:
         """The gateway's own answer to a request, or None when it is forwarded."""
@@ -82,6 +92,17 @@ class Policy:
             allow = ", ".join(sorted(methods))
             return 405, "method_not_allowed", f"{path} takes {allow}", ((b"Allow", allow.encode()),)
         return None
+
+    def behind(self, min_version: int | None) -> tuple | None:
+        """The refusal of a request that asks for a newer version than the serving server holds
+        (None: it may go on; a server not serving yet is judged once it serves)."""
+        if min_version is None or not self._serving.is_set() or (self.version or 0) >= min_version:
+            return None
+        held = version_contract.held_text(self.version)
+        return (version_contract.BEHIND_STATUS, version_contract.BEHIND_CODE,
+                f"server {self.name} holds version {held}; the request wants {min_version} or newer",
+                ((b"Retry-After", str(self.settings.retry_after_s).encode()),
+                 (version_contract.VERSION_HEADER.encode(), held.encode())))
 
     def unavailable(self, message: str) -> tuple:
         return 503, "unavailable", message, ((b"Retry-After", str(self.settings.retry_after_s).encode()),)

@@ -43,6 +43,7 @@ from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.gateway.policy import Policy, Unavailable
 from rolloutd.node.metrics import Metrics
 from rolloutd.supervise.states import ServerState
+from rolloutd.wire import version_contract
 
 log = logging.getLogger("rolloutd.gateway.relay")
 
@@ -58,9 +59,11 @@ FEED_BYTES = 4096  # what one read is parsed in pieces of, so that reading ahead
 # and what must not pass: the relay answers ``Expect`` itself and names no server.
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
                   b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
-_DROP_REQUEST = _HOP | {b"host", b"authorization", b"expect"}
+_MIN_VERSION = version_contract.MIN_VERSION_HEADER.lower().encode()
+_DROP_REQUEST = _HOP | {b"host", b"authorization", b"expect", _MIN_VERSION}
 _DROP_RESPONSE = _HOP | {b"server"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_BAD_VERSION = -1
 
 
 class GatewayError(OSError):
@@ -115,6 +118,10 @@ class Gateway:
         """Follow the server's lifecycle (a listener of its Lifecycle)."""
         self.policy.on_state(new)
 
+    def on_version(self, version: int | None) -> None:
+        """The version the server holds now (set by its supervisor before it serves it)."""
+        self.policy.on_version(version)
+
     # -- forwarding -----------------------------------------------------------------------------
     def forward(self, exchange: _Exchange) -> None:
         """Send a request on to vLLM: at once on a kept-alive connection while serving (the
@@ -130,6 +137,9 @@ class Gateway:
         try:
             while True:
                 await self.policy.ready(exchange.deadline)
+                if (refusal := self.policy.behind(exchange.min_version)) is not None:
+                    exchange.client.answer_error(exchange, *refusal)
+                    return
                 up = reused = self._take_idle()
                 if up is None:
                     try:
@@ -192,7 +202,7 @@ class _Exchange:
     """One request from a client and what the gateway does with it."""
 
     __slots__ = ("client", "method", "target", "path", "headers", "authorization", "length", "expect", "body",
-                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream")
+                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream", "min_version")
 
     def __init__(self, client: _Client):
         self.client = client
@@ -207,6 +217,7 @@ class _Exchange:
         self.http10 = False
         self.task: asyncio.Task | None = None
         self.upstream: _Upstream | None = None
+        self.min_version: int | None = None  # X-Rolloutd-Min-Version (_BAD_VERSION: not a version)
 
     def request_bytes(self, host: bytes, connection_tokens: frozenset[bytes]) -> bytes:
         """The request as sent to vLLM: the same target, method, headers and body; a Host of
@@ -463,6 +474,8 @@ class _Client(asyncio.Protocol):
             ex.length = int(value)  # llhttp has checked it is a number
         elif low == b"expect":
             ex.expect = value.lower() == b"100-continue"
+        elif low == _MIN_VERSION:
+            ex.min_version = version_contract.parse_min_version(value) or _BAD_VERSION
 
     def on_headers_complete(self) -> None:
         if self.state is Reading.DONE:
@@ -482,6 +495,8 @@ class _Client(asyncio.Protocol):
         ex.path = ex.target.partition(b"?")[0].decode("latin-1")
         ex.deadline = time.monotonic() + gw.settings.hold_max_s
         ex.refusal = gw.policy.refusal(ex.method, ex.path, ex.authorization)
+        if ex.refusal is None and ex.min_version == _BAD_VERSION:
+            ex.refusal = (400, "bad_request", f"{version_contract.MIN_VERSION_HEADER} must be a positive integer", ())
         if ex.refusal is None and ex.length is not None and ex.length > gw.limit:
             ex.refusal = (413, "too_large", f"request body of {ex.length} bytes; the limit is {gw.limit}", ())
         if ex.refusal is not None and (ex.expect or ex.refusal[0] == 413) and ex.length:
@@ -541,6 +556,8 @@ class _Client(asyncio.Protocol):
                     self.stalled = True  # resume_writing goes on
                     return
                 ex = self.queue[0]
+                if ex.refusal is None:
+                    ex.refusal = self.gw.policy.behind(ex.min_version)
                 if ex.refusal is None:
                     self.gw.forward(ex)  # its answer comes later: answered() brings us back
                     return

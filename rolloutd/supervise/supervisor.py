@@ -309,6 +309,8 @@ class Supervisor:
     def _hold(self, target: Target | None) -> None:
         """The one setter of what the running process holds (None: its start model, or unknown)."""
         self.loaded = target
+        if self.gateway is not None:
+            self.gateway.on_version(target.version if target else None)
         self.metrics.server_version.labels(server=self.name).set(target.version if target else -1)
 
     # -- failures, restarts, stop ------------------------------------------------------------------------
