@@ -23,6 +23,7 @@ import threading
 from aiohttp import web
 
 from .conftest import free_port
+from .gateway_harness import socket_path
 
 
 class FakeReplica:
@@ -36,6 +37,7 @@ class FakeReplica:
         self.cancelled = threading.Event()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.socket = socket_path()  # where a gateway in front of it connects, as to a vLLM child
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"fake-replica-{self.port}")
         self._runner: web.AppRunner | None = None
@@ -52,6 +54,7 @@ class FakeReplica:
         self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.UnixSite(self._runner, str(self.socket)).start()
 
     def stop(self) -> None:
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)

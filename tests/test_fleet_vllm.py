@@ -24,8 +24,7 @@ from rolloutd.fleet import FleetSync, Sampling, Span
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.wire import version_contract as contract
 
-from .conftest import free_port
-from .daemon_harness import DaemonProcess, config, vllm_server, wait_until
+from .daemon_harness import DaemonProcess, config, uds_client, vllm_server, wait_until
 from .vllm_server import require_vllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -47,7 +46,7 @@ class Nodes:
 
 def _daemon(d, registry_url: str, model, name: str, cpus: str, **update) -> DaemonProcess:
     d.mkdir()
-    server = vllm_server("s0", model, free_port(), cpus, args=["--max-model-len", str(MAX_MODEL_LEN)])
+    server = vllm_server("s0", model, cpus, args=["--max-model-len", str(MAX_MODEL_LEN)])
     cfg = config(d, registry_url, [server], node={"name": name, "advertise_host": "127.0.0.1"}, update=update,
                  restart={"start_timeout_s": 900})  # two servers starting at once on a busy 2-core machine
     return DaemonProcess(cfg, d)
@@ -85,8 +84,9 @@ def fleet(nodes):
 
 
 def vllm_metric(node: DaemonProcess, name: str) -> float:
-    """Sum of a metric's samples on the node's vLLM (its loopback port: the test's own view)."""
-    text = httpx.get(f"http://127.0.0.1:{node.server('s0')['port']}/metrics", timeout=10).text
+    """Sum of a metric's samples on the node's vLLM (its private socket: the test's own view)."""
+    with uds_client(node.socket("s0"), timeout=10) as c:
+        text = c.get("/metrics").text
     return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
 
 

@@ -32,7 +32,7 @@ def upstream():
 
 @pytest.fixture
 def gateway(upstream):
-    g = GatewayThread(upstream.port, free_port(), retry_after_s=3).start()
+    g = GatewayThread(upstream.socket, free_port(), retry_after_s=3).start()
     yield g
     g.stop()
 

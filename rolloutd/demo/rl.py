@@ -188,7 +188,7 @@ def _advantages(torch, rewards: list[float]):
 # -- the node ----------------------------------------------------------------------------------------
 
 def node_config(work: Path, registry_url: str, vllm: str, model: Path) -> dict:
-    servers = [{"name": f"cpu{i}", "model": str(model), "port": _free_port(), "public_port": _free_port(),
+    servers = [{"name": f"cpu{i}", "model": str(model), "public_port": _free_port(),
                 "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}} for i in range(SERVERS)]
     return {
         "node": {"name": "rl-node", "advertise_host": "127.0.0.1"},
