@@ -12,10 +12,12 @@ watchdog stay true while servers stop. Signal handlers only set events: SIGTERM 
 for the ordered shutdown, a second one kills every server's process group at once; SIGHUP asks
 the reloader task for a reload.
 
-Crash policy: the updater, the reloader and every heartbeat task run under :func:`keep`: a crash
-(a bug, or a reply nobody expected) is logged with its traceback, counted in
-``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay. Only
-shutdown ends the task group.
+A probe of the loop's own lateness (:mod:`rolloutd.node.looplag`) runs beside them.
+
+Crash policy: the updater, the reloader, the loop-lag probe and every heartbeat task run under
+:func:`keep`: a crash (a bug, or a reply nobody expected) is logged with its traceback, counted
+in ``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay.
+Only shutdown ends the task group.
 
 Shutdown, each step bounded by a ``shutdown.*`` deadline: wait for a reload in progress,
 deregister every replica (the trainer stops routing to a server before it stops answering),
@@ -47,6 +49,7 @@ from rolloutd import __version__
 from rolloutd.config import Config, ConfigError, load_config, read_token
 from rolloutd.gateway.relay import Gateway, GatewayError
 from rolloutd.node.admin import AdminServer, create_app
+from rolloutd.node.looplag import LoopLag
 from rolloutd.node.metrics import Metrics
 from rolloutd.node.notify import Notifier
 from rolloutd.registry.client import RegistryClient, Timeouts
@@ -133,10 +136,12 @@ class Daemon:
                 admin = tg.create_task(self.admin.serve(), name="admin")
                 updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
                 reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
+                lag = tg.create_task(keep("loop_lag", LoopLag(self.metrics).run, self.metrics), name="loop-lag")
                 for spec in cfg.servers:
                     self._start_server(spec, gateways[spec.name])
                 await self._main()
                 await self._shutdown(updater, reloader, admin)
+                await _cancel(lag)
         finally:
             await self.client.close()
             self._unhandle_signals()
