@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -46,6 +47,7 @@ import tempfile
 import time
 import traceback
 import uuid
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -75,18 +77,27 @@ def say(msg: str) -> None:
 class Sampler:
     """The daemon's RSS and open fds, the shared-memory segments its children map, the load."""
 
-    pid: int
-    tag: str
+    daemon: DaemonProcess
     samples: list[tuple[float, float, int]] = field(default_factory=list)  # (t, RSS MiB, fds)
     shm: set[str] = field(default_factory=set)
     load: list[float] = field(default_factory=list)
+    states: Counter = field(default_factory=Counter)  # (server, state) -> samples
 
     def sample(self) -> None:
-        status = Path(f"/proc/{self.pid}/status").read_text()
+        pid = self.daemon.proc.pid
+        status = Path(f"/proc/{pid}/status").read_text()
         rss = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1)) / 1024
-        self.samples.append((time.monotonic(), rss, len(os.listdir(f"/proc/{self.pid}/fd"))))
-        self.shm |= {n for n in shm_mapped(tagged_pids(self.tag)) if n.startswith("psm_")}
+        self.samples.append((time.monotonic(), rss, len(os.listdir(f"/proc/{pid}/fd"))))
+        self.shm |= {n for n in shm_mapped(tagged_pids(self.daemon.tag)) if n.startswith("psm_")}
         self.load.append(os.getloadavg()[0])
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            self.states.update((s["name"], s["state"]) for s in self.daemon.status()["servers"])
+
+    def serving(self) -> dict[str, float]:
+        """Per server, the share of samples in which it was SERVING."""
+        names = sorted({name for name, _ in self.states})
+        return {n: round(self.states[(n, "SERVING")] / max(1, sum(c for (m, _), c in self.states.items() if m == n)),
+                         3) for n in names}
 
     async def run(self, stop: asyncio.Event, every_s: float) -> None:
         while not stop.is_set():
@@ -159,7 +170,7 @@ class Soak:
         self.checker = Checker(self.daemon.url, self.registry.url, self.trainer, every_s=args.check_every_s)
         self.faults = Chaos(daemon=self.daemon, path=self.path, registry=self.registry, trainer=self.trainer,
                             rng=self.rng, spacing_s=spacing)
-        self.sampler = Sampler(self.daemon.proc.pid, self.tag)
+        self.sampler = Sampler(self.daemon)
         stop = asyncio.Event()
         t0 = time.monotonic()
         until = t0 + seconds
@@ -274,12 +285,12 @@ class Soak:
 
     def summary(self) -> dict:
         c, r, args = self.checker.counts, self.result, self.args
-        r.update(self.sampler.drift())
+        r.update(self.sampler.drift(), serving_share=self.sampler.serving())
         r.update(versions_published=self.trainer.next_version - 1, bad_versions=len(self.trainer.bad),
                  republished=self.trainer.republished,
                  faults={k: self.faults.fired[k] for k in KINDS}, fault_rounds=self.faults.rounds,
                  faults_missed=dict(self.faults.missed), fault_errors=self.faults.errors,
-                 fault_log=self.faults.log[-200:],
+                 fault_log=self.faults.log[-200:], corrupt_uncaught=len(self.faults.uncaught),
                  checks=c["checks"], checks_ok=c["ok"], checks_spanning_ok=c["ok_spanning"],
                  wrong_outputs=self.checker.wrong, torn_loads=c["torn"], stale_outputs=c["stale"],
                  bad_version_served=c["bad_version"], claim_mismatches=c["claim_mismatch"],
@@ -290,6 +301,7 @@ class Soak:
             "claim_mismatches": r["claim_mismatches"] == 0, "orphans": r["orphans"] == 0,
             "converged": r.get("converged") is True, "daemon_exit": r.get("daemon_exit") == 0,
             "task_errors": r.get("task_errors") == 0, "fault_errors": not r["fault_errors"],
+            "corrupt_uncaught": r["corrupt_uncaught"] == 0,
             "checks": r["checks_ok"] > 0,
             "rss_drift_mib": r["rss_drift_mib"] <= args.max_rss_drift_mib,
             "fd_drift": r["fd_drift"] <= args.max_fd_drift,

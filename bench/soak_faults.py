@@ -28,6 +28,7 @@ import asyncio
 import copy
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -130,6 +131,7 @@ class Chaos:
         self.missed: Counter = Counter()  # tried, but what makes it that fault did not happen
         self.errors: list[str] = []
         self.log: list[dict] = []
+        self.uncaught: list[str] = []  # corrupted replies the puller did not notice
         self.rounds = 0
         self._reloads = 0
 
@@ -217,13 +219,19 @@ class Chaos:
         return f"instance {before} -> {self.registry.instance()}, down {down_s:.1f} s, republished {again}"
 
     async def corrupt_chunk(self) -> str | None:
-        done = len(self.path.corrupted)
+        done, since = len(self.path.corrupted), self.daemon.log.stat().st_size
         self.path.corrupt_next()
         if not await self._until_true(lambda: len(self.path.corrupted) > done, 60):
             self.path.corrupt_armed = False
             self.missed["corrupt_chunk"] += 1
             return None
-        return f"flipped a byte of {self.path.corrupted[-1]}"
+        what = self.path.corrupted[-1]
+        m = re.match(r"/v1/versions/(\d+)/files/(\S+) bytes=(\d+)-", what)
+        retry = f"retry version {m.group(1)} file {m.group(2)} chunk "
+        if await self._until_true(lambda: retry in self._log_since(since), 30):
+            return f"flipped a byte of {what}; the puller caught it and fetched the chunk again"
+        self.uncaught.append(what)
+        return f"flipped a byte of {what}; NOT caught (no '{retry}...' in the daemon's log)"
 
     async def slow_pull(self) -> str | None:
         before = self.path.byte_requests
