@@ -294,7 +294,8 @@ class Soak:
                  checks=c["checks"], checks_ok=c["ok"], checks_spanning_ok=c["ok_spanning"],
                  wrong_outputs=self.checker.wrong, torn_loads=c["torn"], stale_outputs=c["stale"],
                  bad_version_served=c["bad_version"], claim_mismatches=c["claim_mismatch"],
-                 unjudged=c["unjudged"], unavailable=c["unavailable"], problems=self.checker.problems[:10],
+                 unjudged=c["unjudged"], partial=c["partial"], unavailable=c["unavailable"],
+                 problems=self.checker.problems[:10],
                  load1_mean=round(statistics.mean(self.sampler.load), 2) if self.sampler.load else None)
         goals = {
             "wrong_outputs": r["wrong_outputs"] == 0, "torn_loads": r["torn_loads"] == 0,

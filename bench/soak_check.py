@@ -12,7 +12,8 @@ judges the answer against the reference of the version vLLM labels it with:
 
 - ``ok``: equal to that version's reference (an answer whose tokens span two versions, an
   update having happened while it ran, is judged span by span: the first against the reference,
-  each later one against transformers continuing the tokens so far on that span's version);
+  each later one against transformers continuing the tokens so far on that span's version; an
+  answer cut short, aborted by a server stopping under it, as a prefix);
 - ``stale``: not, but equal to an older version's reference (weights not, or not all, replaced);
 - ``torn``: equal to no version's reference (a load mixed two versions, or broke the model);
 - ``bad_version``: labelled with a version that must never be served, or an unknown one;
@@ -221,22 +222,28 @@ class Checker:
         verdict = await asyncio.to_thread(self.judge, prompt, choice["token_ids"], spans)
         self.counts["checks"] += 1
         self.counts[verdict.kind] += 1
+        if len(choice["token_ids"]) < NEW_TOKENS:
+            self.counts["partial"] += 1  # cut short (the server stopped under it): judged as a prefix
         if verdict.kind not in ("ok", "ok_spanning", "unjudged"):
-            self._problem(claim, verdict, spans, choice["token_ids"])
+            self._problem(claim, verdict, spans, choice["token_ids"], prompt, choice.get("finish_reason"))
         if spans and claim.incarnation is not None and spans[-1]["version"] != str(claim.version):
             await self._check_claim(http, claim, spans, time.monotonic() - t0)
         return verdict
 
     def judge(self, prompt: int, tokens: list[int], spans: list[dict]) -> Verdict:
+        """An answer cut short (a server stopped or restarted under it aborts it, with the
+        tokens it had) is judged as a prefix of what it would have been."""
         if not spans:
             return Verdict("bad_version", "the answer carries no weight version")
         versions = [_number(s["version"]) for s in spans]
         for v in versions:
             if v is None or v in self.trainer.bad or v not in self.trainer.refs:
                 return Verdict("bad_version", f"served by version {v} (bad: {v in self.trainer.bad})")
+        if not tokens:
+            return Verdict("unjudged", "no token")
         first, refs = versions[0], self.trainer.refs
         if len(spans) == 1:
-            if tokens == refs[first][prompt]:
+            if tokens == refs[first][prompt][:len(tokens)]:
                 return Verdict("ok")
             return self._wrong(prompt, tokens, first)
         if tokens[:spans[0]["end"]] != refs[first][prompt][:spans[0]["end"]]:
@@ -250,7 +257,7 @@ class Checker:
         return Verdict("ok_spanning")
 
     def _wrong(self, prompt: int, tokens: list[int], version: int) -> Verdict:
-        older = [u for u, ref in self.trainer.refs.items() if u != version and ref[prompt] == tokens]
+        older = [u for u, ref in self.trainer.refs.items() if u != version and ref[prompt][:len(tokens)] == tokens]
         if older:
             return Verdict("stale", f"labelled {version}, equal to version {older[-1]}'s reference")
         return Verdict("torn", f"labelled {version}, equal to no version's reference")
@@ -268,9 +275,11 @@ class Checker:
             self.counts["claim_mismatch"] += 1
             self._problem(claim, Verdict("claim_mismatch", f"/status says {claim.version}"), spans, [])
 
-    def _problem(self, claim: Claim, verdict: Verdict, spans: list[dict], tokens: list[int]) -> None:
+    def _problem(self, claim: Claim, verdict: Verdict, spans: list[dict], tokens: list[int], prompt: int | None = None,
+                 finish_reason: str | None = None) -> None:
         line = {"kind": verdict.kind, "server": claim.name, "claimed": claim.version, "spans": spans,
-                "tokens": tokens, "detail": verdict.detail, "at_unix": round(time.time(), 1)}
+                "prompt": prompt, "tokens": tokens, "finish_reason": finish_reason, "detail": verdict.detail,
+                "at_unix": round(time.time(), 1)}
         print(f"soak: WRONG {line}", flush=True)
         if len(self.problems) < 50:
             self.problems.append(line)

@@ -38,6 +38,10 @@ def test_the_checker_judges_answers_by_the_version_that_produced_them():
     assert judge([2] * 8, [span(4)]).kind == "bad_version"          # a version every server must refuse
     assert judge([2] * 8, [span(5)]).kind == "bad_version"          # a version nobody published
     assert judge([2] * 8, []).kind == "bad_version"                 # no label at all
+    # cut short (aborted by a restart under it): judged as a prefix
+    assert judge([2] * 3, [span(2, 0, 3)]).kind == "ok"
+    assert judge([1] * 3, [span(2, 0, 3)]).kind == "stale"
+    assert judge([2, 2, 9], [span(2, 0, 3)]).kind == "torn"
     # an update in the middle of the answer: the first span as version 2, the rest as 3 continues it
     assert judge([2] * 3 + [7] * 5, [span(2, 0, 3), span(3, 3, 8)]).kind == "ok_spanning"
     assert judge([2] * 3 + [7] * 4 + [9], [span(2, 0, 3), span(3, 3, 8)]).kind == "torn"
