@@ -118,7 +118,10 @@ class Sampler:
                 "rss_drift_mib": round(med(last, 1) - med(first, 1), 1),
                 "rss_max_mib": round(max((r[1] for r in self.samples), default=0.0), 1),
                 "fds_first": med(first, 2), "fds_last": med(last, 2), "fd_drift": med(last, 2) - med(first, 2),
-                "samples": len(self.samples)}
+                "samples": len(self.samples),
+                # a dozen points over the run: a leak climbs to the end, an allocator warming up levels off
+                "rss_series_mib": [round(self.samples[i][1], 1)
+                                   for i in range(0, len(self.samples), max(1, len(self.samples) // 12))]}
 
 
 # -- setup -------------------------------------------------------------------------------------------
