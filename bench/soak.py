@@ -300,6 +300,7 @@ class Soak:
                  wrong_outputs=self.checker.wrong, torn_loads=c["torn"], stale_outputs=c["stale"],
                  bad_version_served=c["bad_version"], claim_mismatches=c["claim_mismatch"],
                  unjudged=c["unjudged"], partial=c["partial"], unavailable=c["unavailable"],
+                 directory_only_claims=c["directory_only_claims"],
                  problems=self.checker.problems[:10],
                  load1_mean=round(statistics.mean(self.sampler.load), 2) if self.sampler.load else None)
         goals = {
