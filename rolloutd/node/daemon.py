@@ -13,11 +13,14 @@ watchdog stay true while servers stop. Signal handlers only set events: SIGTERM 
 for the ordered shutdown, a second one kills every server's process group at once; SIGHUP asks
 the reloader task for a reload.
 
-Crash policy: every long-lived task (the admin API, the updater, the reloader, and per server its
-supervisor and its heartbeats) runs under :func:`keep`: a crash (a bug, or a reply nobody
-expected) is logged with its traceback, counted in ``rolloutd_task_errors_total{task}``, and the
-loop is started again after a growing delay; a crashed supervisor first stops its server's
-process group, and the admin API binds its address again. Only shutdown ends the task group.
+A probe of the loop's own lateness (:mod:`rolloutd.node.looplag`) runs beside them.
+
+Crash policy: every long-lived task (the admin API, the updater, the peer announcer, the
+reloader, the loop-lag probe, and per server its supervisor and its heartbeats) runs under
+:func:`keep`: a crash (a bug, or a reply nobody expected) is logged with its traceback, counted
+in ``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay; a
+crashed supervisor first stops its server's process group, and the admin API binds its address
+again. Only shutdown ends the task group.
 
 Shutdown, each step bounded by a ``shutdown.*`` deadline: wait for a reload in progress,
 deregister every replica (the trainer stops routing to a server before it stops answering),
@@ -49,6 +52,7 @@ from rolloutd import __version__
 from rolloutd.config import Config, ConfigError, load_config, read_token
 from rolloutd.gateway.relay import Gateway, GatewayError
 from rolloutd.node.admin import AdminServer, create_app
+from rolloutd.node.looplag import LoopLag
 from rolloutd.node.metrics import Metrics
 from rolloutd.node.notify import Notifier
 from rolloutd.objstore import ObjectStoreSettings
@@ -152,10 +156,12 @@ class Daemon:
                 announcer = tg.create_task(keep("announcer", self.swarm.run_announcer, self.metrics),
                                            name="announcer")
                 reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
+                lag = tg.create_task(keep("loop_lag", LoopLag(self.metrics).run, self.metrics), name="loop-lag")
                 for spec in cfg.servers:
                     self._start_server(spec, gateways[spec.name])
                 await self._main()
                 await self._shutdown(updater, reloader, admin, announcer)
+                await _cancel(lag)
         finally:
             if self.peer_server is not None:
                 self.peer_server.stop()

@@ -102,7 +102,10 @@ class Announce(BaseModel):
     url: str = Field(min_length=8, max_length=512, pattern=r"^https?://[^\s/]+$",
                      description="the node's peer listener, e.g. http://10.0.0.7:9300")
     versions: dict[Annotated[str, Field(pattern=r"^[1-9][0-9]{0,15}$")], HeldVersion] = Field(
-        max_length=16, description="version number -> what the node holds of it")
+        max_length=16, description="version number -> what the node holds of it",
+        # pydantic writes the key pattern as patternProperties, which alone lets other keys
+        # through: the schema must refuse them as the model does
+        json_schema_extra={"additionalProperties": False})
     failed: list[Annotated[str, Field(pattern=REPLICA_ID_RE.pattern)]] = Field(
         default_factory=list, max_length=64, description="peers that failed this node since its last "
         "announcement (gone, too slow, or bad bytes): not handed out for a while")
