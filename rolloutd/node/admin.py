@@ -305,6 +305,6 @@ class AdminServer:
             self.sock.close()
 
     def stop(self) -> None:
-        self.server.should_exit = True
+        self.server.exit()
         if not self._serving:  # never served: nothing else will close the socket
             self.sock.close()
