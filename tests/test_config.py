@@ -324,12 +324,13 @@ def check_config(path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_check_config_valid(tmp_path):
+@pytest.mark.parametrize("where", [pytest.param("process", marks=pytest.mark.slow), "in-process"])
+def test_check_config_valid(tmp_path, capsys, where):
     token = tmp_path / "registry.token"
     token.write_text("top-secret-token\n")
     path = tmp_path / "rolloutd.yaml"
     path.write_text(EXAMPLE.read_text().replace("  token_file: null", f"  token_file: {token}", 1))
-    r = check_config(path)
+    r = check_config(path) if where == "process" else run_cli(capsys, "check-config", "-c", str(path))
     assert (r.returncode, r.stderr) == (0, ""), r.stderr
     assert r.stdout == f"rolloutd: {path} is valid: 2 servers (gpu0, gpu1), registry http://trainer:8700\n"
     assert "top-secret-token" not in r.stdout + r.stderr
@@ -346,7 +347,7 @@ def test_check_config_invalid(tmp_path, capsys, text, message):
     path = tmp_path / "rolloutd.yaml"
     if text is not None:
         path.write_text(text)
-    r = run_cli(capsys, "check-config", "-c", str(path))  # in this process; the valid case above is a process
+    r = run_cli(capsys, "check-config", "-c", str(path))  # in this process; a process in the case above
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith(message.format(path=path)), r.stderr
     assert "Traceback" not in r.stderr
