@@ -980,7 +980,8 @@ def test_uploads_cut_off_anywhere_leave_nothing_and_a_correct_upload_works(tmp_p
             before = aborts(caplog)
             send_and_cut(reg.port, sent)
             if routed:
-                wait_until(lambda before=before: aborts(caplog) > before, 10, f"the upload cut {where} aborted")
+                wait_until(lambda before=before: aborts(caplog) > before, 10, f"the upload cut {where} aborted",
+                           every_s=0.01)
             nothing_visible(where)
             assert b not in reg.service.blobs.staged_sizes(1), where
         # a staged file survives a cut re-upload of itself
@@ -988,7 +989,7 @@ def test_uploads_cut_off_anywhere_leave_nothing_and_a_correct_upload_works(tmp_p
         before = aborts(caplog)
         send_and_cut(reg.port, f"PUT /v1/uploads/1/files/{a} HTTP/1.1\r\nHost: x\r\nContent-Length: {len(data_a)}"
                                f"\r\n\r\n".encode() + data_a[:len(data_a) // 2])
-        wait_until(lambda: aborts(caplog) > before, 10, "the re-upload cut halfway aborted")
+        wait_until(lambda: aborts(caplog) > before, 10, "the re-upload cut halfway aborted", every_s=0.01)
         nothing_visible("re-upload cut halfway")
         assert (data_dir / "staging" / "1" / a).read_bytes() == data_a
         # the manifest cut halfway publishes nothing

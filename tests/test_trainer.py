@@ -116,7 +116,7 @@ def test_wait_for_replicas_and_demand(registry):
     def node():
         with httpx.Client(base_url=registry.url) as c:
             for i in range(3):
-                time.sleep(0.2)
+                time.sleep(0.05)  # replicas come one by one, while wait_for_replicas polls
                 reply = c.put(f"/v1/replicas/n{i}.s0", json={"node": f"n{i}", "server": "s0",
                               "state": "SERVING", "version": 2}).json()
                 assert reply["demand"]["min_version"] == 2
@@ -127,7 +127,7 @@ def test_wait_for_replicas_and_demand(registry):
     t.join()
     assert sorted(r["replica_id"] for r in ready) == ["n0.s0", "n1.s0", "n2.s0"]
     with pytest.raises(TimeoutError, match="3 of 4 replicas SERVING"):
-        registry.wait_for_replicas(4, min_version=2, timeout_s=0.3, poll_s=0.05)
+        registry.wait_for_replicas(4, min_version=2, timeout_s=0.1, poll_s=0.01)
     with pytest.raises(errors.DemandAhead):
         registry.demand(3)
 
