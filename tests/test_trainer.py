@@ -33,6 +33,15 @@ def torch_state_dict(seed: int) -> dict:
     return sd
 
 
+def numpy_state_dict(seed: int) -> dict:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    sd = {"model.embed_tokens.weight": rng.standard_normal((256, 64), np.float32)}
+    for i in range(12):
+        sd[f"model.layers.{i}.self_attn.q_proj.weight"] = rng.standard_normal((64, 64), np.float32)
+    return sd
+
+
 def test_layer_order_and_shard_plan():
     names = ["lm_head.weight", "model.layers.10.x", "model.norm.weight", "model.layers.2.x",
              "model.embed_tokens.weight", "model.layers.2.a"]
@@ -54,6 +63,7 @@ def read_version(url: str, manifest, headers=None) -> dict:
     return out
 
 
+@pytest.mark.slow  # torch: seconds to import (the fast tier never loads it)
 def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path):
     import torch
     sd = torch_state_dict(1)
@@ -74,6 +84,7 @@ def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path)
     assert flat == sorted(flat)
 
 
+@pytest.mark.slow  # torch, as above
 @pytest.mark.parametrize("publisher", ["embedded", "http"])
 def test_publish_a_state_dict_with_tied_fused_and_strided_tensors(registry, publisher):
     """What ``model.state_dict()`` of a real model holds: one tensor under two names (tied
@@ -109,8 +120,8 @@ def test_publish_a_gpu_free_numpy_state_dict_and_a_directory(registry, tmp_path)
 
 
 def test_wait_for_replicas_and_demand(registry):
-    registry.publish(1, torch_state_dict(1))
-    registry.publish(2, torch_state_dict(2))
+    registry.publish(1, numpy_state_dict(1))
+    registry.publish(2, numpy_state_dict(2))
     registry.demand(2)
 
     def node():
@@ -161,15 +172,6 @@ def test_port_in_use_is_a_clear_error():
 
 
 # -- standalone: rolloutd registry / rolloutd publish --------------------------------------------
-
-def numpy_state_dict(seed: int) -> dict:
-    import numpy as np
-    rng = np.random.default_rng(seed)
-    sd = {"model.embed_tokens.weight": rng.standard_normal((256, 64), np.float32)}
-    for i in range(12):
-        sd[f"model.layers.{i}.self_attn.q_proj.weight"] = rng.standard_normal((64, 64), np.float32)
-    return sd
-
 
 def test_cli_publish_with_a_token(tmp_path, capsys, caplog):
     """The publish command's code in this process, on an embedded registry with a token; through
