@@ -79,7 +79,7 @@ async def serve_registry(settings) -> int:
                          before_shutdown=[service.close])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # handlers only ask the server to stop
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, server.exit)
     log.info("serve registry on %s:%d (instance %s, bytes in %s, auth %s)", *sock.getsockname()[:2],
              service.store.instance, service.blobs.describe(), "on" if service.token else "off")
     await server.serve(sockets=[sock])

@@ -21,6 +21,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # the config doc generator is a dev tool, not installed
 from configdoc import REGENERATE, example_yaml, reference_md  # noqa: E402
 
+from .conftest import run_cli  # noqa: E402
+
 EXAMPLE = ROOT / "etc" / "rolloutd.yaml"
 REFERENCE = ROOT / "docs" / "config.md"
 GiB, MiB = 1 << 30, 1 << 20
@@ -335,12 +337,13 @@ def check_config(path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_check_config_valid(tmp_path):
+@pytest.mark.parametrize("where", [pytest.param("process", marks=pytest.mark.slow), "in-process"])
+def test_check_config_valid(tmp_path, capsys, where):
     token = tmp_path / "registry.token"
     token.write_text("top-secret-token\n")
     path = tmp_path / "rolloutd.yaml"
     path.write_text(EXAMPLE.read_text().replace("  token_file: null", f"  token_file: {token}", 1))
-    r = check_config(path)
+    r = check_config(path) if where == "process" else run_cli(capsys, "check-config", "-c", str(path))
     assert (r.returncode, r.stderr) == (0, ""), r.stderr
     assert r.stdout == f"rolloutd: {path} is valid: 2 servers (gpu0, gpu1), registry http://trainer:8700\n"
     assert "top-secret-token" not in r.stdout + r.stderr
@@ -354,11 +357,11 @@ def test_check_config_valid(tmp_path):
      "{path}:5: admin.token_file: token file /nonexistent/admin.token: not found\n"),
     (None, "{path}: no such file\n"),
 ])
-def test_check_config_invalid(tmp_path, text, message):
+def test_check_config_invalid(tmp_path, capsys, text, message):
     path = tmp_path / "rolloutd.yaml"
     if text is not None:
         path.write_text(text)
-    r = check_config(path)
+    r = run_cli(capsys, "check-config", "-c", str(path))  # in this process; a process in the case above
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith(message.format(path=path)), r.stderr
     assert "Traceback" not in r.stderr
@@ -403,22 +406,26 @@ def mutate(tree, data) -> None:
         node[slot] = data.draw(values)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_mutations_only_raise_config_error_with_a_line_and_a_path(data):
-    tree = copy.deepcopy(EXAMPLE_TREE)
-    for _ in range(data.draw(st.integers(1, 3))):
-        mutate(tree, data)
-    text = yaml.safe_dump(tree, sort_keys=False)
-    try:
-        parse_config(text, SOURCE)
-    except ConfigError as e:
-        assert e.lines
-        n_lines = text.count("\n") + 1
-        for line in e.lines:
-            m = PROBLEM.fullmatch(line)
-            assert m, line
-            assert 1 <= int(m[1]) <= n_lines, line
+def test_mutations_only_raise_config_error_with_a_line_and_a_path(cases):
+    @settings(max_examples=cases(200), deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.data())
+    def case(data):
+        tree = copy.deepcopy(EXAMPLE_TREE)
+        for _ in range(data.draw(st.integers(1, 3))):
+            mutate(tree, data)
+        text = yaml.safe_dump(tree, sort_keys=False)
+        try:
+            parse_config(text, SOURCE)
+        except ConfigError as e:
+            assert e.lines
+            n_lines = text.count("\n") + 1
+            for line in e.lines:
+                m = PROBLEM.fullmatch(line)
+                assert m, line
+                assert 1 <= int(m[1]) <= n_lines, line
+
+    case()
 
 
 def test_the_peer_listener_needs_a_port_of_its_own():

@@ -20,7 +20,8 @@ from rolloutd.wire.manifest import build_manifest
 
 from .daemon_harness import uds_client
 
-pytestmark = pytest.mark.timeout(60)
+# Real processes (each fake is a new Python): the slow tier, beside the tests that use the fake.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 

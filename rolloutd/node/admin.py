@@ -329,6 +329,6 @@ class AdminServer:
 
     def stop(self) -> None:
         self.stopped = True
-        self.server.should_exit = True
+        self.server.exit()
         if not self._serving and self.sock is not None:  # never served: nothing else will close the socket
             self.sock.close()

@@ -204,16 +204,20 @@ class Updater:
                 await self._sleep(delay)
                 delay = min(delay * 2, self._conf().registry.retry_max_s)
                 continue
-            delay = self._conf().registry.retry_initial_s
             try:
                 stepped = await self._step(info)
             except Exception:  # a bug here must not take the node's servers down with the daemon
                 log.exception("crash in the update step; retrying in %g s", delay)
                 self._metrics.task_errors.labels(task="updater").inc()
                 stepped = False
-            if not stepped:
-                await self._sleep(delay)
-                delay = min(delay * 2, self._conf().registry.retry_max_s)
+            if stepped:
+                delay = self._conf().registry.retry_initial_s
+                continue
+            await self._sleep(delay)
+            delay = min(delay * 2, self._conf().registry.retry_max_s)
+            # Retry the failed step now: a long-poll would wait for a version newer than the one
+            # that failed, up to registry.long_poll_s.
+            self._wake.set()
 
     async def _watch(self) -> LatestInfo:
         """Long-poll for a version newer than the newest seen, or until poked or a deadline."""

@@ -80,13 +80,17 @@ class Supervisor:
     def __init__(self, spec: ServerConfig, conf: Callable[[], Config], updater: Updater, *,
                  slots: Callable[[], RolloutSlots], records: ChildRecords, plugin_dir: Path, metrics: Metrics,
                  on_state: Callable[[str, ServerState, ServerState], None] | None = None,
-                 gateway: Gateway | None = None):
+                 gateway: Gateway | None = None, vllm: VllmClient | None = None,
+                 make_child: Callable[..., Child] = Child, clock: Callable[[], float] = time.monotonic):
+        # vllm, make_child and clock are the seams of the OS and the server: tests pass fakes and the
+        # event loop's clock, to walk every arrow of the lifecycle in milliseconds.
         self.spec, self._conf, self.updater, self.gateway = spec, conf, updater, gateway
         self._slots, self._records, self._plugin_dir, self.metrics = slots, records, plugin_dir, metrics
-        self.lifecycle = Lifecycle(spec.name, on_change=self._changed, log=log)
+        self._make_child, self._clock = make_child, clock
+        self.lifecycle = Lifecycle(spec.name, on_change=self._changed, log=log, clock=clock)
         self._on_state = on_state
         self.socket = conf().socket_path(spec.name)  # state_dir is fixed for the daemon's life
-        self.vllm = VllmClient(self.socket)
+        self.vllm = vllm or VllmClient(self.socket)
         self.child: Child | None = None
         self.loaded: Target | None = None       # what the running process holds (None: its start model)
         self.loading: Target | None = None      # what it is moving to
@@ -154,7 +158,7 @@ class Supervisor:
             self.lifecycle.set(S.SYNCING)
             await self._guarded(self._sync())
             self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
-            self.serving_since = time.monotonic()
+            self.serving_since = self._clock()
             await self._serve()
             raise AssertionError("_serve returns only by raising")
         except (ServerFailed, ApplyFailed, ChildError) as e:
@@ -180,21 +184,22 @@ class Supervisor:
                 log.info("clean %s: removed the socket %s an earlier process left", self.name, self.socket)
         except SocketDirError as e:
             raise ServerFailed(str(e)) from None
-        self.child = Child(self.name, child_argv(cfg, self.spec), child_environ(cfg, self.spec, self._plugin_dir),
-                           records=self._records, log=logging.getLogger(f"rolloutd.server.{self.name}"))
+        self.child = self._make_child(self.name, child_argv(cfg, self.spec),
+                                      child_environ(cfg, self.spec, self._plugin_dir), records=self._records,
+                                      log=logging.getLogger(f"rolloutd.server.{self.name}"))
         await self.child.spawn()
         log.info("spawn %s[%d]: socket %s, gpus %s, incarnation %d", self.name, self.child.pid, self.socket,
                  self.spec.cuda_visible_devices or "-", self.incarnation)
 
     async def _wait_healthy(self) -> None:
         cfg = self._conf()
-        deadline = time.monotonic() + cfg.restart.start_timeout_s
-        while time.monotonic() < deadline:
+        deadline = self._clock() + cfg.restart.start_timeout_s
+        while self._clock() < deadline:
             if not self.child.running:
                 await self.child.wait()
                 raise ServerFailed(f"exited before it was healthy: {self.child.describe_exit()}")
             if await self.vllm.healthy(cfg.health.timeout_s):
-                up_s = time.monotonic() - self.child.started_at
+                up_s = self._clock() - self.child.started_at
                 log.info("healthy %s[%d] after %.1f s", self.name, self.child.pid, up_s)
                 return
             await asyncio.sleep(min(0.5, cfg.health.interval_s))
@@ -316,7 +321,7 @@ class Supervisor:
     # -- failures, restarts, stop ------------------------------------------------------------------------
     def _note_stable(self) -> None:
         stable_s = self._conf().restart.stable_after_s
-        if self.failures and self.serving_since is not None and time.monotonic() - self.serving_since >= stable_s:
+        if self.failures and self.serving_since is not None and self._clock() - self.serving_since >= stable_s:
             log.info("stable %s: serving for %.0f s, failure count reset", self.name, stable_s)
             self.failures = 0
 
