@@ -227,12 +227,18 @@ class Machine:
         self.run("sh", "-ec", f'mkdir -p "$(dirname "$1")" && cat > "$1" && chmod {mode} "$1"', "sh", path, input=text)
 
     def unit_pids(self, unit: str) -> list[int]:
-        """Processes of the unit's cgroup (pids as the guest sees them)."""
+        """Processes of the unit's cgroup and the cgroups below it (pids as the guest sees them)."""
         cgroup = self.show(unit, "ControlGroup")["ControlGroup"]
         if not cgroup:
             return []
-        out = self.run("sh", "-c", f'cat "/sys/fs/cgroup{cgroup}/cgroup.procs" 2>/dev/null', check=False).stdout
+        out = self.run("sh", "-c", f'find "/sys/fs/cgroup{cgroup}" -name cgroup.procs -exec cat {{}} + 2>/dev/null',
+                       check=False).stdout
         return sorted(int(p) for p in out.split())
+
+    def cgroup(self, pid: int | str) -> str | None:
+        """The cgroup (v2) of a guest process, as the guest names it; None once it is gone."""
+        out = self.run("cat", f"/proc/{pid}/cgroup", check=False).stdout
+        return next((line[3:] for line in out.splitlines() if line.startswith("0::")), None)
 
     def processes(self, pattern: str) -> list[str]:
         """``pid args`` of every guest process whose command line matches ``pattern`` (a regex)."""

@@ -66,14 +66,23 @@ def populated(path: Path) -> bool:
     return "populated 1" in lines
 
 
+def _write(file: Path, text: str) -> None:
+    """Write to a kernel interface file, never creating one (a kernel that lacks it: ENOENT)."""
+    fd = os.open(file, os.O_WRONLY)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+
+
 def move(path: Path, pid: int) -> None:
-    (path / "cgroup.procs").write_text(str(pid))
+    _write(path / "cgroup.procs", str(pid))
 
 
 def kill_all(path: Path, *, kill=os.kill) -> None:
     """SIGKILL every process in ``path`` and below, including those forked meanwhile."""
     try:
-        (path / "cgroup.kill").write_text("1")
+        _write(path / "cgroup.kill", "1")
         return
     except FileNotFoundError:
         if not path.is_dir():
