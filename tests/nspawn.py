@@ -126,7 +126,7 @@ class Machine:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def boot(self, timeout_s: float = 60) -> Machine:
+    def boot(self, timeout_s: float = 180) -> Machine:
         """Start the guest and wait for its systemd; on any failure nothing is left running."""
         require_tools()
         try:

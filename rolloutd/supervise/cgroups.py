@@ -33,11 +33,15 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 
 from rolloutd.supervise.containment import Containment, Scope, stop_leftover
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
+
+if TYPE_CHECKING:
+    from rolloutd.supervise.child import Child
 
 log = logging.getLogger("rolloutd.supervise.cgroups")
 
@@ -55,6 +59,16 @@ def procs(path: Path) -> list[int]:
         return sorted(int(p) for p in (path / "cgroup.procs").read_text().split())
     except FileNotFoundError:
         return []
+
+
+def _tree(path: Path) -> list[Path]:
+    """``path`` and every cgroup below it."""
+    return [path, *(p for p in path.rglob("*") if p.is_dir())] if path.is_dir() else []
+
+
+def members(path: Path) -> list[int]:
+    """The processes in cgroup ``path`` and below it."""
+    return sorted(pid for sub in _tree(path) for pid in procs(sub))
 
 
 def populated(path: Path) -> bool:
@@ -84,10 +98,9 @@ def kill_all(path: Path, *, kill=os.kill) -> None:
     try:
         _write(path / "cgroup.kill", "1")
         return
-    except FileNotFoundError:
-        if not path.is_dir():
-            return
-    for sub in [path, *(p for p in path.rglob("*") if p.is_dir())]:  # Linux < 5.14: no cgroup.kill
+    except FileNotFoundError:  # Linux < 5.14: no cgroup.kill (or the cgroup is gone)
+        pass
+    for sub in _tree(path):
         signal_each(sub, signal.SIGKILL, kill=kill)
 
 
@@ -105,14 +118,12 @@ def signal_each(path: Path, sig: int, *, kill=os.kill) -> None:
 class CgroupScope(Scope):
     def __init__(self, path: Path, label: str, daemon_cgroup: Path):
         self.path, self.label, self._daemon = path, label, daemon_cgroup
-        self._leader: int | None = None
 
     def __str__(self) -> str:
         return f"cgroup {self.label}"
 
     def place(self, pid: int) -> None:
         move(self.path, pid)
-        self._leader = pid
         self._sweep(pid)
 
     def _sweep(self, pgid: int) -> None:
@@ -130,7 +141,7 @@ class CgroupScope(Scope):
         log.warning("spawn: processes of group %d still forking outside %s", pgid, self)
 
     def pids(self) -> list[int]:
-        return procs(self.path)
+        return members(self.path)
 
     def empty(self) -> bool:
         return not populated(self.path)
@@ -138,8 +149,9 @@ class CgroupScope(Scope):
     def signal(self, sig: int) -> None:
         if sig == signal.SIGKILL:
             kill_all(self.path)
-        else:
-            signal_each(self.path, sig)
+            return
+        for sub in _tree(self.path):
+            signal_each(sub, sig)
 
     def release(self) -> None:
         with contextlib.suppress(OSError):  # populated again, or gone already: it stays, or it is gone
@@ -181,22 +193,19 @@ class DelegatedCgroups(Containment):
         self._daemon = self.leaf
         return list(lines)
 
-    def record(self, child) -> None:
+    def record(self, child: Child) -> None:
         pass  # the cgroup is the record: a daemon started after a crash finds it populated
 
-    def forget(self, child) -> None:
+    def forget(self, child: Child) -> None:
         pass
 
     async def _stop_leftover(self, path: Path, grace_s: float, kill_wait_s: float) -> str:
         scope = CgroupScope(path, f"{self.label}/{path.name}", self._daemon)
-        count = len(_all_procs(path))
-        name = path.name.removeprefix(SERVER_PREFIX) if path.name.startswith(SERVER_PREFIX) else path.name
-        head = f"{name}: {scope} ({count} process{'es' if count != 1 else ''}) left by an earlier run"
+        count = len(members(path))
+        processes = f"{count} process{'es' if count != 1 else ''}"
+        head = f"{path.name.removeprefix(SERVER_PREFIX)}: {scope} ({processes}) left by an earlier run"
         return await stop_leftover(scope, head, grace_s, kill_wait_s)
 
-
-def _all_procs(path: Path) -> list[int]:
-    return sorted(pid for sub in [path, *(p for p in path.rglob("*") if p.is_dir())] for pid in procs(sub))
 
 
 # -- which way ----------------------------------------------------------------------------------------
