@@ -158,7 +158,10 @@ class Machine:
         deadline = time.monotonic() + timeout_s
         while not self.leader:
             self._check_running()
-            children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+            # The guest's systemd: nspawn's child that runs it (nspawn forks short-lived helpers too,
+            # and a helper taken for the guest leaves every later nsenter without a target).
+            children = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-x", "systemd"], capture_output=True,
+                                      text=True).stdout
             self.leader = int(children.split()[0]) if children.split() else 0
             if time.monotonic() > deadline:
                 raise RuntimeError(f"container did not start in {timeout_s} s:\n{self.log_tail()}")
