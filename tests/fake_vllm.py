@@ -26,7 +26,8 @@ Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen
 ``exit_at_start=CODE``, ``exit_after=SECONDS`` (status 1), ``ignore_term``,
 ``slow_start=SECONDS`` (before it listens), ``hang=/route``, ``fail=/route``,
 ``fail_once=/route``, ``crash_on=/route`` (exits with status 1), ``spawn_child`` (a ``sleep``
-in its process group, as vLLM's engine core is; it inherits an ignored SIGTERM).
+in its process group, as vLLM's engine core is; it inherits an ignored SIGTERM), ``escape_child``
+(a ``sleep`` in a session of its own: out of the fake's process group, in its cgroup still).
 
 Output: a startup line, then one line per request answered (``fake_vllm: POST /pause?mode=keep
 -> 200``), or per request that will never be answered or crashes the fake.
@@ -304,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     if "spawn_child" in faults:
         child = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)
         say(f"spawned child {child.pid} (fault spawn_child)")
+    if "escape_child" in faults:
+        escaped = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL, start_new_session=True)
+        say(f"spawned child {escaped.pid} in its own session (fault escape_child)")
     asyncio.run(serve(args, faults, child))
     return 0
 

@@ -70,6 +70,7 @@ class FakeChild:
         self.server, self.name, self.argv, self.env = server, name, argv, env
         self.pid: int | None = None
         self.pgid: int | None = None
+        self.scope = "a fake scope"  # where its processes are (Child: a cgroup or a process group)
         self.started_at: float | None = None
         self.returncode: int | None = None
         self.grace: float | None = None  # the grace period of its one stop (as Child: the first asked)

@@ -190,7 +190,7 @@ def test_status_model_takes_what_the_daemon_parts_produce():
     doc["servers"][0]["last_update"] = UpdateRecord(version=3, phases_s={"pause": 0.001}, gate=GateResult(
         canary=False, ok=True, tokens=4)).as_dict()
     sup = Supervisor(Config.model_validate(CONFIG).servers[0], lambda: Config.model_validate(CONFIG),
-                     SimpleNamespace(target=None), slots=asyncio.Semaphore, records=None, plugin_dir=Path("/p"),
+                     SimpleNamespace(target=None), slots=asyncio.Semaphore, containment=None, plugin_dir=Path("/p"),
                      metrics=Metrics())
     # What the daemon adds to each supervisor's snapshot (see Daemon.status); endpoint is already there.
     doc["servers"][1] = sup.snapshot() | {"endpoint": "http://node7:9001", "heartbeat_age_s": None}

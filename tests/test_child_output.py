@@ -21,7 +21,7 @@ import pytest
 
 from rolloutd.supervise import leftovers
 from rolloutd.supervise.child import OutputLevels
-from rolloutd.supervise.leftovers import ChildRecords
+from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 
 from .test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
 
@@ -83,8 +83,8 @@ async def test_forwarded_lines_reach_the_log_at_the_childs_level(children, caplo
 # -- one stop per child -------------------------------------------------------------------------------
 async def test_every_stop_of_a_child_is_the_same_one_and_a_cancelled_caller_waits_for_it(children, caplog,
                                                                                           tmp_path):
-    records = ChildRecords(tmp_path)
-    child = await spawned_ready(children, caplog, "deaf", IGNORES_TERM, records=records)
+    child = await spawned_ready(children, caplog, "deaf", IGNORES_TERM,
+                                containment=ProcessGroups(ChildRecords(tmp_path)))
     first = asyncio.ensure_future(child.stop(30.0))
     await asyncio.sleep(0.3)
     second = asyncio.ensure_future(child.stop(0.1))  # a second stop joins the first: no grace of its own

@@ -21,7 +21,7 @@ import pytest
 
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.updater import Target
-from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.states import ARROWS, ServerState
 from rolloutd.supervise.supervisor import Supervisor
 
@@ -46,7 +46,7 @@ class Rig:
         self.metrics = Metrics()
         sem = slots or asyncio.Semaphore(2)
         self.sup = Supervisor(self.cfg.servers[index], lambda: self.cfg, self.updater, slots=lambda: sem,
-                              records=ChildRecords(tmp_path / "children"), plugin_dir=tmp_path,
+                              containment=ProcessGroups(ChildRecords(tmp_path / "children")), plugin_dir=tmp_path,
                               metrics=self.metrics, on_state=self.arrows, vllm=self.vllm,
                               make_child=self.vllm.make_child, clock=asyncio.get_running_loop().time)
         self.task: asyncio.Task | None = None

@@ -19,7 +19,7 @@ import pytest
 
 from rolloutd.config import Config
 from rolloutd.node.metrics import Metrics
-from rolloutd.supervise.leftovers import ChildRecords
+from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
@@ -55,7 +55,8 @@ def supervisor(tmp_path: Path, faults: str) -> Supervisor:
     sem = asyncio.Semaphore(1)
     prepare_socket_dir(cfg.socket_dir)
     return Supervisor(cfg.servers[0], lambda: cfg, NoTarget(), slots=lambda: sem,
-                      records=ChildRecords(tmp_path / "children"), plugin_dir=tmp_path, metrics=Metrics())
+                      containment=ProcessGroups(ChildRecords(tmp_path / "children")), plugin_dir=tmp_path,
+                      metrics=Metrics())
 
 
 async def until(predicate, timeout_s: float, what: str) -> None:

@@ -1,7 +1,9 @@
 """``rolloutd run``: the node daemon, wiring every part together under one task group.
 
-Start: read the tokens, stop what a crashed earlier run left behind (``ChildRecords``), make the
-directory of the servers' sockets (mode 0700), clean the mirror's partial pulls, put the plugin
+Start: read the tokens, choose how servers are held (a delegated cgroup each, or a process
+group each: ``supervise/cgroups.py``), stop what a crashed earlier run left behind (the
+populated cgroups, or the recorded process groups), make the directory of the servers' sockets
+(mode 0700), clean the mirror's partial pulls, put the plugin
 where children import it, bind the admin API
 (an address in use fails here, before anything is spawned), then run under one
 ``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
@@ -63,7 +65,7 @@ from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.swarm import Swarm, SwarmSettings
 from rolloutd.rollout.updater import Updater
-from rolloutd.supervise.leftovers import ChildRecords
+from rolloutd.supervise.cgroups import contain
 from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
@@ -111,8 +113,9 @@ class Daemon:
         cfg = self.cfg
         registry_token, admin_token = read_token(cfg.registry.token_file), read_token(cfg.admin.token_file)
         self.gateway_token = read_token(cfg.gateway.token_file)
-        self.records = ChildRecords(cfg.state_dir / "children")
-        for line in await self.records.reap_leftovers(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
+        self.containment = contain(cfg.state_dir)
+        log.info("contain: %s", self.containment)
+        for line in await self.containment.start(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
             log.warning("clean %s", line)
         prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
         self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes))
@@ -244,7 +247,7 @@ class Daemon:
         return gateway
 
     def _start_server(self, spec, gateway: Gateway) -> Running:
-        sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, records=self.records,
+        sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, containment=self.containment,
                          plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state,
                          gateway=gateway)
         running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)

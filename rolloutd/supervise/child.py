@@ -1,23 +1,26 @@
-"""One child process of the daemon: spawn, forward output, signal the group, reap.
+"""One child process of the daemon: spawn, forward output, signal all its processes, reap.
 
 This module is the daemon's OS seam for a running child; the supervisor decides *when*, this
-module does *how*. What a group leaves behind (records for the next daemon, leftover groups,
-``/dev/shm`` segments) and ``/proc``'s view of process groups are leftovers.py.
+module does *how*. Where the child's processes live (a delegated cgroup, or its process group)
+and what an earlier run left behind are the containment's (containment.py, cgroups.py,
+leftovers.py); ``/dev/shm`` segments are leftovers.py.
 
-- :meth:`Child.spawn` starts a command in its own session (so its process group is its pid and
-  everything it forks, such as vLLM's engine core and workers, is in that group), stdin from
-  ``/dev/null``, stdout and stderr into one pipe. A reader task logs every line to
+- :meth:`Child.spawn` starts a command in its own session (so its process group is its pid),
+  placed at once in its scope (its own cgroup, or that process group), where everything it
+  forks, such as vLLM's engine core and workers, is too; stdin from ``/dev/null``, stdout and
+  stderr into one pipe. A reader task logs every line to
   ``rolloutd.server.<name>`` as ``<name>[<pid>]: <line>`` (undecodable bytes replaced, lines
   over 64 KiB split), at the level the child gave the line (vLLM's ``WARNING 12-01 20:09:15
   [file.py:266] ...`` prefix, also after ``(APIServer pid=N)``; a traceback at the level of the
   line that started it; anything else at INFO). It ends at end of file, when the last process
   holding the pipe is gone; the child owns it, and its stop (or wait) awaits it.
-- :meth:`Child.stop` signals the **group**: SIGTERM, a grace period for the whole group (not
-  only the leader), then SIGKILL. The leader is reaped on every path; cancelling the caller
+- :meth:`Child.stop` signals the **scope**, every process of it: SIGTERM, a grace period for all
+  of them (not only the leader), then SIGKILL. The leader is reaped on every path; cancelling the caller
   hurries to SIGKILL and still reaps before the cancellation goes on. A child has one stop task:
   every caller awaits that one (a second stop never runs beside the first). Lines start with
-  ``stop``. Once the group is gone, its record is forgotten and the shared-memory segments it
-  left are removed (:func:`rolloutd.supervise.leftovers.remove_shm_leftovers`).
+  ``stop``. Once its processes are gone, its record (if any) is forgotten, its cgroup (if any)
+  removed, and the shared-memory segments they left are removed
+  (:func:`rolloutd.supervise.leftovers.remove_shm_leftovers`).
 - :func:`describe_exit` turns an exit status into words for logs and status.
 """
 
@@ -33,16 +36,8 @@ import time
 from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
-from rolloutd.supervise.leftovers import (
-    ChildRecords,
-    group_gone,
-    group_members,
-    killpg,
-    may_signal,
-    remove_shm_leftovers,
-    shm_names,
-    start_time,
-)
+from rolloutd.supervise.containment import Containment, Scope
+from rolloutd.supervise.leftovers import ProcessGroups, remove_shm_leftovers, shm_names
 
 log = logging.getLogger("rolloutd.supervise.child")
 
@@ -147,16 +142,17 @@ def describe_exit(returncode: int | None, *, sent: Iterable[int] = ()) -> str:
 
 # -- one child ---------------------------------------------------------------------------------------
 class Child:
-    """One long-running command, in its own session and process group, supervised by the daemon."""
+    """One long-running command, in its own session and its own scope (``containment``'s: a
+    cgroup, or by default its process group), supervised by the daemon."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], *,
-                 records: ChildRecords | None = None, log: logging.Logger | None = None):
+                 containment: Containment | None = None, log: logging.Logger | None = None):
         self.name, self.argv, self.env = name, list(argv), dict(env)
-        self.records = records
+        self.containment = containment or ProcessGroups()
         self.log = log or logging.getLogger(f"rolloutd.server.{name}")
         self.pid: int | None = None
         self.pgid: int | None = None
-        self.start_time: int | None = None      # /proc start time of the leader, for the record
+        self.scope: Scope | None = None         # where its processes are; set at spawn
         self.started_at: float | None = None    # time.monotonic() at spawn
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None      # the output forwarder; awaited by _drain
@@ -187,6 +183,10 @@ class Child:
         # Our own pipe, not asyncio's: asyncio's wait() would also wait for the pipe to close,
         # which a grandchild holding it open delays past the leader's exit.
         self._shm_before = shm_names()
+        try:
+            scope = self.containment.scope(self.name)
+        except OSError as e:
+            raise ChildError(f"cannot start {self.name}: no scope for its processes: {e}") from None
         r, w = os.pipe()
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -194,12 +194,20 @@ class Child:
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         except OSError as e:
             os.close(r)
+            scope.release()
             raise ChildError(f"cannot start {self.name}: {self.argv[0]}: {e.strerror or e}") from None
         finally:
             os.close(w)
         self.pid = self.pgid = self._proc.pid  # a new session's process group id is its leader's pid
         self.started_at = time.monotonic()
-        self.start_time = start_time(self.pid)
+        try:
+            scope.place(self.pid)  # at once: what it forks from now on is in its scope too
+        except OSError as e:
+            os.killpg(self.pgid, signal.SIGKILL)  # uncontained: it must not run
+            await self._proc.wait()
+            os.close(r)
+            raise ChildError(f"cannot start {self.name}: cannot place it in {scope}: {e}") from None
+        self.scope = scope
         stream = asyncio.StreamReader(limit=2 * _READ_BYTES)
         loop = asyncio.get_running_loop()
         pipe = open(r, "rb", buffering=0)
@@ -213,11 +221,7 @@ class Child:
             self._transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream),
                                                               open(moved, "rb", buffering=0))
         self._reader = asyncio.get_running_loop().create_task(self._forward(stream), name=f"output-{self}")
-        if self.records is not None:
-            try:
-                self.records.add(self)
-            except OSError as e:  # the record is a safety net for after a crash; the child runs on
-                log.warning("spawn %s: cannot write its record: %s", self, e)
+        self.containment.record(self)
 
     # -- output --------------------------------------------------------------------------------------
     async def _forward(self, stream: asyncio.StreamReader) -> None:
@@ -268,9 +272,12 @@ class Child:
         return code
 
     async def _reaped(self) -> None:
-        """The group is gone: log its last output, forget its record, remove the shared memory it
-        left. Each step may run again (a cancelled wait, then a stop); the cleaning runs once."""
-        self._forget()
+        """Its processes are gone: log their last output, forget its record, release its scope,
+        remove the shared memory they left. Each step may run again (a cancelled wait, then a
+        stop); the cleaning runs once."""
+        self.containment.forget(self)
+        if self.scope is not None:
+            self.scope.release()
         await self._drain()
         if self._gone:
             return
@@ -281,24 +288,21 @@ class Child:
                      ", ".join(removed))
 
     def group_pids(self) -> list[int]:
-        """Live processes of the child's group (the leader, and what it forked that stayed in it)."""
-        return sorted(group_members(self.pgid)) if self.pgid is not None else []
+        """Live processes of the child's scope (the leader, and what it forked that stayed in it)."""
+        return self.scope.pids() if self.scope is not None else []
 
     def kill_group(self, sig: int) -> None:
-        if not may_signal(self.pgid):
+        """``sig`` to every process of the child's scope."""
+        if self.scope is None:
             return
-        # Once the leader is reaped and no member is left, the number may belong to a new group.
+        # Once the leader is reaped and no member is left, a group's number may name a new group.
         if self.returncode is not None and not self.group_pids():
             return
         self._sent.add(sig)
-        killpg(self.pgid, sig)
+        self.scope.signal(sig)
 
     def describe_exit(self) -> str:
         return describe_exit(self.returncode, sent=self._sent)
-
-    def _forget(self) -> None:
-        if self.records is not None:
-            self.records.remove(self.name, pid=self.pid)  # never the record of a newer child of that name
 
     # -- stop ----------------------------------------------------------------------------------------
     async def stop(self, grace_s: float, kill_wait_s: float = 10.0) -> str:
@@ -330,26 +334,24 @@ class Child:
         pids = self.group_pids()
         if not pids:
             return
-        log.info("stop %s: SIGTERM to process group %d (%d processes), grace %.1f s", self, self.pgid, len(pids),
-                 grace_s)
+        log.info("stop %s: SIGTERM to %s (%d processes), grace %.1f s", self, self.scope, len(pids), grace_s)
         self.kill_group(signal.SIGTERM)
-        if await group_gone(self.pgid, grace_s, hurry=self._hurry):
+        if await self.scope.wait_empty(grace_s, hurry=self._hurry):
             return
         if self._hurry.is_set():
-            log.warning("stop %s: cancelled during the grace period: SIGKILL to process group %d now",
-                        self, self.pgid)
+            log.warning("stop %s: cancelled during the grace period: SIGKILL to %s now", self, self.scope)
             return
         log.warning("stop %s: pids %s still alive after the %.1f s grace period", self, self.group_pids(), grace_s)
 
     async def _end(self, kill_wait_s: float) -> str:
         """SIGKILL whatever is left, reap the leader, forget the record; the exit in words."""
         if self.group_pids():
-            log.warning("stop %s: SIGKILL to process group %d (pids %s)", self, self.pgid, self.group_pids())
+            log.warning("stop %s: SIGKILL to %s (pids %s)", self, self.scope, self.group_pids())
             self.kill_group(signal.SIGKILL)
-            if not await group_gone(self.pgid, kill_wait_s):
+            if not await self.scope.wait_empty(kill_wait_s):
                 left = self.group_pids()
                 log.error("stop %s: pids %s outlived SIGKILL by %.1f s", self, left, kill_wait_s)
-                raise ChildError(f"{self.name}: processes {left} of group {self.pgid} outlived SIGKILL "
+                raise ChildError(f"{self.name}: processes {left} of {self.scope} outlived SIGKILL "
                                  f"by {kill_wait_s:g} s")
         await self._spawned().wait()  # prompt: the leader is dead (a zombie at most)
         await self._reaped()

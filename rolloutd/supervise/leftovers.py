@@ -1,16 +1,18 @@
-"""What a child's process group leaves behind, and removing it: the daemon's other OS seam.
+"""The process-group way of holding servers (no delegated cgroup: the demo, a daemon started by
+hand or by a test), and what a server leaves behind in either way.
 
-- Process groups as ``/proc`` shows them (:func:`group_members`, zombies count as gone):
-  leftovers of an earlier daemon are not its children and cannot be waited for, and a group
-  outlives its leader. Process group ids 0 and 1 and the daemon's own group are never
-  signalled (:func:`killpg`).
+- :class:`ProcessGroups` and :class:`GroupScope` (the interface is containment.py): each server
+  in its own session, so its process group is its leader's pid; members found with psutil
+  (zombies count as gone). Process group ids 0 and 1 and the daemon's own group are never
+  signalled. A process that leaves its session (``setsid``) leaves the group too and is not
+  found: only a delegated cgroup (cgroups.py) holds those.
 - :class:`ChildRecords` keeps one JSON record per live child under the state directory, so
   that a daemon started after a crash can stop the process groups the crashed one left behind
   (:meth:`ChildRecords.reap_leftovers`; lines start with ``clean``). A recorded group is only
   signalled while it provably is the one recorded: a recycled pid is never signalled.
-- Once a group is gone, the shared-memory segments it left in ``/dev/shm`` (vLLM's ``psm_*``:
-  its resource tracker dies with the group) are removed (:func:`remove_shm_leftovers`), never
-  one another live process uses.
+- Once a server's processes are gone, the shared-memory segments they left in ``/dev/shm``
+  (vLLM's ``psm_*``: its resource tracker dies with them) are removed
+  (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways.
 
 One child process (spawn, output, stop, reap) is child.py.
 """
@@ -24,45 +26,51 @@ import fnmatch
 import json
 import logging
 import os
-import signal
 import stat
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+import psutil
+
+from rolloutd.supervise.containment import Containment, Scope, stop_leftover
 
 if TYPE_CHECKING:
     from rolloutd.supervise.child import Child
 
 log = logging.getLogger("rolloutd.supervise.leftovers")
 
-_POLL_S = (0.02, 0.2)           # /proc polling interval: first, at most
 
-
-# -- /proc -------------------------------------------------------------------------------------------
-def _stat(pid: int | str) -> tuple[str, int, int] | None:
-    """(state, pgid, start time in clock ticks since boot) of a process, None if it is gone."""
+# -- process groups ----------------------------------------------------------------------------------
+def _live(pid: int) -> psutil.Process | None:
     try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        fields = raw[raw.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
-        return fields[0], int(fields[2]), int(fields[19])
-    except (OSError, ValueError, IndexError):
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc
+    except psutil.Error:  # gone, or hidden from us
         return None
 
 
-def start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat``: with the pid, it names one process for the machine's uptime."""
-    st = _stat(pid)
-    return None if st is None or st[0] in "ZX" else st[2]
+def started_s(pid: int) -> float | None:
+    """When a live process started, in seconds since boot (None if it is gone): with the pid, it
+    names one process for the machine's uptime. The kernel counts it from boot; psutil adds the
+    boot time, which follows changes of the wall clock, so the boot time is taken off again."""
+    proc = _live(pid)
+    try:
+        return None if proc is None else round(proc.create_time() - psutil.boot_time(), 2)
+    except psutil.Error:
+        return None
 
 
-def group_members(pgid: int) -> dict[int, int]:
-    """Live (not zombie) processes of process group ``pgid``: pid -> start time."""
+def group_members(pgid: int) -> dict[int, float]:
+    """Live (not zombie) processes of process group ``pgid``: pid -> :func:`started_s`."""
     found = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            st = _stat(entry.name)
-            if st is not None and st[1] == pgid and st[0] not in "ZX":
-                found[int(entry.name)] = st[2]
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        if (start := started_s(pid)) is not None:
+            found[pid] = start
     return found
 
 
@@ -77,18 +85,55 @@ def killpg(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
-async def group_gone(pgid: int, timeout_s: float, *, hurry: asyncio.Event | None = None) -> bool:
-    """Poll ``/proc`` until no live process is left in the group; False if some outlived ``timeout_s``
-    (or ``hurry`` was set meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    pause = _POLL_S[0]
-    while group_members(pgid):
-        left = deadline - time.monotonic()
-        if left <= 0 or (hurry is not None and hurry.is_set()):
-            return False
-        await asyncio.sleep(min(pause, left))
-        pause = min(pause * 2, _POLL_S[1])
-    return True
+class GroupScope(Scope):
+    """One server's process group: its leader's session."""
+
+    def __init__(self, pgid: int | None = None):
+        self.pgid = pgid
+
+    def __str__(self) -> str:
+        return f"process group {self.pgid}"
+
+    def place(self, pid: int) -> None:
+        self.pgid = pid  # spawned in a new session: its process group id is its own pid
+
+    def pids(self) -> list[int]:
+        return sorted(group_members(self.pgid)) if self.pgid is not None else []
+
+    def signal(self, sig: int) -> None:
+        if may_signal(self.pgid):
+            killpg(self.pgid, sig)
+
+    def release(self) -> None:
+        pass  # a process group is nothing to give back
+
+
+class ProcessGroups(Containment):
+    """Servers in process groups; with ``records``, what a crashed daemon left is found again."""
+
+    def __init__(self, records: ChildRecords | None = None, reason: str = ""):
+        self.records, self.reason = records, reason
+
+    def __str__(self) -> str:
+        return "each server in its own process group" + (f" ({self.reason})" if self.reason else "")
+
+    def scope(self, name: str) -> GroupScope:
+        return GroupScope()
+
+    async def start(self, grace_s: float, kill_wait_s: float) -> list[str]:
+        return await self.records.reap_leftovers(grace_s, kill_wait_s) if self.records is not None else []
+
+    def record(self, child: Child) -> None:
+        if self.records is None:
+            return
+        try:
+            self.records.add(child)
+        except OSError as e:  # the record is a safety net for after a crash; the child runs on
+            log.warning("spawn %s: cannot write its record: %s", child, e)
+
+    def forget(self, child: Child) -> None:
+        if self.records is not None:
+            self.records.remove(child.name, pid=child.pid)  # never the record of a newer child of that name
 
 
 # -- shared memory left by a group -------------------------------------------------------------------
@@ -172,7 +217,8 @@ def remove_shm_leftovers(before: set[str]) -> list[str]:
 # -- records of children, for the next daemon -----------------------------------------------------------
 class ChildRecords:
     """``<directory>/<name>.json``: ``{"name", "pid", "pgid", "start_time", "argv"}`` for every
-    child spawned and not yet reaped, written atomically (temporary file, then rename)."""
+    child spawned and not yet reaped (``start_time``: :func:`started_s` of its leader), written
+    atomically (temporary file, then rename)."""
 
     def __init__(self, directory: Path):
         self.dir = Path(directory)
@@ -185,7 +231,7 @@ class ChildRecords:
 
     def add(self, child: Child) -> None:
         path = self._path(child.name)
-        record = {"name": child.name, "pid": child.pid, "pgid": child.pgid, "start_time": child.start_time,
+        record = {"name": child.name, "pid": child.pid, "pgid": child.pgid, "start_time": started_s(child.pid),
                   "argv": child.argv}
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_text(json.dumps(record) + "\n")
@@ -233,8 +279,8 @@ def _read_record(path: Path) -> dict:
         raise ValueError(str(e)) from None
     if not isinstance(record, dict):
         raise ValueError("not an object")
-    for key in ("pid", "pgid", "start_time"):
-        if not isinstance(record.get(key), int) or isinstance(record[key], bool) or record[key] <= 0:
+    for key, kinds in (("pid", int), ("pgid", int), ("start_time", (int, float))):
+        if not isinstance(record.get(key), kinds) or isinstance(record[key], bool) or record[key] <= 0:
             raise ValueError(f"{key} is {record.get(key)!r}")
     if not may_signal(record["pgid"]):
         raise ValueError(f"process group {record['pgid']} may not be signalled")
@@ -261,15 +307,6 @@ def _leftover_pids(record: dict) -> list[int]:
 
 
 async def _stop_leftover(record: dict, count: int, grace_s: float, kill_wait_s: float) -> str:
-    name, pgid = record["name"], record["pgid"]
-    head = f"{name}: process group {pgid} ({count} process{'es' if count != 1 else ''}) left by an earlier run"
-    log.warning("clean %s: SIGTERM, grace %.1f s", head, grace_s)
-    killpg(pgid, signal.SIGTERM)
-    how = "stopped with SIGTERM"
-    if not await group_gone(pgid, grace_s):
-        killpg(pgid, signal.SIGKILL)
-        how = "killed with SIGKILL"
-        if not await group_gone(pgid, kill_wait_s):
-            how = f"pids {sorted(group_members(pgid))} outlived SIGKILL"
-    log.info("clean %s: %s", head, how)
-    return f"{head}: {how}"
+    head = (f"{record['name']}: process group {record['pgid']} ({count} process{'es' if count != 1 else ''}) "
+            "left by an earlier run")
+    return await stop_leftover(GroupScope(record["pgid"]), head, grace_s, kill_wait_s)

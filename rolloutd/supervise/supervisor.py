@@ -2,8 +2,9 @@
 
 :meth:`Supervisor.run` is the server's whole life, owned by the daemon's task group:
 
-- STARTING: spawn the child (own process group, listening on its private UNIX socket, the
-  plugin on its import path) and wait until ``/health`` passes, within ``restart.start_timeout_s``.
+- STARTING: spawn the child (own session, in its own cgroup or process group, listening on its
+  private UNIX socket, the plugin on its import path) and wait until ``/health`` passes,
+  within ``restart.start_timeout_s``.
 - SYNCING: wait for the node's first decision, then load the node's target version into the
   server (the same sequence as an update). Only then is it SERVING.
 - SERVING: probe ``/health`` every ``health.interval_s``; ``health.failures`` failed probes in
@@ -16,7 +17,7 @@
 - A failure goes to BACKOFF: the process group is stopped, then the server is started again
   after a growing delay; after ``restart.max_retries`` failures in a row, FATAL (a person
   restarts it through the admin API). Serving for ``restart.stable_after_s`` resets the count.
-- Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to the group, grace, KILL,
+- Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to all its processes, grace, KILL,
   every process reaped, STOPPED; the child is never left behind on any path.
 """
 
@@ -41,7 +42,7 @@ from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.supervise.child import Child, ChildError
-from rolloutd.supervise.leftovers import ChildRecords
+from rolloutd.supervise.containment import Containment
 from rolloutd.supervise.plugin_path import child_env
 from rolloutd.supervise.sockets import SocketDirError, remove_stale
 from rolloutd.supervise.states import Lifecycle, ServerState
@@ -78,14 +79,14 @@ def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dic
 
 class Supervisor:
     def __init__(self, spec: ServerConfig, conf: Callable[[], Config], updater: Updater, *,
-                 slots: Callable[[], RolloutSlots], records: ChildRecords, plugin_dir: Path, metrics: Metrics,
+                 slots: Callable[[], RolloutSlots], containment: Containment, plugin_dir: Path, metrics: Metrics,
                  on_state: Callable[[str, ServerState, ServerState], None] | None = None,
                  gateway: Gateway | None = None, vllm: VllmClient | None = None,
                  make_child: Callable[..., Child] = Child, clock: Callable[[], float] = time.monotonic):
         # vllm, make_child and clock are the seams of the OS and the server: tests pass fakes and the
         # event loop's clock, to walk every arrow of the lifecycle in milliseconds.
         self.spec, self._conf, self.updater, self.gateway = spec, conf, updater, gateway
-        self._slots, self._records, self._plugin_dir, self.metrics = slots, records, plugin_dir, metrics
+        self._slots, self._containment, self._plugin_dir, self.metrics = slots, containment, plugin_dir, metrics
         self._make_child, self._clock = make_child, clock
         self.lifecycle = Lifecycle(spec.name, on_change=self._changed, log=log, clock=clock)
         self._on_state = on_state
@@ -185,11 +186,11 @@ class Supervisor:
         except SocketDirError as e:
             raise ServerFailed(str(e)) from None
         self.child = self._make_child(self.name, child_argv(cfg, self.spec),
-                                      child_environ(cfg, self.spec, self._plugin_dir), records=self._records,
+                                      child_environ(cfg, self.spec, self._plugin_dir), containment=self._containment,
                                       log=logging.getLogger(f"rolloutd.server.{self.name}"))
         await self.child.spawn()
-        log.info("spawn %s[%d]: socket %s, gpus %s, incarnation %d", self.name, self.child.pid, self.socket,
-                 self.spec.cuda_visible_devices or "-", self.incarnation)
+        log.info("spawn %s[%d]: socket %s, gpus %s, incarnation %d, in %s", self.name, self.child.pid, self.socket,
+                 self.spec.cuda_visible_devices or "-", self.incarnation, self.child.scope)
 
     async def _wait_healthy(self) -> None:
         cfg = self._conf()
