@@ -145,7 +145,7 @@ class Soak:
         self.registry.start()
         self.path = FakeFaultyPath(self.registry.port).start()
         v = self.trainer.publish_next()
-        servers = [vllm_server(f"s{i}", start_model, free_port(), str(i % (os.cpu_count() or 1)))
+        servers = [vllm_server(f"s{i}", start_model, str(i % (os.cpu_count() or 1)))
                    for i in range(SERVERS)]
         cfg = config(self.work, self.path.url, servers, tag=self.tag,
                      node={"name": "soak-node", "advertise_host": "127.0.0.1"},

@@ -120,7 +120,7 @@ class Machine:
         self.private_network = private_network
         self.binds_ro = list(binds_ro)
         self.masked = [*MASKED_ALWAYS, *masked]
-        self.cgroup = f"rolloutd-test-{uuid.uuid4().hex[:8]}"
+        self.own_cgroup = f"rolloutd-test-{uuid.uuid4().hex[:8]}"
         self.proc: subprocess.Popen | None = None
         self.leader = 0
 
@@ -137,7 +137,7 @@ class Machine:
 
     def _boot(self, timeout_s: float) -> Machine:
         for hierarchy in CGROUP_HIERARCHIES:
-            os.mkdir(f"{hierarchy}/{self.cgroup}")
+            os.mkdir(f"{hierarchy}/{self.own_cgroup}")
         argv = ["systemd-nspawn", "-b", "-D", str(self.root), "--register=no", "--keep-unit",
                 "--console=read-only", "--volatile=overlay"]
         if self.private_network:
@@ -145,7 +145,7 @@ class Machine:
         argv += [f"--bind-ro={src}:{dest}" for src, dest in self.binds_ro]
         argv += [f"systemd.mask={unit}" for unit in self.masked]
         env = {"PATH": GUEST_PATH, "SYSTEMD_NSPAWN_UNIFIED_HIERARCHY": "1"}
-        cgroup = self.cgroup
+        cgroup = self.own_cgroup
 
         def into_own_cgroup() -> None:  # runs in the child, before exec
             for hierarchy in CGROUP_HIERARCHIES:
@@ -184,7 +184,7 @@ class Machine:
                 self.proc.kill()
                 self.proc.wait(10)
         for hierarchy in CGROUP_HIERARCHIES:
-            _remove_cgroup(Path(hierarchy, self.cgroup))
+            _remove_cgroup(Path(hierarchy, self.own_cgroup))
 
     def __enter__(self) -> Machine:
         return self.boot()
