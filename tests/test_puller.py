@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -170,6 +172,57 @@ async def test_several_streams_with_requests_smaller_than_a_chunk(registry, prox
     assert len(spans) > 3 * chunks
 
 
+def gone(pid: int) -> bool:
+    """The process exited and was reaped (or is a zombie of a parent that died)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def niceness(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+
+
+async def test_pull_work_runs_in_worker_processes_that_are_reaped(registry, proxy, client, mirror):
+    manifest, files = publish(registry, 1)
+    puller = make_puller(client, mirror, workers=2, streams=4, nice=7)
+    seen: dict[int, int] = {}
+
+    async def look(n: int) -> None:
+        if n == 10:
+            seen.update({pid: niceness(pid) for pid in puller.progress.worker_pids})
+    proxy.on_bytes = look
+    result = await puller.pull(1)
+    assert result.bytes == manifest.total_bytes
+    assert_pulled(mirror, 1, files, manifest)
+    assert len(seen) == 2 and os.getpid() not in seen  # two processes of their own
+    assert set(seen.values()) == {os.nice(0) + 7}        # behind generation when the CPU is contended
+    assert puller.progress.worker_pids == [] and all(gone(pid) for pid in seen)
+    assert puller.progress.as_dict()["worker_restarts"] == 0
+
+
+async def test_a_worker_killed_mid_pull_is_restarted_and_its_chunks_fetched_again(registry, proxy, client, mirror,
+                                                                                   caplog):
+    manifest, files = publish(registry, 1)
+    restarts = []
+    puller = make_puller(client, mirror, workers=2, streams=2, on_worker_restart=lambda: restarts.append(1))
+    killed = []
+
+    async def kill(n: int) -> None:
+        if n == 12:
+            killed.append(puller.progress.worker_pids[0])
+            os.kill(killed[0], signal.SIGKILL)
+    proxy.on_bytes = kill
+    with caplog.at_level(logging.WARNING):
+        result = await puller.pull(1)
+    assert_pulled(mirror, 1, files, manifest)
+    assert result.bytes == manifest.total_bytes  # the lost chunk's bytes are not counted twice
+    assert restarts == [1] and puller.progress.worker_restarts == 1 and result.retries >= 1
+    assert f"pid {killed[0]} exited (killed by SIGKILL - out of memory?)" in caplog.text
+    assert "WorkerCrashed: pull worker" in caplog.text
+
+
 async def test_a_version_already_in_the_mirror_is_not_pulled_again(registry, proxy, client, mirror):
     manifest, files = publish(registry, 1)
     await make_puller(client, mirror).pull(1)
@@ -228,7 +281,7 @@ async def test_a_chunk_corrupted_every_time_fails_the_pull_and_leaves_nothing(re
     proxy.flip(entry.name, 3 * CHUNK, times=None)
     puller = make_puller(client, mirror, max_chunk_retries=2)
     with pytest.raises(PullError, match=rf"version 1 file {entry.name} chunk 3: failed 3 times; last: "
-                                        r"_ChunkCorrupt: digest [0-9a-f]{32} does not match") as err:
+                                        r"ChunkCorrupt: digest [0-9a-f]{32} does not match") as err:
         await puller.pull(1)
     assert proxy.flipped == 3
     assert puller.progress.state is PullState.FAILED and puller.progress.error == str(err.value)
@@ -315,6 +368,8 @@ async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, pr
     task = asyncio.create_task(puller.pull(1))
     await asyncio.wait_for(reached.wait(), 10)
     assert (mirror.dir / ".1.partial").is_dir() and registry.service.store.lease_count() == 1
+    workers = puller.progress.worker_pids
+    assert workers
     with pytest.raises(RuntimeError, match="one at a time"):
         await puller.pull(1)
     task.cancel()
@@ -322,6 +377,7 @@ async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, pr
         await task
     assert puller.progress.state is PullState.CANCELLED
     nothing_left(mirror, registry)
+    assert all(gone(pid) for pid in workers)  # reaped before the partial directory went
     unstall.set()
 
 

@@ -19,11 +19,16 @@ Contract:
 - ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
   One pull at a time per ``Puller``.
 
-Bytes come through the registry client (aiohttp) in pieces of ``piece_bytes``: requests start
+Who does what: this object, on the daemon's loop, takes the lease, reads the manifest, makes
+room, has the mirror create the partial directory, hands each chunk to a pull worker
+(:mod:`~rolloutd.rollout.fetch_pool`: ``workers`` child processes with ``streams`` transfers
+in all), retries what failed, renews the lease and has the mirror commit. The workers only
+move bytes: network reads, digests and writes into the partial directory's files, so no pull
+work ever runs on the daemon's event loop or under its interpreter lock. The mirror stays the
+one owner of its directories, in this process: the workers never create, rename or remove
+anything, so gc, ``ensure_room`` and commits decide on one view under one lock. Requests start
 on chunk boundaries, so every write but a file's last covers whole pages (tmpfs zero-fills the
-rest of a page a write covers only partly). The event loop is never blocked for long: one
-piece's hash and write take about a millisecond; allocating and committing the partial
-directory run in a thread. No torch here.
+rest of a page a write covers only partly). No torch here.
 """
 
 from __future__ import annotations
@@ -31,20 +36,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hashlib
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import xxhash
 from pydantic import ValidationError
 
 from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout.fetch_pool import ChunkCorrupt, ChunkJob, FetchPool, WorkerCrashed
 from rolloutd.rollout.mirror import Mirror, Partial
+from rolloutd.rollout.source import SourceSpec
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
 from rolloutd.wire.messages import LeaseInfo
@@ -54,7 +58,7 @@ log = logging.getLogger("rolloutd.rollout.puller")
 MiB = 1 << 20
 RATE_WINDOW_S = 5.0      # progress rate: bytes over this recent window
 RATE_SAMPLE_S = 0.1      # at most one rate sample this often
-PIECE_BYTES = 1 * MiB     # the body is read, hashed and written in pieces of this size
+PIECE_BYTES = 1 * MiB     # a worker reads, hashes and writes a body in pieces of this size
 RELEASE_TIMEOUT_S = 5.0  # a release is best effort: never hold a failing pull for long
 
 # A version that is gone, a file it lacks, a bad token: fetching again cannot help.
@@ -92,6 +96,8 @@ class PullProgress:
     bytes_total: int = 0
     bytes_done: int = 0         # bytes written for chunks not (yet) failed
     retries: int = 0
+    worker_pids: list[int] = field(default_factory=list)  # the pull workers while they run
+    worker_restarts: int = 0
     state: PullState = PullState.LEASING
     error: str | None = None
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
@@ -137,6 +143,7 @@ class PullProgress:
                 "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
                 "rate_bytes_per_s": round(self.rate_bytes_per_s, 1),
                 "eta_s": None if eta is None else round(eta, 2), "retries": self.retries,
+                "workers": list(self.worker_pids), "worker_restarts": self.worker_restarts,
                 "seconds": round(self.seconds, 3), "error": self.error}
 
 
@@ -151,36 +158,20 @@ class PullResult:
     reused: bool = False
 
 
-class _ChunkSink:
-    """Where a chunk's bytes go as they arrive: hashed, then written at their offset."""
-
-    def __init__(self, fd: int, offset: int, hash_name: str, progress: PullProgress):
-        self.fd, self.offset, self.progress = fd, offset, progress
-        self.hasher = xxhash.xxh3_128() if hash_name == "xxh3-128" else hashlib.sha256()
-
-    def __call__(self, piece: bytes) -> None:
-        self.hasher.update(piece)
-        done = 0
-        while done < len(piece):  # a regular file takes it all at once, unless it is full
-            done += os.pwrite(self.fd, piece[done:], self.offset + done)
-        self.offset += done
-        self.progress.add(done)
-
-
-class _ChunkCorrupt(Exception):
-    """A chunk's bytes do not match the manifest digest (or came short)."""
-
-
 class Puller:
     def __init__(self, client: RegistryClient, mirror: Mirror, *, holder: str, streams: int = 4,
-                 request_bytes: int = 16 * MiB, max_chunk_retries: int = 3, lease_ttl_s: float = 60.0,
-                 renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES, retry_delay_s: float = 0.1,
-                 in_use: Callable[[], set[int]] = set, clock: Callable[[], float] = time.monotonic):
-        if streams < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
-            raise ValueError("streams and request_bytes must be positive, max_chunk_retries >= 0, "
+                 workers: int = 1, nice: int = 0, request_bytes: int = 16 * MiB, max_chunk_retries: int = 3,
+                 lease_ttl_s: float = 60.0, renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES,
+                 retry_delay_s: float = 0.1, in_use: Callable[[], set[int]] = set,
+                 on_worker_restart: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic):
+        if streams < 1 or workers < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
+            raise ValueError("streams, workers and request_bytes must be positive, max_chunk_retries >= 0, "
                              "lease_ttl_s > 0")
         self.client, self.mirror, self.holder = client, mirror, holder
         self.streams, self.request_bytes = streams, request_bytes
+        self.workers = min(workers, streams)  # a worker without a stream would do nothing
+        self.nice = nice
+        self.on_worker_restart = on_worker_restart
         self.max_chunk_retries = max_chunk_retries
         self.lease_ttl_s = lease_ttl_s
         self.renew_every_s = renew_every_s if renew_every_s is not None else lease_ttl_s / 3
@@ -219,8 +210,9 @@ class Puller:
             await asyncio.to_thread(self.mirror.ensure_room, manifest.total_bytes, self.in_use())
             partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
             self._set_state(PullState.PULLING)
-            log.info("pull version %d: %d files, %d bytes, %d streams of %d-byte requests", manifest.version,
-                     len(manifest.files), manifest.total_bytes, self.streams, self.request_bytes)
+            log.info("pull version %d: %d files, %d bytes, %d workers, %d streams of %d-byte requests",
+                     manifest.version, len(manifest.files), manifest.total_bytes, self.workers, self.streams,
+                     self.request_bytes)
             await self._fetch_all(manifest, partial)
             self._set_state(PullState.COMMITTING)
             await _settle(asyncio.to_thread(self.mirror.commit, partial))
@@ -286,69 +278,79 @@ class Puller:
         return manifest
 
     # -- chunks -----------------------------------------------------------------------------------
+    def _source(self, version: int) -> SourceSpec:
+        c = self.client
+        return SourceSpec("registry", c.url, version, c.token, connect_timeout_s=c.timeouts.connect_s,
+                          read_timeout_s=c.timeouts.read_s)
+
     async def _fetch_all(self, manifest: Manifest, partial: Partial) -> None:
-        """``streams`` workers take chunks in file order; the lease is renewed meanwhile. The
-        first failure cancels the rest."""
+        """``streams`` tasks take chunks in file order and hand each to a worker; the lease is
+        renewed meanwhile. The first failure cancels the rest."""
         work = _chunks(manifest)
+        pool = FetchPool(self._source(manifest.version), workers=self.workers, streams=self.streams,
+                         piece_bytes=self.piece_bytes, request_bytes=self.request_bytes, nice=self.nice,
+                         on_restart=self._worker_restarted)
         try:
             async with asyncio.TaskGroup() as tg:
                 keeper = tg.create_task(self._keep_lease(manifest.version))
-                async with asyncio.TaskGroup() as workers:
+                async with pool, asyncio.TaskGroup() as streams:
+                    self.progress.worker_pids = pool.pids
                     for _ in range(min(self.streams, sum(len(f.chunks) for f in manifest.files))):
-                        workers.create_task(self._worker(work, manifest, partial))
+                        streams.create_task(self._stream(work, manifest, partial, pool))
                 keeper.cancel()
         except BaseExceptionGroup as group:
             raise _first(group) from None
+        finally:
+            self.progress.worker_pids = []  # reaped: the pool's exit waits for every one
 
-    async def _worker(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial) -> None:
-        for entry, index in work:  # one shared iterator: each chunk goes to one worker
-            fd = partial.open(entry.name)
-            try:
-                await self._fetch_chunk(manifest, entry, index, fd)
-            finally:
-                os.close(fd)
+    def _worker_restarted(self, pids: list[int]) -> None:
+        self.progress.worker_restarts += 1
+        self.progress.worker_pids = pids
+        if self.on_worker_restart is not None:
+            self.on_worker_restart()
 
-    async def _fetch_chunk(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
-        """Fetch one chunk into ``fd`` and check it; again on failure, up to the retry limit."""
+    async def _stream(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial,
+                      pool: FetchPool) -> None:
+        for entry, index in work:  # one shared iterator: each chunk goes to one stream
+            await self._fetch_chunk(manifest, entry, index, partial, pool)
+
+    async def _fetch_chunk(self, manifest: Manifest, entry: FileEntry, index: int, partial: Partial,
+                           pool: FetchPool) -> None:
+        """Fetch one chunk and check it; again on failure, up to the retry limit."""
         where = f"version {manifest.version} file {entry.name} chunk {index}"
+        start, end = manifest.chunk_span(entry, index)
+        job = ChunkJob(entry.name, partial.path(entry.name), start, end, manifest.hash, entry.chunks[index])
         last = ""
         for attempt in range(self.max_chunk_retries + 1):
             if attempt:
                 self.progress.retries += 1
                 await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
             try:
-                await self._transfer(manifest, entry, index, fd)
+                await self._attempt(pool, job)
                 return
             except _FATAL as e:
                 raise PullError(f"{where}: {_describe(e)}") from None
-            except OSError as e:  # the client turns network errors into RegistryUnavailable
+            except OSError as e:
                 raise PullError(f"{where}: cannot write to the mirror: {e}") from None
-            except (_ChunkCorrupt, errors.RegistryError) as e:
+            except (ChunkCorrupt, WorkerCrashed, errors.RegistryError) as e:
                 last = _describe(e)
                 log.warning("retry %s (attempt %d of %d failed): %s", where, attempt + 1,
                             self.max_chunk_retries + 1, last)
         raise PullError(f"{where}: failed {self.max_chunk_retries + 1} times; last: {last}")
 
-    async def _transfer(self, manifest: Manifest, entry: FileEntry, index: int, fd: int) -> None:
-        """One attempt: the chunk's bytes in requests of at most ``request_bytes``, each piece
-        hashed and written at its offset as it arrives. A failed attempt takes back the bytes
-        it had added to the progress."""
-        start, end = manifest.chunk_span(entry, index)
-        sink = _ChunkSink(fd, start, manifest.hash, self.progress)
+    async def _attempt(self, pool: FetchPool, job: ChunkJob) -> None:
+        """One attempt at a chunk. A failed attempt takes back the bytes it had added to the
+        progress: they will be written again."""
+        added = 0
+
+        def progress(n: int) -> None:
+            nonlocal added
+            added += n
+            self.progress.add(n)
         try:
-            for req_start in range(start, end, self.request_bytes):
-                req_end = min(end, req_start + self.request_bytes)
-                pieces = self.client.stream_range(manifest.version, entry.name, req_start, req_end,
-                                                  piece_bytes=self.piece_bytes)
-                async with contextlib.aclosing(pieces):  # a failed write must close the response too
-                    async for piece in pieces:
-                        sink(piece)
-                if sink.offset != req_end:
-                    raise _ChunkCorrupt(f"got {sink.offset - req_start} bytes of {req_end - req_start}")
-            if (got := sink.hasher.hexdigest()) != entry.chunks[index]:
-                raise _ChunkCorrupt(f"digest {got} does not match the manifest's {entry.chunks[index]}")
+            await pool.fetch(job, progress)
         except BaseException:
-            self.progress.bytes_done -= sink.offset - start
+            self.progress.bytes_done -= added
             raise
 
     # -- the lease --------------------------------------------------------------------------------

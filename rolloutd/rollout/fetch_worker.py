@@ -1,0 +1,126 @@
+"""A pull worker: a child process of the daemon that moves a version's bytes into the mirror.
+
+``python -m rolloutd.rollout.fetch_worker``, started by :mod:`rolloutd.rollout.fetch_pool`.
+Network reads, digests and writes happen here, in threads of their own process, so that pull
+work never shares an interpreter lock or an event loop with the daemon's gateway, heartbeats
+or admin API. Standard library and xxhash only: it starts in a few tens of milliseconds.
+
+Protocol, one JSON object per line. On stdin, first ``{"hello": {"source", "streams",
+"piece_bytes", "request_bytes", "nice", "progress_bytes"}}``, then any number of ``{"job":
+{"id", "name", "path", "start", "end", "hash", "digest"}}``: fetch bytes [start, end) of file
+``name`` from the source, write them at the same offsets into ``path`` (a file of the mirror's
+partial directory, already at full size), and check them against ``digest``. On stdout:
+``{"ready": pid}`` once, then per job ``{"id", "bytes"}`` as bytes are written, and one
+``{"id", "done": true}`` or ``{"id", "error": {"kind", "message", "status", "body"}}``; kinds:
+``unavailable``, ``http`` (the source's error reply), ``corrupt`` (digest or length),
+``write`` (the mirror's file). The worker never creates, renames or removes anything: the
+daemon owns the mirror's directories.
+
+It exits at once when stdin ends: the daemon closed it, or died (its end of the pipe closes
+with it), so a worker never outlives the daemon.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import sys
+import threading
+
+import xxhash
+
+from rolloutd.rollout.source import SourceError, SourceSpec
+
+MiB = 1 << 20
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, hello: dict, out=sys.stdout):
+        self.spec = SourceSpec.from_json(hello["source"])
+        self.piece_bytes = int(hello["piece_bytes"])
+        self.request_bytes = int(hello["request_bytes"])
+        self.progress_bytes = int(hello.get("progress_bytes", 8 * MiB))
+        self.jobs: queue.Queue[dict] = queue.Queue()
+        self._out, self._out_lock = out, threading.Lock()
+        # Built before "ready": a source that cannot be built fails the worker's start, loudly.
+        sources = [self.spec.open(self.piece_bytes) for _ in range(int(hello["streams"]))]
+        for i, source in enumerate(sources):
+            threading.Thread(target=self._stream, args=(source,), name=f"stream-{i}", daemon=True).start()
+
+    def emit(self, event: dict) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        with self._out_lock:
+            self._out.write(line)
+            self._out.flush()
+
+    def _stream(self, source) -> None:
+        """One connection's worth of jobs, one after another."""
+        while True:
+            job = self.jobs.get()
+            try:
+                self._fetch(source, job)
+                self.emit({"id": job["id"], "done": True})
+            except SourceError as e:
+                self.emit({"id": job["id"], "error": e.as_json()})
+            except _Corrupt as e:
+                self.emit({"id": job["id"], "error": {"kind": "corrupt", "message": str(e)}})
+            except OSError as e:
+                self.emit({"id": job["id"], "error": {"kind": "write", "message": f"{job['path']}: {e}"}})
+            except Exception as e:  # a bug: say so, and keep the worker for the next job
+                self.emit({"id": job["id"], "error": {"kind": "bug", "message": f"{type(e).__name__}: {e}"}})
+
+    def _fetch(self, source, job: dict) -> None:
+        start, end = int(job["start"]), int(job["end"])
+        hasher = xxhash.xxh3_128() if job["hash"] == "xxh3-128" else hashlib.sha256()
+        fd = os.open(job["path"], os.O_WRONLY | os.O_CLOEXEC)
+        offset, unreported = start, 0
+
+        def sink(piece: memoryview) -> None:
+            nonlocal offset, unreported
+            hasher.update(piece)  # xxhash and hashlib release the GIL for large pieces
+            done = 0
+            while done < len(piece):  # a regular file takes it all at once, unless it is full
+                done += os.pwrite(fd, piece[done:], offset + done)
+            offset += done
+            unreported += done
+            if unreported >= self.progress_bytes:
+                self.emit({"id": job["id"], "bytes": unreported})
+                unreported = 0
+        try:
+            for req_start in range(start, end, self.request_bytes):
+                source.fetch(job["name"], req_start, min(end, req_start + self.request_bytes), sink)
+        finally:
+            os.close(fd)
+            if unreported:
+                self.emit({"id": job["id"], "bytes": unreported})
+        if offset != end:
+            raise _Corrupt(f"got {offset - start} bytes of {end - start}")
+        if (got := hasher.hexdigest()) != job["digest"]:
+            raise _Corrupt(f"digest {got} does not match the manifest's {job['digest']}")
+
+
+def main() -> None:
+    hello = json.loads(sys.stdin.readline() or "null")
+    if not isinstance(hello, dict) or "hello" not in hello:
+        sys.exit("rolloutd pull worker: expected a hello line on stdin")
+    hello = hello["hello"]
+    if hello.get("nice"):
+        try:
+            os.nice(int(hello["nice"]))  # the gateway and vLLM come first when the CPU is contended
+        except OSError as e:  # a sandbox may forbid it: pull at the daemon's priority then
+            print(f"rolloutd pull worker {os.getpid()}: cannot lower its priority: {e}", file=sys.stderr)
+    worker = Worker(hello)
+    worker.emit({"ready": os.getpid()})
+    for line in sys.stdin:
+        worker.jobs.put(json.loads(line)["job"])
+    os._exit(0)  # stdin ended: the daemon closed it or died; threads mid-job end with us
+
+
+if __name__ == "__main__":
+    main()
