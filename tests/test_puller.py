@@ -4,6 +4,7 @@ the faults a healthy registry never shows (corrupt bytes, stalls at a chosen req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -130,10 +131,11 @@ def nothing_left(mirror: Mirror, registry) -> None:
 
 # -- pulls that work ----------------------------------------------------------------------------------------
 
-async def test_pull_is_byte_identical_and_complete(registry, proxy, client, mirror):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["spliced", "copied"])
+async def test_pull_is_byte_identical_and_complete(registry, proxy, client, mirror, zero_copy):
     manifest, files = publish(registry, 1)
     assert len(files) >= 3 and sum(len(f.chunks) for f in manifest.files) >= 40
-    puller = make_puller(client, mirror, streams=1, request_bytes=1 << 30)
+    puller = make_puller(client, mirror, streams=1, request_bytes=1 << 30, zero_copy=zero_copy)
     result = await puller.pull(1)
     assert (result.version, result.path, result.digest) == (1, mirror.path(1), manifest.digest)
     assert result.bytes == manifest.total_bytes and result.retries == 0 and not result.reused
@@ -152,12 +154,16 @@ async def test_several_streams_with_requests_smaller_than_a_chunk(registry, prox
     manifest, files = publish(registry, 2)
     puller = make_puller(client, mirror, streams=6, request_bytes=20_000)
     in_flight, most = 0, 0
+    all_in = asyncio.Event()
 
     async def count(_n: int) -> None:
         nonlocal in_flight, most
         in_flight += 1
         most = max(most, in_flight)
-        await asyncio.sleep(0.002)  # let the other streams get their requests in
+        if most == 6:
+            all_in.set()
+        with contextlib.suppress(TimeoutError):  # hold the first requests until the other streams' came
+            await asyncio.wait_for(all_in.wait(), 5)
         in_flight -= 1
     proxy.on_bytes = count
     result = await puller.pull("latest")
@@ -252,12 +258,13 @@ async def test_progress_is_readable_while_pulling(registry, proxy, client, mirro
 
 # -- corruption -----------------------------------------------------------------------------------------------
 
-async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, mirror, caplog):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["spliced", "copied"])
+async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, mirror, caplog, zero_copy):
     manifest, files = publish(registry, 1)
     entry = manifest.files[1]
     proxy.flip(entry.name, 2 * CHUNK)
     with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
-        result = await make_puller(client, mirror).pull(1)
+        result = await make_puller(client, mirror, zero_copy=zero_copy).pull(1)
     assert proxy.flipped == 1 and result.retries == 1
     assert result.bytes == manifest.total_bytes  # the bad attempt's bytes are not counted twice
     assert_pulled(mirror, 1, files, manifest)

@@ -83,7 +83,7 @@ class _Worker:
 
 class FetchPool:
     def __init__(self, spec: SourceSpec, *, workers: int, streams: int, piece_bytes: int = 1 * MiB,
-                 request_bytes: int = 16 * MiB, nice: int = 0, progress_bytes: int = 8 * MiB,
+                 request_bytes: int = 16 * MiB, nice: int = 0, progress_bytes: int = 8 * MiB, zero_copy: bool = True,
                  on_restart: Callable[[list[int]], None] | None = None, restart_initial_s: float = 0.1,
                  restart_max_s: float = 5.0, start_timeout_s: float = 30.0, stop_grace_s: float = 2.0):
         if workers < 1 or streams < workers:
@@ -91,7 +91,8 @@ class FetchPool:
                              f"streams {streams})")
         self.spec = spec
         self._hello = {"hello": {"source": spec.as_json(), "piece_bytes": piece_bytes,
-                                 "request_bytes": request_bytes, "nice": nice, "progress_bytes": progress_bytes}}
+                                 "request_bytes": request_bytes, "nice": nice, "progress_bytes": progress_bytes,
+                                 "zero_copy": zero_copy}}
         # streams spread over the workers as evenly as they go
         self._workers = [_Worker(i, streams // workers + (i < streams % workers)) for i in range(workers)]
         self._on_restart = on_restart or (lambda pids: None)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import os
 import queue
 import sys
@@ -46,10 +47,11 @@ class Worker:
         self.piece_bytes = int(hello["piece_bytes"])
         self.request_bytes = int(hello["request_bytes"])
         self.progress_bytes = int(hello.get("progress_bytes", 8 * MiB))
+        self.zero_copy = bool(hello.get("zero_copy", True))
         self.jobs: queue.Queue[dict] = queue.Queue()
         self._out, self._out_lock = out, threading.Lock()
         # Built before "ready": a source that cannot be built fails the worker's start, loudly.
-        sources = [self.spec.open(self.piece_bytes) for _ in range(int(hello["streams"]))]
+        sources = [self.spec.open(self.piece_bytes, self.zero_copy) for _ in range(int(hello["streams"]))]
         for i, source in enumerate(sources):
             threading.Thread(target=self._stream, args=(source,), name=f"stream-{i}", daemon=True).start()
 
@@ -78,31 +80,66 @@ class Worker:
     def _fetch(self, source, job: dict) -> None:
         start, end = int(job["start"]), int(job["end"])
         hasher = xxhash.xxh3_128() if job["hash"] == "xxh3-128" else hashlib.sha256()
-        fd = os.open(job["path"], os.O_WRONLY | os.O_CLOEXEC)
-        offset, unreported = start, 0
-
-        def sink(piece: memoryview) -> None:
-            nonlocal offset, unreported
-            hasher.update(piece)  # xxhash and hashlib release the GIL for large pieces
-            done = 0
-            while done < len(piece):  # a regular file takes it all at once, unless it is full
-                done += os.pwrite(fd, piece[done:], offset + done)
-            offset += done
-            unreported += done
-            if unreported >= self.progress_bytes:
-                self.emit({"id": job["id"], "bytes": unreported})
-                unreported = 0
+        fd = os.open(job["path"], os.O_RDWR | os.O_CLOEXEC)
         try:
-            for req_start in range(start, end, self.request_bytes):
-                source.fetch(job["name"], req_start, min(end, req_start + self.request_bytes), sink)
+            with ChunkWriter(fd, start, end, hasher, lambda n: self.emit({"id": job["id"], "bytes": n}),
+                             self.progress_bytes) as sink:
+                for req_start in range(start, end, self.request_bytes):
+                    source.fetch(job["name"], req_start, min(end, req_start + self.request_bytes), sink)
         finally:
             os.close(fd)
-            if unreported:
-                self.emit({"id": job["id"], "bytes": unreported})
-        if offset != end:
-            raise _Corrupt(f"got {offset - start} bytes of {end - start}")
+        if sink.offset != end:
+            raise _Corrupt(f"got {sink.offset - start} bytes of {end - start}")
         if (got := hasher.hexdigest()) != job["digest"]:
             raise _Corrupt(f"digest {got} does not match the manifest's {job['digest']}")
+
+
+class ChunkWriter:
+    """A chunk's region of a mirror file, as a source's sink: every byte hashed, in order, as
+    it lands. Pieces that come through memory are hashed, then written at their offset; bytes a
+    source spliced into the file are hashed where they landed, through a mapping of the region
+    (pages just written, still in cache)."""
+
+    def __init__(self, fd: int, start: int, end: int, hasher, report, report_every: int):
+        self.fd, self.offset, self._start, self._end = fd, start, start, end
+        self._hasher, self._report, self._every, self._unreported = hasher, report, report_every, 0
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._base = start - start % mmap.ALLOCATIONGRANULARITY
+
+    def __enter__(self) -> ChunkWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._map.close()
+        if self._unreported:
+            self._report(self._unreported)
+
+    def write(self, piece: memoryview) -> None:
+        self._hasher.update(piece)  # xxhash and hashlib release the GIL for large pieces
+        done = 0
+        while done < len(piece):  # a regular file takes it all at once, unless it is full
+            done += os.pwrite(self.fd, piece[done:], self.offset + done)
+        self._advance(done)
+
+    def spliced(self, n: int) -> None:
+        if self._view is None:
+            self._map = mmap.mmap(self.fd, self._end - self._base, offset=self._base, access=mmap.ACCESS_READ)
+            self._view = memoryview(self._map)
+        at = self.offset - self._base
+        self._hasher.update(self._view[at:at + n])
+        self._advance(n)
+
+    def _advance(self, n: int) -> None:
+        if self.offset + n > self._end:
+            raise _Corrupt(f"the source sent more than the {self._end - self._start} bytes asked for")
+        self.offset += n
+        self._unreported += n
+        if self._unreported >= self._every:
+            self._report(self._unreported)
+            self._unreported = 0
 
 
 def main() -> None:

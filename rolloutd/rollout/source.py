@@ -1,7 +1,7 @@
 """Where a version's bytes come from, seen from a pull worker: one small interface.
 
-A :class:`Source` does one thing: fetch bytes ``[start, end)`` of one file of the version,
-handing them to the caller's sink piece by piece. The registry's ``Range`` route is the source
+A :class:`Source` does one thing: fetch bytes ``[start, end)`` of one file of the version into
+the caller's :class:`Sink`, piece by piece. The registry's ``Range`` route is the source
 today; peers and object stores plug in beside it by implementing the same method (and a
 :class:`SourceSpec` kind that builds them), and the rest of the pull (leases, chunk digests,
 retries, the mirror) does not change.
@@ -14,15 +14,34 @@ can help (``unavailable``: the network, a timeout, a 5xx) or what the registry a
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import http.client
 import json
+import os
+import select
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote, urlsplit
 
-Sink = Callable[[memoryview], None]  # takes each piece as it arrives; the view is reused afterwards
+MiB = 1 << 20
+_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10 on some builds
+
+
+class Sink(Protocol):
+    """Where fetched bytes go, in order, from the first byte of the range.
+
+    ``write`` takes a piece through memory (the view is reused afterwards). A sink that is a
+    file region also gives ``fd`` and ``offset`` (where the next byte goes): a source may then
+    move bytes into the file itself, without them passing through the process (``splice``),
+    and report each such run with ``spliced(n)``."""
+
+    fd: int | None
+    offset: int
+
+    def write(self, piece: memoryview) -> None: ...
+    def spliced(self, n: int) -> None: ...
 
 
 class SourceError(Exception):
@@ -40,7 +59,7 @@ class SourceError(Exception):
 
 class Source(Protocol):
     def fetch(self, name: str, start: int, end: int, sink: Sink) -> None:
-        """Bytes [start, end) of file ``name``, handed to ``sink`` in order; raises
+        """Bytes [start, end) of file ``name`` into ``sink``, in order; raises
         :class:`SourceError`. Returns only once every byte was handed over."""
 
     def close(self) -> None: ...
@@ -66,9 +85,9 @@ class SourceSpec:
     def from_json(cls, data: dict) -> SourceSpec:
         return cls(**data)
 
-    def open(self, piece_bytes: int) -> Source:
+    def open(self, piece_bytes: int, zero_copy: bool = True) -> Source:
         if self.kind == "registry":
-            return RegistrySource(self, piece_bytes)
+            return RegistrySource(self, piece_bytes, zero_copy)
         raise ValueError(f"unknown source kind {self.kind!r}")
 
     def __repr__(self) -> str:  # never show the token
@@ -77,20 +96,28 @@ class SourceSpec:
 
 class RegistrySource:
     """``GET /v1/versions/{v}/files/{name}`` with ``Range`` over one kept-alive connection
-    (``http.client``). Each body is read with ``readinto`` straight into one reused buffer:
-    one copy out of the kernel, no allocation per read."""
+    (``http.client`` sends the request and parses the reply's head).
 
-    def __init__(self, spec: SourceSpec, piece_bytes: int):
+    The body goes into the sink's file with ``splice`` (socket -> pipe -> file: the bytes are
+    copied once, by the kernel, into the file's pages, and never pass through this process)
+    when the connection is plain TCP and the sink is a file; otherwise, or where the kernel
+    refuses ``splice``, it is read with ``readinto`` into one reused buffer (one copy out of
+    the kernel, one into the file)."""
+
+    def __init__(self, spec: SourceSpec, piece_bytes: int, zero_copy: bool = True):
         parts = urlsplit(spec.url)
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname, parts.port
         self._base = parts.path.rstrip("/")
         self._spec = spec
         self._headers = {"authorization": f"Bearer {spec.token}"} if spec.token else {}
+        self._piece_bytes = piece_bytes
         self._buffer = memoryview(bytearray(piece_bytes))
         self._conn: http.client.HTTPConnection | None = None
+        self._pipe = _pipe(piece_bytes) if zero_copy and not self._https and hasattr(os, "splice") else None
 
     def close(self) -> None:
+        """Drop the connection (the next fetch opens another); the pipe stays."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -149,18 +176,99 @@ class RegistrySource:
                               f"with {response.length} bytes", status=502)
 
     def _read_body(self, response: http.client.HTTPResponse, length: int, sink: Sink) -> None:
-        buffer, done = self._buffer, 0
+        done = 0
         try:
+            if self._pipe is not None and sink.fd is not None:
+                # What the reply's head arrived with is already in the reader's buffer: hand it
+                # over first; from then on the socket holds the rest of the body, and only it.
+                head = response.read1(length)
+                sink.write(memoryview(head))
+                done = len(head)
+                try:
+                    done += self._splice(sink, length - done)
+                except _NoSplice:
+                    self._close_pipe()  # refused here (a sandbox, an old kernel): copy from now on
+                response.length = length - done
+                if not response.length:
+                    response.close()  # read to its end: the connection can be used again
+            buffer = self._buffer
             while done < length:
                 want = min(len(buffer), length - done)
                 got = response.readinto(buffer[:want])  # loops in C until ``want`` bytes or the end
                 if got <= 0:
                     raise SourceError("unavailable", f"the body ended after {done} of {length} bytes")
-                sink(buffer[:got])
+                sink.write(buffer[:got])
                 done += got
         except (OSError, http.client.HTTPException) as e:
             raise SourceError("unavailable", f"reading the body: {_describe(e)} after {done} of "
                               f"{length} bytes") from None
+
+    def _splice(self, sink: Sink, length: int) -> int:
+        """Move ``length`` bytes from the socket into the sink's file; returns how many moved
+        (all of them, unless it raises). Waits at most ``read_timeout_s`` for each piece."""
+        sock, (pipe_r, pipe_w) = self._conn.sock.fileno(), self._pipe
+        poll = select.poll()
+        poll.register(sock, select.POLLIN)
+        timeout_ms = int(self._spec.read_timeout_s * 1000)
+        moved = 0
+        try:
+            while moved < length:
+                moved += self._splice_once(sock, pipe_r, pipe_w, poll, timeout_ms, sink, length - moved)
+        except BaseException as e:
+            if not isinstance(e, _NoSplice):  # bytes may be left in the pipe: never let them out
+                self._close_pipe()
+                self._pipe = _pipe(self._piece_bytes)
+            raise
+        return moved
+
+    def _splice_once(self, sock: int, pipe_r: int, pipe_w: int, poll, timeout_ms: int, sink: Sink,
+                     length: int) -> int:
+        """Fill the pipe from the socket (up to a piece), then empty it into the file in one
+        go: one hash update and few system calls per piece, however small the socket's reads."""
+        want, filled = min(self._piece_bytes, length), 0
+        while filled < want:
+            try:  # the socket is non-blocking (it has a timeout): wait for bytes ourselves
+                n = os.splice(sock, pipe_w, want - filled, flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                if filled:
+                    break  # the socket has nothing more right now, or the pipe is full: write what came
+                if not poll.poll(timeout_ms):
+                    raise TimeoutError("no bytes within read_timeout_s") from None
+                continue
+            except OSError as e:
+                if not filled and e.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
+                    raise _NoSplice() from None  # nothing moved yet: the copy path takes over
+                raise
+            if n == 0:
+                if filled:
+                    break
+                raise SourceError("unavailable", f"the body ended {length} bytes short")
+            filled += n
+        offset, left = sink.offset, filled
+        while left:  # empty the pipe into the file before the next read
+            left -= os.splice(pipe_r, sink.fd, left, offset_dst=offset + filled - left, flags=os.SPLICE_F_MOVE)
+        sink.spliced(filled)
+        return filled
+
+    def _close_pipe(self) -> None:
+        if self._pipe is not None:
+            for fd in self._pipe:
+                os.close(fd)
+            self._pipe = None
+
+
+class _NoSplice(Exception):
+    """The kernel refused splice for this socket or file."""
+
+
+def _pipe(size: int) -> tuple[int, int] | None:
+    """A pipe for splice, as large as the pieces (None where pipes cannot be sized)."""
+    r, w = os.pipe2(os.O_CLOEXEC)
+    try:
+        fcntl.fcntl(w, _F_SETPIPE_SZ, size)
+    except OSError:  # over /proc/sys/fs/pipe-max-size: the default size still works, in more steps
+        pass
+    return r, w
 
 
 def _describe(e: BaseException) -> str:
