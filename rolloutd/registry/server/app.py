@@ -23,6 +23,7 @@ from starlette.routing import Match
 
 from rolloutd.registry.server.blobs import Blob, stream_range
 from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
+from rolloutd.registry.server.ranges import parse_range
 from rolloutd.registry.server.service import RegistryService
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FILE_NAME_RE, MAX_VERSION, Manifest, valid_file_name
@@ -67,38 +68,6 @@ def _with_body_defs(app: FastAPI) -> None:
         schema.setdefault("components", {}).setdefault("schemas", {}).update(_BODY_DEFS)
         return schema
     app.openapi = openapi
-
-
-# -- byte ranges ------------------------------------------------------------------------------------
-
-def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
-    """A single ``bytes=`` range as [start, end); None for no header; 416 for anything else."""
-    if header is None:
-        return None
-    unsatisfiable = errors.RangeNotSatisfiable(
-        f"Range {header[:100]!r} is not one byte range within {size} bytes")
-    unsatisfiable.headers = {"content-range": f"bytes */{size}"}
-    unit, _, spec = header.partition("=")
-    first, dash, last = spec.strip().partition("-")
-    if unit.strip().lower() != "bytes" or not dash or "," in spec:
-        raise unsatisfiable
-    if not (_digits(first) or first == "") or not (_digits(last) or last == ""):
-        raise unsatisfiable
-    if first == "":
-        if not last or int(last) == 0:
-            raise unsatisfiable
-        start, end = max(0, size - int(last)), size
-    else:
-        start = int(first)
-        end = min(size, int(last) + 1) if last else size
-    if start >= size or start >= end:
-        raise unsatisfiable
-    return start, end
-
-
-def _digits(s: str) -> bool:
-    """ASCII digits only: str.isdigit() also takes '²', which int() refuses."""
-    return s.isascii() and s.isdigit()
 
 
 # -- the app ------------------------------------------------------------------------------------------

@@ -1,0 +1,35 @@
+"""HTTP byte ranges, as the registry serves them: one ``bytes=`` range, or 416."""
+
+from __future__ import annotations
+
+from rolloutd.wire import errors
+
+
+def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
+    """A single ``bytes=`` range as [start, end); None for no header; 416 for anything else."""
+    if header is None:
+        return None
+    unsatisfiable = errors.RangeNotSatisfiable(
+        f"Range {header[:100]!r} is not one byte range within {size} bytes")
+    unsatisfiable.headers = {"content-range": f"bytes */{size}"}
+    unit, _, spec = header.partition("=")
+    first, dash, last = spec.strip().partition("-")
+    if unit.strip().lower() != "bytes" or not dash or "," in spec:
+        raise unsatisfiable
+    if not (_digits(first) or first == "") or not (_digits(last) or last == ""):
+        raise unsatisfiable
+    if first == "":
+        if not last or int(last) == 0:
+            raise unsatisfiable
+        start, end = max(0, size - int(last)), size
+    else:
+        start = int(first)
+        end = min(size, int(last) + 1) if last else size
+    if start >= size or start >= end:
+        raise unsatisfiable
+    return start, end
+
+
+def _digits(s: str) -> bool:
+    """ASCII digits only: str.isdigit() also takes '²', which int() refuses."""
+    return s.isascii() and s.isdigit()
