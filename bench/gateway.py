@@ -19,8 +19,8 @@ throughput.
 serve`` child on core 0), idle and while the daemon pulls a ``--pull-gib`` version from a
 registry in its own process. Paired ``/v1/completions`` of one token, direct to vLLM and
 through the gateway in turns; a pair counts as "during the pull" when both requests fall
-inside the pull as the daemon's ``/status`` reports it (``pull.state == "pulling"``, polled
-every 20 ms). Each version is the served model's weights plus a filler tensor of
+inside the pull as the daemon's ``/status`` reports it (``pull.state`` leasing, pulling or
+committing, polled every 20 ms). Each version is the served model's weights plus a filler tensor of
 ``--pull-gib`` under a name vLLM's loader drops (``...rotary_emb.inv_freq``, a buffer old
 checkpoints carried), so the update after the pull loads for real and the next pull can follow.
 Goal: at most 1 ms p50 and 5 ms p99 added during the pull. The last stdout line is one JSON
@@ -252,7 +252,8 @@ class PullWatch(threading.Thread):
             while not self.stop.is_set():
                 pull = c.get(self.admin + "/status").json().get("pull") or {}
                 now = time.perf_counter()
-                pulling = pull.get("state") == "pulling"
+                # the whole pull: leasing (room, partial directory), pulling, committing
+                pulling = pull.get("state") in ("leasing", "pulling", "committing")
                 if pulling and (not self.windows or self.windows[-1][1] is not None):
                     self.windows.append([now, None])
                 elif not pulling and self.windows and self.windows[-1][1] is None:
@@ -370,8 +371,12 @@ def during_pull(args: argparse.Namespace) -> int:
                 wait_serving(admin, version, 900)
                 done.set()
             threading.Thread(target=serving, daemon=True).start()
-            samples = pairs(direct, gateway, done.is_set)
+            started = len(watch.windows)
+            # until this pull ended (the update after it pauses the server: not measured here)
+            samples = pairs(direct, gateway, lambda done=done, started=started: done.is_set() or (
+                len(watch.windows) > started and watch.windows[-1][1] is not None))
             during += [x for x in samples if watch.covers(x[0], x[1])]
+            done.wait(900)
             reg.retire(version - 1)
         watch.stop.set()
         watch.join(5)
@@ -382,6 +387,10 @@ def during_pull(args: argparse.Namespace) -> int:
                 proc.wait(60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        for name in ("rolloutd.log", "registry.log"):  # kept: they say what happened
+            if (work / name).exists():
+                shutil.copyfile(work / name, RESULTS / f"gateway-during-pull.{name}")
         shutil.rmtree(work, ignore_errors=True)
     result = {"pull_gib": args.pull_gib, "pulls": args.pulls, "idle": added(idle), "during_pull": added(during),
               "pull_rate_gb_per_s": [round(r / 1e9, 3) for r in watch.rates],

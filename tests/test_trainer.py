@@ -278,7 +278,7 @@ def test_publish_async_runs_in_order_and_a_cancelled_one_leaves_nothing(tmp_path
             dropped = reg.publish_async(2, sd, shard_bytes=4000)
             third = reg.publish_async(3, sd, shard_bytes=4000)
             assert first.progress.state is PublishState.QUEUED
-            dropped.cancel(timeout=0)  # asked while queued; it ends when its turn comes
+            dropped.cancel(timeout_s=0)  # asked while queued; it ends when its turn comes
         assert first.wait(60).version == 1 and third.wait(60).version == 3
         with pytest.raises(Cancelled):
             dropped.wait(60)

@@ -100,24 +100,25 @@ class PublishHandle:
     def done(self) -> bool:
         return self._ended.is_set()
 
-    def wait(self, timeout: float | None = None) -> Manifest:
-        """The published manifest; raises ``TimeoutError`` if it is not done within ``timeout``
-        seconds, or what the publish raised (``Cancelled`` after :meth:`cancel`)."""
-        if not self._ended.wait(timeout):
-            raise TimeoutError(f"publish of version {self.version} not done after {timeout} s "
+    def wait(self, timeout_s: float | None = None) -> Manifest:
+        """The published manifest; raises ``TimeoutError`` if it is not done within ``timeout_s``,
+        or what the publish raised (``Cancelled`` after :meth:`cancel`)."""
+        if not self._ended.wait(timeout_s):
+            raise TimeoutError(f"publish of version {self.version} not done after {timeout_s} s "
                                f"({self._state.value}, {self._done_bytes} of {self.bytes_total} bytes)")
         if self._exc is not None:
             raise self._exc
         return self._result
 
-    def cancel(self, timeout: float | None = None) -> bool:
+    def cancel(self, timeout_s: float | None = None) -> bool:
         """Stop the publish; True once it stopped with nothing of the version left staged,
-        False if it was already committing or done (the version is, or will be, published)."""
+        False if it was already committing or done (the version is, or will be, published).
+        Waits up to ``timeout_s`` for it to stop."""
         with self._lock:
             if self._state in (PublishState.COMMITTING, PublishState.DONE):
                 return False
             self._cancel.set()
-        self._ended.wait(timeout)
+        self._ended.wait(timeout_s)
         return self._state is PublishState.CANCELLED
 
     # -- for the registry -------------------------------------------------------------------------

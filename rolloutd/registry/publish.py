@@ -220,7 +220,7 @@ class EmbeddedRegistry(RegistryHTTP):
 
     def stop(self) -> None:
         for handle in list(self._pending):  # a publish under way is dropped, not left half staged
-            handle.cancel(timeout=30)
+            handle.cancel(timeout_s=30)
         self.close()
         self._thread.stop()
 

@@ -289,16 +289,20 @@ class Puller:
         """``streams`` tasks take chunks in file order and hand each to a worker; the lease is
         renewed meanwhile. The first failure cancels the rest."""
         work = _chunks(manifest)
-        pool = FetchPool(self._source(manifest.version), workers=self.workers, streams=self.streams,
+        chunks = sum(len(f.chunks) for f in manifest.files)
+        if not chunks:
+            return  # only empty files: they exist at their size already
+        streams = min(self.streams, chunks)  # a small version needs fewer: each costs a start
+        pool = FetchPool(self._source(manifest.version), workers=min(self.workers, streams), streams=streams,
                          piece_bytes=self.piece_bytes, request_bytes=self.request_bytes, nice=self.nice,
                          zero_copy=self.zero_copy, on_restart=self._worker_restarted)
         try:
             async with asyncio.TaskGroup() as tg:
                 keeper = tg.create_task(self._keep_lease(manifest.version))
-                async with pool, asyncio.TaskGroup() as streams:
+                async with pool, asyncio.TaskGroup() as tasks:
                     self.progress.worker_pids = pool.pids
-                    for _ in range(min(self.streams, sum(len(f.chunks) for f in manifest.files))):
-                        streams.create_task(self._stream(work, manifest, partial, pool))
+                    for _ in range(streams):
+                        tasks.create_task(self._stream(work, manifest, partial, pool))
                 keeper.cancel()
         except BaseExceptionGroup as group:
             raise _first(group) from None
