@@ -237,6 +237,12 @@ class Completions:
             raise RuntimeError(f"/v1/completions: HTTP {r.status}")
         return (time.perf_counter() - t0) * 1e3
 
+    def warm(self) -> None:
+        """A fresh connection and two requests on it: vLLM closes a connection idle for 5 s."""
+        self.conn.close()
+        for _ in range(2):
+            self.once()
+
 
 class PullWatch(threading.Thread):
     """Polls the daemon's /status: the intervals during which a pull was in state "pulling"."""
@@ -365,6 +371,7 @@ def during_pull(args: argparse.Namespace) -> int:
         for k in range(args.pulls):
             version = 2 + k
             publish(version, True)
+            direct.warm(), gateway.warm()
             done = threading.Event()
 
             def serving(version: int = version, done: threading.Event = done) -> None:

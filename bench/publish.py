@@ -12,8 +12,11 @@ own process (``PUT /v1/replicas/{id}`` every ``--beat-ms``, each timed) while th
 - ``publish-disk``: the same with ``data_dir`` on tmpfs (``--tmp-dir``);
 - ``async``: ``reg.publish_async(version, state_dict)``: the time until it returns (what the
   training step waits: the snapshot copy) and until the handle is done;
-- ``publish-ref``: ``publish`` with rolloutd from ``--ref-repo`` (another build, e.g. before a
-  change: ``git archive <commit> rolloutd vllm_plugin | tar -x -C DIR``).
+- ``http``: ``RegistryHTTP(url).publish(version, state_dict)`` to a standalone ``rolloutd
+  registry`` (bytes in memory) in a process of its own, which the heartbeats go to;
+- ``publish-ref``, ``http-ref``: ``publish`` and ``http`` with rolloutd from ``--ref-repo``
+  (another build, e.g. before a change: ``git archive <commit> rolloutd vllm_plugin | tar -x -C
+  DIR``), trainer and registry alike.
 
 Modes run ``--repeats`` times, interleaved. Reported per mode: median seconds, seconds / memcpy
 seconds (goal: publish <= 2x), and heartbeat latency p50 / p99 / max while the trainer worked
@@ -30,17 +33,19 @@ import argparse
 import http.client
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 RESULTS = BENCH / "results"
-MODES = ("memcpy", "publish", "publish-disk", "async", "publish-ref")
+MODES = ("memcpy", "publish", "publish-disk", "async", "http", "publish-ref", "http-ref")
 BEAT = json.dumps({"node": "bench", "server": "s0", "state": "SERVING", "version": 1, "incarnation": 1}).encode()
 TIMEOUT_S = 2.0  # the daemon's default heartbeat timeout
 
@@ -63,18 +68,23 @@ def state_dict(gib: float) -> dict:
     return sd
 
 
-def child(mode: str, gib: float, tmp_dir: Path) -> None:
+def child(mode: str, gib: float, tmp_dir: Path, registry_url: str | None) -> None:
     import tempfile
 
     import torch
 
-    from rolloutd.registry import EmbeddedRegistry
+    from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
     sd = state_dict(gib)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="rolloutd-bench-publish.") as tmp:
         data_dir = Path(tmp) / "data" if mode == "publish-disk" else None
-        with EmbeddedRegistry(port=0, data_dir=data_dir) as reg:
-            print(json.dumps({"port": reg.port, "bytes": nbytes}), flush=True)
+        if mode == "http":
+            reg, port = RegistryHTTP(registry_url), int(registry_url.rsplit(":", 1)[1])
+        else:
+            reg = EmbeddedRegistry(port=0, data_dir=data_dir).start()
+            port = reg.port
+        try:
+            print(json.dumps({"port": port, "bytes": nbytes}), flush=True)
             sys.stdin.readline()  # the heartbeats are going
             t0 = time.perf_counter()
             out: dict = {}
@@ -89,6 +99,8 @@ def child(mode: str, gib: float, tmp_dir: Path) -> None:
                 reg.publish(1, sd)
             out["seconds"] = round(time.perf_counter() - t0, 4)
             print(json.dumps(out), flush=True)
+        finally:
+            (reg.close if mode == "http" else reg.stop)()
 
 
 # -- heartbeats ---------------------------------------------------------------------------------------
@@ -124,12 +136,34 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def start_registry(env: dict) -> tuple[subprocess.Popen, str]:
+    """A standalone ``rolloutd registry`` (bytes in memory) with the given build; its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "registry", "--host", "127.0.0.1", "--port",
+                             str(port)], env=env, cwd="/", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/healthz", timeout=2):
+                return proc, url
+        except OSError:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("the registry did not start") from None
+            time.sleep(0.2)
+
+
 def one_run(mode: str, args: argparse.Namespace) -> dict:
     env = dict(os.environ)
-    root = args.ref_repo if mode == "publish-ref" else REPO
+    root = args.ref_repo if mode.endswith("-ref") else REPO
     env["PYTHONPATH"] = str(root)
-    argv = [sys.executable, str(BENCH / "publish.py"), "--child", "publish" if mode == "publish-ref" else mode,
-            "--gib", str(args.gib), "--tmp-dir", str(args.tmp_dir)]
+    kind = mode.removesuffix("-ref")
+    registry, url = start_registry(env) if kind == "http" else (None, None)
+    argv = [sys.executable, str(BENCH / "publish.py"), "--child", kind, "--gib", str(args.gib),
+            "--tmp-dir", str(args.tmp_dir), *(["--registry-url", url] if url else [])]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
     try:
         hello = json.loads(proc.stdout.readline())
@@ -146,6 +180,9 @@ def one_run(mode: str, args: argparse.Namespace) -> dict:
     finally:
         proc.stdin.close()
         proc.wait(120)
+        if registry is not None:
+            registry.terminate()
+            registry.wait(60)
     during = [lat * 1e3 for sent, lat in beats.samples if t0 <= sent <= t1]
     idle = [lat * 1e3 for sent, lat in beats.samples if sent < t0]
     return {**result, "bytes": hello["bytes"], "beats": len(during), "beat_p50_ms": round(pct(during, 0.5), 2),
@@ -158,24 +195,25 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=2.0, help="size of the state dict")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--modes", default="memcpy,publish,publish-disk,async",
+    p.add_argument("--modes", default="memcpy,publish,publish-disk,async,http",
                    help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--ref-repo", type=Path, help="a directory holding another build's rolloutd/: adds publish-ref")
     p.add_argument("--beat-ms", type=float, default=20.0, help="one heartbeat this often")
     p.add_argument("--tmp-dir", type=Path, default=Path("/dev/shm"), help="tmpfs for publish-disk's data_dir")
     p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--registry-url", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=RESULTS / "publish.json")
     args = p.parse_args()
     if args.child:
-        child(args.child, args.gib, args.tmp_dir)
+        child(args.child, args.gib, args.tmp_dir, args.registry_url)
         return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if args.ref_repo and "publish-ref" not in modes:
-        modes.append("publish-ref")
+    if args.ref_repo:
+        modes += [f"{m}-ref" for m in ("publish", "http") if m in modes and f"{m}-ref" not in modes]
     if unknown := set(modes) - set(MODES):
         p.error(f"unknown modes: {', '.join(sorted(unknown))}")
-    if "publish-ref" in modes and not args.ref_repo:
-        p.error("publish-ref needs --ref-repo")
+    if any(m.endswith("-ref") for m in modes) and not args.ref_repo:
+        p.error("the -ref modes need --ref-repo")
     runs: dict[str, list[dict]] = {m: [] for m in modes}
     load0 = Path("/proc/loadavg").read_text().split()[:3]
     for rep in range(args.repeats):

@@ -212,8 +212,9 @@ class Puller:
             await asyncio.to_thread(self.mirror.ensure_room, manifest.total_bytes, self.in_use())
             partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
             self._set_state(PullState.PULLING)
+            workers, streams = self._plan(manifest)
             log.info("pull version %d: %d files, %d bytes, %d workers, %d streams of %d-byte requests",
-                     manifest.version, len(manifest.files), manifest.total_bytes, self.workers, self.streams,
+                     manifest.version, len(manifest.files), manifest.total_bytes, workers, streams,
                      self.request_bytes)
             await self._fetch_all(manifest, partial)
             self._set_state(PullState.COMMITTING)
@@ -289,11 +290,10 @@ class Puller:
         """``streams`` tasks take chunks in file order and hand each to a worker; the lease is
         renewed meanwhile. The first failure cancels the rest."""
         work = _chunks(manifest)
-        chunks = sum(len(f.chunks) for f in manifest.files)
-        if not chunks:
+        workers, streams = self._plan(manifest)
+        if not streams:
             return  # only empty files: they exist at their size already
-        streams = min(self.streams, chunks)  # a small version needs fewer: each costs a start
-        pool = FetchPool(self._source(manifest.version), workers=min(self.workers, streams), streams=streams,
+        pool = FetchPool(self._source(manifest.version), workers=workers, streams=streams,
                          piece_bytes=self.piece_bytes, request_bytes=self.request_bytes, nice=self.nice,
                          zero_copy=self.zero_copy, on_restart=self._worker_restarted)
         try:
@@ -308,6 +308,11 @@ class Puller:
             raise _first(group) from None
         finally:
             self.progress.worker_pids = []  # reaped: the pool's exit waits for every one
+
+    def _plan(self, manifest: Manifest) -> tuple[int, int]:
+        """(workers, streams) for this version: a small one needs fewer, and each costs a start."""
+        streams = min(self.streams, sum(len(f.chunks) for f in manifest.files))
+        return min(self.workers, streams), streams
 
     def _worker_restarted(self, pids: list[int]) -> None:
         self.progress.worker_restarts += 1
