@@ -33,7 +33,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--version", default="latest")
     p.add_argument("--streams", type=int, default=4, help="concurrent transfers, over all workers")
     p.add_argument("--workers", type=int, default=1, help="pull worker processes")
-    p.add_argument("--nice", type=int, default=0, help="niceness of the pull workers")
+    p.add_argument("--priority", choices=("idle", "low", "normal"), default="normal",
+                   help="CPU priority of the pull workers")
     p.add_argument("--copy", action="store_true", help="bytes through the workers' memory, not spliced")
     p.add_argument("--request-mib", type=int, default=16, help="largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="largest piece read from a response at once")
@@ -63,7 +64,7 @@ def workers(args: argparse.Namespace) -> dict:
     import inspect
     params = inspect.signature(Puller).parameters
     args.zero_copy = not args.copy
-    return {k: getattr(args, k) for k in ("workers", "nice", "zero_copy") if k in params}
+    return {k: getattr(args, k) for k in ("workers", "priority", "zero_copy") if k in params}
 
 
 def _cpu() -> float:

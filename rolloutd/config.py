@@ -269,8 +269,12 @@ class Pull(_Section):
                                 "at most 16")
     streams: int | None = Field(None, ge=1, le=1024, description="concurrent transfers of one pull, spread over "
                                 "the workers (at least one each); null: two per worker")
-    nice: int = Field(10, ge=0, le=19, description="niceness of the pull workers: when the CPU is contended, "
-                      "generation and the gateway come first")
+    cpu_priority: Literal["idle", "low", "normal"] = Field("idle", description="CPU priority of the pull "
+                                                            "workers: idle (SCHED_IDLE: they run on CPU time no "
+                                                            "other process wants, so generation and the gateway "
+                                                            "never wait for a pull; a node whose CPUs are all "
+                                                            "busy pulls slowly), low (nice 10), normal (the "
+                                                            "daemon's)")
     request_bytes: ByteSize = Field(ByteSize(16 * MiB), ge=64 * KiB, description="largest byte range asked "
                                     "for in one request")
     max_chunk_retries: int = Field(3, ge=0, le=100, description="times one chunk is fetched again after a "

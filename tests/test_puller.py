@@ -186,24 +186,26 @@ def gone(pid: int) -> bool:
         return True
 
 
-def niceness(pid: int) -> int:
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[16])
+def scheduling(pid: int) -> tuple[int, int]:
+    """(policy, niceness) of a process: SCHED_IDLE is 5."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[38]), int(fields[16])
 
 
 async def test_pull_work_runs_in_worker_processes_that_are_reaped(registry, proxy, client, mirror):
     manifest, files = publish(registry, 1)
-    puller = make_puller(client, mirror, workers=2, streams=4, nice=7)
-    seen: dict[int, int] = {}
+    puller = make_puller(client, mirror, workers=2, streams=4, priority="idle")
+    seen: dict[int, tuple[int, int]] = {}
 
     async def look(n: int) -> None:
         if n == 10:
-            seen.update({pid: niceness(pid) for pid in puller.progress.worker_pids})
+            seen.update({pid: scheduling(pid) for pid in puller.progress.worker_pids})
     proxy.on_bytes = look
     result = await puller.pull(1)
     assert result.bytes == manifest.total_bytes
     assert_pulled(mirror, 1, files, manifest)
     assert len(seen) == 2 and os.getpid() not in seen  # two processes of their own
-    assert set(seen.values()) == {os.nice(0) + 7}        # behind generation when the CPU is contended
+    assert set(seen.values()) == {(os.SCHED_IDLE, 19)}   # behind generation when the CPU is contended
     assert puller.progress.worker_pids == [] and all(gone(pid) for pid in seen)
     assert puller.progress.as_dict()["worker_restarts"] == 0
 

@@ -9,7 +9,7 @@ and one per ``progress_bytes`` written.
 Contract:
 
 - ``async with FetchPool(spec, ...) as pool`` starts the workers (in the daemon's cgroup, each
-  in its own session so a terminal's Ctrl-C reaches only the daemon, at ``nice``) and returns
+  in its own session so a terminal's Ctrl-C reaches only the daemon, at ``priority``) and returns
   once each said it is ready; leaving the block stops and reaps every one, on every path
   (cancellation included): stdin closed (a worker exits at once at its end), then SIGKILL after
   ``stop_grace_s``. A worker whose daemon dies sees its stdin end and exits: none outlives it.
@@ -83,7 +83,8 @@ class _Worker:
 
 class FetchPool:
     def __init__(self, spec: SourceSpec, *, workers: int, streams: int, piece_bytes: int = 1 * MiB,
-                 request_bytes: int = 16 * MiB, nice: int = 0, progress_bytes: int = 8 * MiB, zero_copy: bool = True,
+                 request_bytes: int = 16 * MiB, priority: str = "normal", progress_bytes: int = 8 * MiB,
+                 zero_copy: bool = True,
                  on_restart: Callable[[list[int]], None] | None = None, restart_initial_s: float = 0.1,
                  restart_max_s: float = 5.0, start_timeout_s: float = 30.0, stop_grace_s: float = 2.0):
         if workers < 1 or streams < workers:
@@ -91,7 +92,7 @@ class FetchPool:
                              f"streams {streams})")
         self.spec = spec
         self._hello = {"hello": {"source": spec.as_json(), "piece_bytes": piece_bytes,
-                                 "request_bytes": request_bytes, "nice": nice, "progress_bytes": progress_bytes,
+                                 "request_bytes": request_bytes, "priority": priority, "progress_bytes": progress_bytes,
                                  "zero_copy": zero_copy}}
         # streams spread over the workers as evenly as they go
         self._workers = [_Worker(i, streams // workers + (i < streams % workers)) for i in range(workers)]

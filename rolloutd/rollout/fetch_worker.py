@@ -6,7 +6,7 @@ work never shares an interpreter lock or an event loop with the daemon's gateway
 or admin API. Standard library and xxhash only: it starts in a few tens of milliseconds.
 
 Protocol, one JSON object per line. On stdin, first ``{"hello": {"source", "streams",
-"piece_bytes", "request_bytes", "nice", "progress_bytes"}}``, then any number of ``{"job":
+"piece_bytes", "request_bytes", "priority", "progress_bytes"}}``, then any number of ``{"job":
 {"id", "name", "path", "start", "end", "hash", "digest"}}``: fetch bytes [start, end) of file
 ``name`` from the source, write them at the same offsets into ``path`` (a file of the mirror's
 partial directory, already at full size), and check them against ``digest``. On stdout:
@@ -145,16 +145,31 @@ class ChunkWriter:
             self._unreported = 0
 
 
+def lower_priority(level: str) -> None:
+    """Put this process behind generation and the gateway when the CPU is contended: ``idle``
+    (SCHED_IDLE: any other task that wakes up preempts it at once), ``low`` (nice 10). Done
+    before the stream threads start, which inherit it. Without systemd, the kernel may group a
+    session's processes for scheduling (autogroup) so that nice between sessions means
+    nothing; the worker's own session group is lowered too."""
+    if level == "normal":
+        return
+    try:
+        if level == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.nice(19 if level == "idle" else 10)
+        if os.path.exists("/proc/self/autogroup"):
+            with open("/proc/self/autogroup", "w") as f:
+                f.write("19" if level == "idle" else "10")
+    except OSError as e:  # a sandbox may forbid it: pull at the daemon's priority then
+        print(f"rolloutd pull worker {os.getpid()}: cannot lower its priority to {level}: {e}", file=sys.stderr)
+
+
 def main() -> None:
     hello = json.loads(sys.stdin.readline() or "null")
     if not isinstance(hello, dict) or "hello" not in hello:
         sys.exit("rolloutd pull worker: expected a hello line on stdin")
     hello = hello["hello"]
-    if hello.get("nice"):
-        try:
-            os.nice(int(hello["nice"]))  # the gateway and vLLM come first when the CPU is contended
-        except OSError as e:  # a sandbox may forbid it: pull at the daemon's priority then
-            print(f"rolloutd pull worker {os.getpid()}: cannot lower its priority: {e}", file=sys.stderr)
+    lower_priority(hello.get("priority", "normal"))
     worker = Worker(hello)
     worker.emit({"ready": os.getpid()})
     for line in sys.stdin:

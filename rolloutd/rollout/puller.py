@@ -160,7 +160,7 @@ class PullResult:
 
 class Puller:
     def __init__(self, client: RegistryClient, mirror: Mirror, *, holder: str, streams: int = 4,
-                 workers: int = 1, nice: int = 0, request_bytes: int = 16 * MiB, max_chunk_retries: int = 3,
+                 workers: int = 1, priority: str = "normal", request_bytes: int = 16 * MiB, max_chunk_retries: int = 3,
                  lease_ttl_s: float = 60.0, renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES,
                  retry_delay_s: float = 0.1, in_use: Callable[[], set[int]] = set,
                  on_worker_restart: Callable[[], None] | None = None, zero_copy: bool = True,
@@ -171,7 +171,7 @@ class Puller:
         self.client, self.mirror, self.holder = client, mirror, holder
         self.streams, self.request_bytes = streams, request_bytes
         self.workers = min(workers, streams)  # a worker without a stream would do nothing
-        self.nice = nice
+        self.priority = priority  # the workers' CPU priority: idle, low or normal
         self.on_worker_restart = on_worker_restart
         self.zero_copy = zero_copy  # False: bytes through the workers' memory (only to compare, in bench/)
         self.max_chunk_retries = max_chunk_retries
@@ -294,7 +294,7 @@ class Puller:
         if not streams:
             return  # only empty files: they exist at their size already
         pool = FetchPool(self._source(manifest.version), workers=workers, streams=streams,
-                         piece_bytes=self.piece_bytes, request_bytes=self.request_bytes, nice=self.nice,
+                         piece_bytes=self.piece_bytes, request_bytes=self.request_bytes, priority=self.priority,
                          zero_copy=self.zero_copy, on_restart=self._worker_restarted)
         try:
             async with asyncio.TaskGroup() as tg:

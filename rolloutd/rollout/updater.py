@@ -113,7 +113,7 @@ class Updater:
         cfg = conf()
         self.registry = RegistryView(cfg.registry.url)
         self.puller = Puller(client, mirror, holder=cfg.node_name, streams=cfg.pull.stream_count(),
-                             workers=cfg.pull.worker_count(), nice=cfg.pull.nice,
+                             workers=cfg.pull.worker_count(), priority=cfg.pull.cpu_priority,
                              request_bytes=int(cfg.pull.request_bytes),
                              max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
                              in_use=in_use, on_worker_restart=metrics.pull_worker_restarts.inc)

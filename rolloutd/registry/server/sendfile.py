@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import os
 import select
+import socket
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -61,12 +62,12 @@ async def send_range(conn: Connection, send, fd: int, start: int, end: int, stal
         if conn.transport.get_write_buffer_size() == 0 or conn.transport.is_closing():
             break
         await asyncio.sleep(0.001)
-    sock = conn.transport.get_extra_info("socket")
-    dup = os.dup(sock.fileno())
+    raw = conn.transport.get_extra_info("socket")
+    dup = socket.socket(raw.family, raw.type, fileno=os.dup(raw.fileno()))  # the same connection, our descriptor
     try:
         sent = await asyncio.get_running_loop().run_in_executor(_SENDERS, _sendfile, dup, fd, start, end, stall_s)
     finally:
-        os.close(dup)
+        dup.close()
     if sent != end - start:
         conn.transport.close()
         raise SendfileError(f"sent {sent} of {end - start} bytes")
@@ -76,21 +77,35 @@ async def send_range(conn: Connection, send, fd: int, start: int, end: int, stal
     return sent
 
 
-def _sendfile(sock: int, fd: int, start: int, end: int, stall_s: float) -> int:
-    """Blocking: sendfile on a non-blocking socket, waiting for room with poll."""
+def _sendfile(sock: socket.socket, fd: int, start: int, end: int, stall_s: float) -> int:
+    """Blocking: sendfile on a non-blocking socket, waiting for room with poll. The socket is
+    corked meanwhile (nginx's ``tcp_nopush``): only full segments go out until the last."""
     poll = select.poll()
-    poll.register(sock, select.POLLOUT)
+    poll.register(sock.fileno(), select.POLLOUT)
     offset = start
-    while offset < end:
-        try:
-            n = os.sendfile(sock, fd, offset, min(SEND_BYTES, end - offset))
-        except BlockingIOError:
-            if not poll.poll(int(stall_s * 1000)):
-                break  # the client stopped reading
-            continue
-        except OSError:  # the client went away (EPIPE, ECONNRESET)
-            break
-        if n == 0:
-            break  # the file is shorter than it should be
-        offset += n
+    cork = _cork(sock, True)
+    try:
+        while offset < end:
+            try:
+                n = os.sendfile(sock.fileno(), fd, offset, min(SEND_BYTES, end - offset))
+            except BlockingIOError:
+                if not poll.poll(int(stall_s * 1000)):
+                    break  # the client stopped reading
+                continue
+            except OSError:  # the client went away (EPIPE, ECONNRESET)
+                break
+            if n == 0:
+                break  # the file is shorter than it should be
+            offset += n
+    finally:
+        if cork:
+            _cork(sock, False)  # uncorking sends what is left at once
     return offset - start
+
+
+def _cork(sock: socket.socket, on: bool) -> bool:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1 if on else 0)
+    except OSError:  # not TCP
+        return False
+    return True
