@@ -269,12 +269,12 @@ class Pull(_Section):
                                 "at most 16")
     streams: int | None = Field(None, ge=1, le=1024, description="concurrent transfers of one pull, spread over "
                                 "the workers (at least one each); null: two per worker")
-    cpu_priority: Literal["idle", "low", "normal"] = Field("idle", description="CPU priority of the pull "
-                                                            "workers: idle (SCHED_IDLE: they run on CPU time no "
-                                                            "other process wants, so generation and the gateway "
-                                                            "never wait for a pull; a node whose CPUs are all "
-                                                            "busy pulls slowly), low (nice 10), normal (the "
-                                                            "daemon's)")
+    cpu_priority: Literal["idle", "low", "normal"] = Field("low", description="CPU priority of the pull "
+                                                            "workers: low (nice 10: generation and the gateway "
+                                                            "come first when the CPU is contended, and the pull "
+                                                            "still moves), idle (SCHED_IDLE: only CPU time no "
+                                                            "other process wants; on a node whose CPUs are all "
+                                                            "busy a pull may not finish), normal (the daemon's)")
     request_bytes: ByteSize = Field(ByteSize(16 * MiB), ge=64 * KiB, description="largest byte range asked "
                                     "for in one request")
     max_chunk_retries: int = Field(3, ge=0, le=100, description="times one chunk is fetched again after a "

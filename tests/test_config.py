@@ -101,7 +101,7 @@ def test_defaults():
     assert cfg.state_dir == Path("/var/lib/rolloutd")
     assert cfg.mirror.dir == Path("/dev/shm/rolloutd") and cfg.mirror.max_bytes == 32 * GiB
     assert (cfg.pull.streams, cfg.pull.request_bytes, cfg.pull.max_chunk_retries) == (None, 16 * MiB, 3)
-    assert (cfg.pull.workers, cfg.pull.cpu_priority) == (None, "idle")
+    assert (cfg.pull.workers, cfg.pull.cpu_priority) == (None, "low")
     assert cfg.pull.worker_count() == min(os.cpu_count(), 16) and cfg.pull.stream_count() == 2 * cfg.pull.worker_count()
     assert (cfg.pull.lease_ttl_s, cfg.pull.read_timeout_s, cfg.pull.timeout_s) == (60, 30, 3600)
     u = cfg.update
