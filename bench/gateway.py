@@ -314,7 +314,7 @@ def during_pull(args: argparse.Namespace) -> int:
 
     from rolloutd.registry import RegistryHTTP
     from rolloutd.registry.shards import save_shards
-    need = 5 * args.pull_gib * (1 << 30)
+    need = int((4 * args.pull_gib + 1) * (1 << 30))  # filler, the registry's copy, the mirror's two
     meminfo = {k: int(v.split()[0]) << 10 for k, v in (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text()
                                                        .splitlines())}
     if meminfo["MemAvailable"] < need:
@@ -373,6 +373,8 @@ def during_pull(args: argparse.Namespace) -> int:
         during: list[tuple] = []
         for k in range(args.pulls):
             version = 2 + k
+            if version > 2:
+                reg.retire(version - 1)  # the node holds it: the registry need not keep two
             publish(version, True)
             direct.warm(), gateway.warm()
             done = threading.Event()
@@ -387,7 +389,6 @@ def during_pull(args: argparse.Namespace) -> int:
                 len(watch.windows) > started and watch.windows[-1][1] is not None))
             during += [x for x in samples if watch.covers(x[0], x[1])]
             done.wait(900)
-            reg.retire(version - 1)
         watch.stop.set()
         watch.join(5)
     finally:
