@@ -278,7 +278,7 @@ def cp(urls: dict, names: list[str], dest: Path, args: argparse.Namespace) -> di
 
 def sweep_cpus(workers: int, args: argparse.Namespace) -> str:
     """The CPUs N workers may use: the load CPU first, then the others in order."""
-    cpus = [args.load_cpu] + [c for c in sorted(os.sched_getaffinity(0)) if c != args.load_cpu]
+    cpus = [args.load_cpu] + [c for c in range(os.cpu_count()) if c != args.load_cpu]  # this script is pinned
     return ",".join(str(c) for c in cpus[:workers])
 
 
