@@ -88,7 +88,7 @@ def main() -> int:
            "mirror": {"dir": str(work / "mirror"), "max_bytes": "1GiB"},
            "vllm": {"command": [str(vllm), "serve"], "args": FLAGS,
                     "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
-           "servers": [{"name": f"s{i}", "model": str(model), "port": free_port(), "public_port": free_port(),
+           "servers": [{"name": f"s{i}", "model": str(model), "public_port": free_port(),
                         "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())}}
                        for i in range(args.servers)]}
     with EmbeddedRegistry(port=0) as reg:

@@ -1,7 +1,8 @@
 """What the gateway costs: streamed generation through it and straight to vLLM, side by side.
 
-A real ``vllm serve`` (CPU build, small model) on core 0, and rolloutd's gateway in front of it
-in a process of its own on core 1 (uvloop, as in the daemon). The same client measures both
+A real ``vllm serve`` (CPU build, small model) on core 0, on a UNIX socket as the daemon starts
+it, and rolloutd's gateway in front of it in a process of its own on core 1 (uvloop, as in the
+daemon); "direct" is a client on that socket. The same client measures both
 paths in the same run, alternating request by request so that the machine's noise falls on
 both alike:
 
@@ -67,7 +68,7 @@ RESULTS = ROOT / "bench" / "results"
 PROMPT = [1, 5, 9, 13, 40]
 
 
-def serve_gateway(upstream: int, port: int) -> None:
+def serve_gateway(upstream: str, port: str) -> None:
     """The gateway alone, as the daemon runs it (``--serve-gateway``)."""
     import uvloop
 
@@ -77,7 +78,7 @@ def serve_gateway(upstream: int, port: int) -> None:
     from rolloutd.supervise.states import ServerState
 
     async def main() -> None:
-        gw = Gateway("bench", upstream, port, Settings(host="127.0.0.1"), None, Metrics())
+        gw = Gateway("bench", Path(upstream), int(port), Settings(host="127.0.0.1"), None, Metrics())
         await gw.start()
         gw.on_state(ServerState.SERVING)
         print("ready", flush=True)
@@ -95,10 +96,17 @@ def body(tokens: int) -> dict:
             "sampling_params": {"max_tokens": tokens, "temperature": 0, "ignore_eos": True}}
 
 
-def one_stream(c: httpx.Client, url: str, tokens: int) -> tuple[float, float]:
+def client(target: str | Path, **kw) -> httpx.Client:
+    """A client of ``target``: a URL, or a UNIX socket (a Path)."""
+    if isinstance(target, Path):
+        return httpx.Client(base_url="http://localhost", transport=httpx.HTTPTransport(uds=str(target)), **kw)
+    return httpx.Client(base_url=target, **kw)
+
+
+def one_stream(c: httpx.Client, tokens: int) -> tuple[float, float]:
     t0 = time.perf_counter()
     first = None
-    with c.stream("POST", url + "/inference/v1/generate", json=body(tokens)) as r:
+    with c.stream("POST", "/inference/v1/generate", json=body(tokens)) as r:
         r.raise_for_status()
         for _ in r.iter_raw():
             if first is None:
@@ -106,25 +114,29 @@ def one_stream(c: httpx.Client, url: str, tokens: int) -> tuple[float, float]:
     return first, time.perf_counter() - t0
 
 
-def latency(urls: dict[str, str], n: int, tokens: int) -> dict[str, dict[str, list[float]]]:
+def latency(urls: dict[str, str | Path], n: int, tokens: int) -> dict[str, dict[str, list[float]]]:
     """Per path, per kind (first chunk, whole stream, /health): n samples in ms, taken in turns
     (sample i of every path one right after the other, so pairs share the machine's state)."""
     out = {name: {"first": [], "total": [], "health": []} for name in urls}
     names = list(urls)
-    with httpx.Client(timeout=60) as c:
-        for url in urls.values():  # warm both paths (connections, vLLM's first requests)
+    clients = {name: client(target, timeout=60) for name, target in urls.items()}
+    try:
+        for c in clients.values():  # warm both paths (connections, vLLM's first requests)
             for _ in range(5):
-                one_stream(c, url, tokens)
+                one_stream(c, tokens)
         for i in range(n):
             for name in turns(names, i):
-                first, total = one_stream(c, urls[name], tokens)
+                first, total = one_stream(clients[name], tokens)
                 out[name]["first"].append(first * 1e3)
                 out[name]["total"].append(total * 1e3)
         for i in range(5 * n):
             for name in turns(names, i):
                 t0 = time.perf_counter()
-                c.get(urls[name] + "/health").raise_for_status()
+                clients[name].get("/health").raise_for_status()
                 out[name]["health"].append((time.perf_counter() - t0) * 1e3)
+    finally:
+        for c in clients.values():
+            c.close()
     return out
 
 
@@ -144,7 +156,7 @@ def summary(samples: dict[str, dict[str, list[float]]], proxy: str) -> dict:
     return out
 
 
-async def throughput_block(url: str, concurrency: int, seconds: float, tokens: int) -> float:
+async def throughput_block(target: str | Path, concurrency: int, seconds: float, tokens: int) -> float:
     """Generated tokens per second with ``concurrency`` streams for ``seconds``."""
     done = 0
     deadline = time.perf_counter() + seconds
@@ -152,12 +164,14 @@ async def throughput_block(url: str, concurrency: int, seconds: float, tokens: i
     async def worker(c: httpx.AsyncClient) -> None:
         nonlocal done
         while time.perf_counter() < deadline:
-            async with c.stream("POST", url + "/inference/v1/generate", json=body(tokens)) as r:
+            async with c.stream("POST", "/inference/v1/generate", json=body(tokens)) as r:
                 async for line in r.aiter_lines():
                     if line.startswith("data: {"):
                         done += len(json.loads(line[6:])["choices"][0]["token_ids"])
     t0 = time.perf_counter()
-    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency)) as c:
+    where = ({"base_url": "http://localhost", "transport": httpx.AsyncHTTPTransport(uds=str(target))}
+             if isinstance(target, Path) else {"base_url": target})
+    async with httpx.AsyncClient(timeout=120, limits=httpx.Limits(max_connections=concurrency), **where) as c:
         await asyncio.gather(*(worker(c) for _ in range(concurrency)))
     return done / (time.perf_counter() - t0)
 
@@ -167,7 +181,7 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def throughput(urls: dict[str, str], concurrency: int, seconds: float, tokens: int, rounds: int,
+def throughput(urls: dict[str, str | Path], concurrency: int, seconds: float, tokens: int, rounds: int,
                gateway_pid: int) -> tuple[dict, dict, float]:
     """Tokens/s per path (median of rounds), each proxy's median ratio to the direct block of the
     same round, and the gateway process's CPU (share of one core) while it carried load."""
@@ -191,7 +205,7 @@ http {{
   access_log off;
   client_body_temp_path {dir}/body; proxy_temp_path {dir}/proxy;
   fastcgi_temp_path {dir}/fcgi; uwsgi_temp_path {dir}/uwsgi; scgi_temp_path {dir}/scgi;
-  upstream vllm {{ server 127.0.0.1:{upstream}; keepalive 32; }}
+  upstream vllm {{ server unix:{upstream}; keepalive 32; }}
   server {{
     listen 127.0.0.1:{port};
     location / {{ proxy_pass http://vllm; proxy_http_version 1.1; proxy_set_header Connection "";
@@ -201,7 +215,7 @@ http {{
 """
 
 
-def start_nginx(work: Path, upstream: int, port: int, core: int) -> subprocess.Popen | None:
+def start_nginx(work: Path, upstream: Path, port: int, core: int) -> subprocess.Popen | None:
     """The peer: nginx as a streaming reverse proxy (no buffering, kept-alive upstream), when installed."""
     if not shutil.which("nginx"):
         print("nginx not found: the peer is skipped (apt-get install nginx-light)", file=sys.stderr)
@@ -440,7 +454,7 @@ def wait_up(reg) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="fewer requests, shorter blocks")
-    p.add_argument("--serve-gateway", nargs=2, type=int, metavar=("UPSTREAM", "PORT"), help=argparse.SUPPRESS)
+    p.add_argument("--serve-gateway", nargs=2, metavar=("SOCKET", "PORT"), help=argparse.SUPPRESS)
     p.add_argument("--tokens", type=int, default=16, help="tokens per generation (latency)")
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--during-pull", action="store_true", help="the gateway in the daemon, idle and while it pulls")
@@ -459,7 +473,8 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="rolloutd-bench-gateway."))
     model = tinymodel.build(work / "model", seed=0)
-    server = VllmServer(model, free_port(), work / "vllm.log", pythonpath=[install_plugin(work / "plugin")], cpus="0")
+    server = VllmServer(model, work / "vllm.sock", work / "vllm.log", pythonpath=[install_plugin(work / "plugin")],
+                        cpus="0")
     # vLLM (every process of it: it forks its engine later, which inherits this) on core 0; the
     # client and the proxies on the other core. On a GPU node generation does not compete with
     # a proxy for the CPU; here it would, and would measure the machine rather than the proxy.
@@ -467,14 +482,15 @@ def main() -> int:
     os.sched_setaffinity(0, {1 % os.cpu_count()})
     gw_port = free_port()
     gateway = subprocess.Popen(["taskset", "-c", str(1 % os.cpu_count()), sys.executable, __file__,
-                                "--serve-gateway", str(server.port), str(gw_port)], stdout=subprocess.PIPE, text=True)
+                                "--serve-gateway", str(server.socket), str(gw_port)], stdout=subprocess.PIPE,
+                               text=True)
     nginx = None
     try:
         assert gateway.stdout.readline().strip() == "ready"
         server.wait_healthy()
-        urls = {"direct": server.url, "gateway": f"http://127.0.0.1:{gw_port}"}
+        urls = {"direct": server.socket, "gateway": f"http://127.0.0.1:{gw_port}"}
         nginx_port = free_port()
-        nginx = start_nginx(work, server.port, nginx_port, 1 % os.cpu_count())
+        nginx = start_nginx(work, server.socket, nginx_port, 1 % os.cpu_count())
         if nginx is not None:
             urls["nginx"] = f"http://127.0.0.1:{nginx_port}"
         tput, ratio, gateway_cpu = throughput(urls, args.concurrency, seconds, 64, rounds, gateway.pid)

@@ -22,6 +22,7 @@ import asyncio
 import json
 import math
 import resource
+import string
 import sys
 import time
 from array import array
@@ -37,12 +38,18 @@ def replica_id(k: int) -> str:
     return f"n{k // 8:04d}-s{k % 8}"
 
 
-def build_requests(host: str, port: int, replicas: int, body: bytes) -> list[bytes]:
-    """Every request's bytes, made once up front so sending costs one write."""
-    head = (f"Host: {host}:{port}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
-    return [f"PUT /v1/replicas/{replica_id(k)} HTTP/1.1\r\n".encode() + head + body
-            for k in range(replicas)]
+def build_requests(host: str, port: int, replicas: int, body: bytes, template: bool = False) -> list[bytes]:
+    """Every request's bytes, made once up front so sending costs one write. With ``template``,
+    ``$node`` and ``$server`` in the body become replica ``k``'s own (a fleet of distinct nodes)."""
+    def one(k: int) -> bytes:
+        b = body
+        if template:
+            node, server = replica_id(k).split("-")
+            b = string.Template(body.decode()).substitute(node=node, server=server).encode()
+        head = (f"Host: {host}:{port}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(b)}\r\n\r\n").encode()
+        return f"PUT /v1/replicas/{replica_id(k)} HTTP/1.1\r\n".encode() + head + b
+    return [one(k) for k in range(replicas)]
 
 
 class Run:
@@ -208,7 +215,7 @@ def summarize(run: Run, first: int, window_s: float, cpu_s: float, wall_s: float
 async def main_async(args: argparse.Namespace) -> dict:
     with open(args.body_file, "rb") as f:
         body = f.read()
-    requests = build_requests(args.host, args.port, args.replicas, body)
+    requests = build_requests(args.host, args.port, args.replicas, body, args.body_template)
     total = min(MAX_REQUESTS, int(args.rate * (args.warmup_s + args.duration_s)))
     first = min(total, int(args.rate * args.warmup_s))
     run = Run(total, args.rate)
@@ -241,6 +248,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=10_000)
     p.add_argument("--connections", type=int, default=1000)
     p.add_argument("--body-file", required=True)
+    p.add_argument("--body-template", action="store_true",
+                   help="the body file is a template: $node and $server become each replica's own")
     args = p.parse_args(argv)
     if args.rate <= 0 or args.duration_s <= 0 or args.replicas < 1 or args.connections < 1:
         p.error("rate, duration, replicas and connections must be positive")

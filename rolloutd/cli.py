@@ -79,7 +79,7 @@ async def serve_registry(settings) -> int:
                          before_shutdown=[service.close])
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):  # handlers only ask the server to stop
-        loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
+        loop.add_signal_handler(sig, server.exit)
     log.info("serve registry on %s:%d (instance %s, bytes in %s, auth %s)", *sock.getsockname()[:2],
              service.store.instance, service.blobs.describe(), "on" if service.token else "off")
     await server.serve(sockets=[sock])
@@ -121,14 +121,25 @@ def cmd_publish(args: argparse.Namespace) -> int:
         except (OSError, ValidationError) as e:
             print(f"rolloutd publish: --canary {args.canary}: {e}", file=sys.stderr)
             return 2
+    store = None
+    if args.to:
+        from rolloutd.objstore import ObjectStoreError, ObjectStoreSettings, parse_source
+        try:
+            parse_source(args.to)
+        except ObjectStoreError as e:
+            print(f"rolloutd publish: --to: {e}", file=sys.stderr)
+            return 2
+        store = ObjectStoreSettings(endpoint=args.s3_endpoint, region=args.s3_region,
+                                    credentials_file=args.s3_credentials)
     reg = RegistryHTTP(args.registry, token, timeout_s=args.timeout_s)
     try:
         manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
                                    metadata=metadata, progress=ProgressLine(f"upload v{args.version}"),
-                                   canary=canary, partial=args.partial)
+                                   canary=canary, partial=args.partial, to=args.to, store=store)
     finally:
         reg.close()
-    print(f"published version {manifest.version}: {len(manifest.files)} files, "
+    where = f" at {manifest.source}" if manifest.source else ""
+    print(f"published version {manifest.version}{where}: {len(manifest.files)} files, "
           f"{size(manifest.total_bytes)}, digest {manifest.digest}")
     return 0
 
@@ -203,6 +214,12 @@ def build_parser() -> argparse.ArgumentParser:
                    "purpose (the rest keeps its weights); without it a version lacking a tensor fails to load")
     p.add_argument("--canary", metavar="FILE.json", help="canary to attach (JSON: prompt_ids, continuation_ids, "
                    "logprobs, tolerance; rolloutd.registry.canary.save_canary writes one)")
+    p.add_argument("--to", metavar="s3://BUCKET/PREFIX", help="put the files in this object store (under "
+                   "PREFIX/VERSION/) instead of the registry, which keeps the manifest, leases and the source")
+    p.add_argument("--s3-endpoint", metavar="URL", help="with --to: the S3-compatible service (default: AWS)")
+    p.add_argument("--s3-region", default="us-east-1", help="with --to: the bucket's region")
+    p.add_argument("--s3-credentials", metavar="FILE", help="with --to: JSON or YAML file with access_key_id and "
+                   "secret_access_key (default: the AWS_* environment variables)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     p.set_defaults(func=cmd_publish)
 
@@ -216,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from rolloutd.node.adminctl import add_parsers as add_admin
     add_admin(sub)
+    from rolloutd.registry.fleetctl import add_parser as add_fleet
+    add_fleet(sub)
     from rolloutd.demo.serve import add_parser as add_demo
     add_demo(sub)
     return parser

@@ -50,13 +50,19 @@ from rolloutd.wire.messages import REPLICA_ID_RE
 DEFAULT_CONFIG_PATH = Path("/etc/rolloutd.yaml")
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 
-# Flags rolloutd passes to every `vllm serve` itself; a second value would fight it.
+# Flags rolloutd passes to every `vllm serve` itself (a second value would fight it), and flags that
+# would open vLLM to every local user: its pause and weight routes have no authentication.
+_PRIVATE = "vLLM listens only on a UNIX socket that rolloutd's user alone can reach (--uds)"
 OWNED_FLAGS = {
-    "--host": "rolloutd binds every server to loopback",
-    "--port": "set the server's `port` instead",
-    "--weight-transfer-config": "rolloutd selects its own weight-transfer plugin",
-    "--enable-scale-out": "rolloutd enables it itself",
+    "--host": f"is set by rolloutd: {_PRIVATE}; the server's gateway listens on gateway.host",
+    "--port": f"is set by rolloutd: {_PRIVATE}; the server's gateway listens on its public_port",
+    "--uds": "is set by rolloutd: every server's socket is <state_dir>/sockets/<name>.sock",
+    "--grpc-port": "is refused: it opens a TCP port on loopback, which every local user can reach",
+    "--weight-transfer-config": "is set by rolloutd: rolloutd selects its own weight-transfer plugin",
+    "--enable-scale-out": "is set by rolloutd: rolloutd enables it itself",
 }
+# The longest path a UNIX socket can have (sun_path is 108 bytes with its terminating NUL).
+SOCKET_PATH_MAX = 107
 OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "use the server's `gpus` instead",
     "VLLM_SERVER_DEV_MODE": "rolloutd sets it to reach the pause and weight routes",
@@ -114,7 +120,7 @@ def _args_problems(args: list[str]) -> list[tuple[Loc, str]]:
         # vLLM's argument parser takes `--weight_transfer_config` for `--weight-transfer-config`.
         owned = flag.replace("_", "-") if flag.startswith("--") else flag
         if owned in OWNED_FLAGS:
-            out.append(((i,), f"{flag} is set by rolloutd: {OWNED_FLAGS[owned]}"))
+            out.append(((i,), f"{flag} {OWNED_FLAGS[owned]}"))
     return out
 
 
@@ -208,7 +214,7 @@ class Admin(_Section):
 class Gateway(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="address every server's gateway listens on: "
                       "the node's public address (e.g. 0.0.0.0) for trainers on other hosts, which then needs "
-                      "token_file or allow_unauthenticated; vLLM itself only ever listens on loopback")
+                      "token_file or allow_unauthenticated; vLLM itself listens on no TCP port at all")
     token_file: LaxPath | None = Field(None, description="file holding the gateway's token; when set, every "
                                        "request needs `Authorization: Bearer <token>`; null: no token, which "
                                        "a host other than loopback refuses unless allow_unauthenticated")
@@ -291,6 +297,46 @@ class Pull(_Section):
         return max(self.streams or 2 * self.worker_count(), 1)
 
 
+class Peers(_Section):
+    enabled: bool = Field(False, description="take chunks from other nodes and serve this node's chunks to "
+                          "them (the chunk swarm: the trainer then sends about one copy of a version however "
+                          "many nodes pull it); off by default because it opens a listener to other nodes")
+    host: str = Field("0.0.0.0", min_length=1, description="address of the peer listener, reachable from the "
+                      "other nodes; it serves only checked chunks of versions, read-only, with a token")
+    port: int = Field(9300, ge=1, le=65535, description="TCP port of the peer listener")
+    advertise_url: str | None = Field(None, description="the listener's URL as other nodes reach it, e.g. "
+                                      "http://10.0.0.7:9300; null: http://<node.advertise_host>:<port>")
+    token_file: LaxPath | None = Field(None, description="file holding the token every node of the fleet "
+                                       "presents to its peers; null: registry.token_file (a listener off "
+                                       "loopback refuses to start without either)")
+    announce_every_s: Seconds = Field(0.5, description="while pulling: how often the registry's tracker "
+                                      "hears which chunks this node holds (and says where to take the rest)")
+    announce_idle_s: Seconds = Field(10.0, description="at rest: how often it hears which complete versions "
+                                     "this node serves (keep it under the registry's --holder-ttl-s)")
+    peer_timeout_s: Seconds = Field(10.0, description="longest silence from a peer before it is dropped "
+                                    "for the pull")
+    peer_chunk_timeout_s: Seconds = Field(60.0, description="longest time for one chunk from a peer before "
+                                          "it is dropped for the pull and the chunk fetched elsewhere")
+    origin_wait_s: Seconds = Field(5.0, description="with nothing to fetch and no word from the tracker "
+                                   "for this long, take the rest from the origin (registry or object store)")
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _check_url(cls, url: str | None) -> str | None:
+        if url is not None and not re.fullmatch(r"https?://[^\s/]+", url.rstrip("/")):
+            raise ValueError("expected http://HOST:PORT (no path)")
+        return url.rstrip("/") if url else url
+
+
+class ObjectStore(_Section):
+    endpoint: str | None = Field(None, description="the S3-compatible service versions published with "
+                                 "`to: s3://...` are read from, e.g. http://minio:9000; null: AWS S3")
+    region: str = Field("us-east-1", min_length=1, description="the bucket's region")
+    credentials_file: LaxPath | None = Field(None, description="JSON or YAML file with access_key_id, "
+                                             "secret_access_key and optionally session_token; null: the "
+                                             "environment's AWS_* variables")
+
+
 class Update(_Section):
     pause_mode: Literal["abort", "wait", "keep"] = Field("keep", description="how a server pauses for an "
                                                          "update: abort running requests, wait for them to "
@@ -310,6 +356,12 @@ class Update(_Section):
     resume_timeout_s: Seconds = Field(30.0, description="longest wait for POST /resume")
     max_reapply: int = Field(1, ge=0, description="a failed load is applied again this many times before "
                             "the server is restarted")
+    serve_mirror_when_registry_down: bool = Field(False, description="rolloutd (re)started while the registry "
+                                                  "cannot be reached: sync every server to the newest complete "
+                                                  "version in the mirror and serve it, instead of waiting in "
+                                                  "SYNCING until the registry answers. Off: a server is never "
+                                                  "SERVING on weights the registry has not named since rolloutd "
+                                                  "started")
     keep_kv_cache: bool = Field(False, description="partial-rollout semantics: keep every KV cache across an "
                                 "update, so requests frozen by pause_mode keep go on attending to KV computed "
                                 "with the old weights, and new requests reuse prefix-cache blocks of the old "
@@ -380,11 +432,11 @@ class Server(_Section):
                       "letters, digits, - and _; unique on the node")
     model: str = Field(min_length=1, description="the model `vllm serve` starts with (a path or a model "
                        "name); the registry's versions then replace its weights")
-    port: int = Field(ge=1, le=65535, description="loopback port of this `vllm serve`; unique on the node "
-                      "and not the admin port")
-    public_port: int | None = Field(None, ge=1, le=65535, description="port of this server's gateway on "
-                                    "gateway.host: where trainers send generation requests, and the endpoint "
-                                    "the registry lists; null: port + 1000")
+    public_port: int = Field(ge=1, le=65535, description="port of this server's gateway on gateway.host: "
+                             "where trainers send generation requests, and the endpoint the registry lists; "
+                             "unique on the node and not the admin port. vLLM itself listens on no port: "
+                             "on the UNIX socket <state_dir>/sockets/<name>.sock, which only rolloutd's user "
+                             "can reach")
     gpus: Gpus = Field([], description="GPU indices the server uses (its "
                                                    "CUDA_VISIBLE_DEVICES); no GPU in two servers; []: the "
                                                    "variable is left as rolloutd found it")
@@ -392,11 +444,16 @@ class Server(_Section):
     env: Env = Field({}, description="extra environment variables for this server, over "
                                  "vllm.env")
 
-
-    @property
-    def gateway_port(self) -> int:
-        """The gateway's port: ``public_port``, else ``port + 1000``."""
-        return self.public_port if self.public_port is not None else self.port + 1000
+    @model_validator(mode="before")
+    @classmethod
+    def _removed_port(cls, data: Any) -> Any:
+        # `port` was vLLM's loopback TCP port, which every local user could reach (and pause, or
+        # load weights into): say so rather than "unknown key" to whoever upgrades.
+        if isinstance(data, dict) and "port" in data:
+            raise _problems([(("port",), "no longer taken: vLLM listens on a UNIX socket that only rolloutd's "
+                              "user can reach (<state_dir>/sockets/<name>.sock), never on a TCP port; the "
+                              "server's gateway port is public_port (it was port + 1000)")])
+        return data
 
     @property
     def cuda_visible_devices(self) -> str | None:
@@ -406,8 +463,8 @@ class Server(_Section):
 
 # -- the whole file ------------------------------------------------------------------------------
 
-SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "pull", "update", "heartbeat", "health", "restart",
-            "shutdown", "vllm")
+SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "pull", "peers", "object_store", "update", "heartbeat",
+            "health", "restart", "shutdown", "vllm")
 
 
 class Config(_Section):
@@ -417,9 +474,13 @@ class Config(_Section):
     gateway: Gateway = Field(default_factory=Gateway, description="the servers' gateways: the only way to a "
                              "server from other hosts, an allow-list of generation routes")
     state_dir: LaxPath = Field(Path("/var/lib/rolloutd"), description="the daemon's own state: records of "
-                               "running servers, the plugin copy servers import")
+                               "running servers, the plugin copy servers import, and sockets/ (mode 0700), "
+                               "where each server's vLLM listens")
     mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
     pull: Pull = Field(default_factory=Pull, description="how a version is pulled into the mirror")
+    peers: Peers = Field(default_factory=Peers, description="the chunk swarm: chunks from and to other nodes")
+    object_store: ObjectStore = Field(default_factory=ObjectStore, description="where versions published to "
+                                      "an object store are read from")
     update: Update = Field(default_factory=Update, description="when and how servers load a new version")
     heartbeat: Heartbeat = Field(default_factory=Heartbeat, description="each server's state reported to the "
                                  "registry")
@@ -438,9 +499,19 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_servers(self) -> Config:
-        if problems := list(self._server_conflicts()) + self._replica_id_problems():
+        if problems := list(self._server_conflicts()) + self._replica_id_problems() + self._peers_port_problems():
             raise _problems(problems)
         return self
+
+    def _peers_port_problems(self) -> list[tuple[Loc, str]]:
+        if not self.peers.enabled:
+            return []
+        taken = {self.admin.port: "the admin API's port (admin.port)"}
+        for i, s in enumerate(self.servers):
+            taken.setdefault(s.public_port, f"the public_port of servers[{i}]")
+        if self.peers.port in taken:
+            return [(("peers", "port"), f"{self.peers.port} is also {taken[self.peers.port]}")]
+        return []
 
     def _replica_id_problems(self) -> list[tuple[Loc, str]]:
         # Heartbeats go to /v1/replicas/<node>.<server>: a name the registry refuses would fail every
@@ -466,27 +537,39 @@ class Config(_Section):
             if s.name in names:
                 yield ("servers", i, "name"), f"{s.name!r} is also the name of servers[{names[s.name]}]"
             names.setdefault(s.name, i)
-            for key, port in (("port", s.port), ("public_port", s.gateway_port)):
-                where = ("servers", i, key)
-                if key == "public_port" and s.public_port is None and s.port in ports and ports[s.port] != \
-                        f"the port of servers[{i}]":
-                    continue  # port + 1000 of a port already refused: one message is enough
-                if port > 65535:
-                    yield where, f"the gateway would listen on port + 1000 = {port}: set public_port"
-                elif port == self.admin.port:
-                    yield where, f"{port} is the admin API's port (admin.port)"
-                elif port in ports:
-                    yield where, f"{port} is also {ports[port]}"
-                ports.setdefault(port, f"the {key} of servers[{i}]")
+            where, port = ("servers", i, "public_port"), s.public_port
+            if port == self.admin.port:
+                yield where, f"{port} is the admin API's port (admin.port)"
+            elif port in ports:
+                yield where, f"{port} is also {ports[port]}"
+            ports.setdefault(port, f"the public_port of servers[{i}]")
             for k, gpu in enumerate(s.gpus):
                 if gpu in gpus:
                     yield ("servers", i, "gpus", k), f"GPU {gpu} is also used by servers[{gpus[gpu]}]"
                 gpus.setdefault(gpu, i)
+        longest = self.socket_path(max((s.name for s in self.servers), key=len))
+        if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
+            yield ("state_dir",), (f"makes a server's socket path ({longest}) longer than a UNIX socket's may be "
+                                   f"({SOCKET_PATH_MAX} bytes): shorten state_dir")
+
+    @property
+    def socket_dir(self) -> Path:
+        """Where every server's vLLM listens: a directory only rolloutd's user may enter."""
+        return self.state_dir / "sockets"
+
+    def socket_path(self, name: str) -> Path:
+        """The UNIX socket of server ``name``'s vLLM (it listens on no TCP port)."""
+        return self.socket_dir / f"{name}.sock"
 
     @property
     def node_name(self) -> str:
         """This node's name: ``node.name``, else the machine's host name."""
         return self.node.name or socket.gethostname()
+
+    @property
+    def peers_url(self) -> str:
+        """Where other nodes reach this node's peer listener."""
+        return self.peers.advertise_url or f"http://{self.advertise_host}:{self.peers.port}"
 
     @property
     def advertise_host(self) -> str:
@@ -647,7 +730,7 @@ def _keys_at(loc: Loc) -> list[str]:
 
 
 def _file_problems(cfg: Config) -> Iterator[tuple[Loc, str]]:
-    for section in ("registry", "admin", "gateway"):
+    for section in ("registry", "admin", "gateway", "peers"):
         try:
             read_token(getattr(cfg, section).token_file)
         except ConfigError as e:

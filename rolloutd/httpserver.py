@@ -27,24 +27,69 @@ def run(coro):
 
 
 class QuietServer(uvicorn.Server):
-    """A uvicorn server that leaves signal handling to whoever embeds it.
+    """A uvicorn server that leaves signal handling to whoever embeds it, and stops promptly.
 
-    ``before_shutdown`` callbacks run on the server's loop as shutdown begins, before uvicorn
-    waits for open requests: that is where long-polls are told to return at once.
+    ``before_shutdown`` callbacks run on the server's loop as shutdown begins, before it waits
+    for open requests: that is where long-polls are told to return at once.
+
+    :meth:`exit` (from any thread) stops it at once; uvicorn itself looks at ``should_exit``
+    every 0.1 s and then sleeps 0.1 s more whatever is open, so an idle server took 0.2 s to stop.
+    Here shutdown waits for open connections and requests only as long as they take (at most
+    ``timeout_graceful_shutdown``).
     """
 
     def __init__(self, config: uvicorn.Config, before_shutdown: list[Callable[[], None]] | None = None):
         super().__init__(config)
         self.before_shutdown = before_shutdown or []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         yield
 
+    def exit(self) -> None:
+        """Stop serving; callable from any thread."""
+        self.should_exit = True
+        loop, wake = self._loop, self._wake
+        if loop is not None and wake is not None:
+            with contextlib.suppress(RuntimeError):  # the loop has ended already
+                loop.call_soon_threadsafe(wake.set)
+
+    async def main_loop(self) -> None:
+        # uvicorn's loop (a tick every 0.1 s: date header, max requests, should_exit), woken by exit().
+        self._loop, self._wake = asyncio.get_running_loop(), asyncio.Event()
+        counter = 0
+        should_exit = await self.on_tick(counter)
+        while not should_exit:
+            counter = (counter + 1) % 864000
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(0.1):
+                    await self._wake.wait()
+            should_exit = await self.on_tick(counter)
+
     async def shutdown(self, sockets=None) -> None:
         for fn in self.before_shutdown:
             fn()
-        await super().shutdown(sockets)
+        for server in self.servers:  # no new connections
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        state = self.server_state
+        for connection in list(state.connections):  # idle ones close now, busy ones after their answer
+            connection.shutdown()
+        try:
+            async with asyncio.timeout(self.config.timeout_graceful_shutdown):
+                while (state.connections or state.tasks) and not self.force_exit:
+                    await asyncio.sleep(0.005)
+        except TimeoutError:
+            log.error("stop: cancel %d request(s) still running after timeout_graceful_shutdown", len(state.tasks))
+            for task in state.tasks:
+                task.cancel()
+        for server in self.servers:
+            await server.wait_closed()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
 
 def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
@@ -59,7 +104,8 @@ def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
         sock.close()
         raise OSError(e.errno, f"cannot listen on {host}:{port}: {e.strerror}") from None
     sock.listen(backlog)
-    sock.set_inheritable(True)
+    # Not inheritable (Python's default): every vLLM child would otherwise hold the admin API's
+    # listening socket open for as long as it lives (uvloop's spawn closes only close-on-exec fds).
     return sock
 
 
@@ -111,7 +157,7 @@ class ServerThread:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        self.server.should_exit = True
+        self.server.exit()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         self.sock.close()

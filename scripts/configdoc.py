@@ -34,8 +34,8 @@ WIDTH = 100
 # Values for the keys without a default: a node with two GPUs, one server on each.
 EXAMPLE_REGISTRY_URL = "http://trainer:8700"
 EXAMPLE_SERVERS = [
-    {"name": "gpu0", "model": "/srv/models/policy", "port": 8001, "gpus": [0]},
-    {"name": "gpu1", "model": "/srv/models/policy", "port": 8002, "gpus": [1]},
+    {"name": "gpu0", "model": "/srv/models/policy", "public_port": 9001, "gpus": [0]},
+    {"name": "gpu1", "model": "/srv/models/policy", "public_port": 9002, "gpus": [1]},
 ]
 
 EXAMPLE_HEADER = f"""\
@@ -74,18 +74,20 @@ registry http://trainer:8700`), or exits 2 and prints one line per problem, each
 line and the key:
 
 ```
-{DEFAULT_CONFIG_PATH}:14: servers[1].port: Input should be less than or equal to 65535
+{DEFAULT_CONFIG_PATH}:14: servers[1].public_port: Input should be less than or equal to 65535
 {DEFAULT_CONFIG_PATH}:3: registry.url: Field required
 ```
 
 It also checks that the token files exist and can be read (their content is never printed),
 so a daemon that would fail to start fails the check first.
 
-Rules across keys: server names are unique; server ports are unique and differ from
-`admin.port`; no GPU is listed by two servers; `vllm.args` and a server's `args` do not set
-the flags rolloutd passes itself (`--host`, `--port`, `--weight-transfer-config`,
-`--enable-scale-out`, in either `--flag value` or `--flag=value` form); `vllm.env` and a
-server's `env` do not set `CUDA_VISIBLE_DEVICES` (use `gpus`) or `VLLM_SERVER_DEV_MODE`;
+Rules across keys: server names are unique; servers' `public_port`s are unique and differ
+from `admin.port`; no GPU is listed by two servers; `vllm.args` and a server's `args` do not
+set the flags rolloutd passes itself (`--host`, `--port`, `--uds`, `--weight-transfer-config`,
+`--enable-scale-out`, in either `--flag value` or `--flag=value` form) nor `--grpc-port` (it
+would open a TCP port every local user can reach); `vllm.env` and a server's `env` do not set
+`CUDA_VISIBLE_DEVICES` (use `gpus`) or `VLLM_SERVER_DEV_MODE`; `state_dir` is short enough
+for every server's socket path (`<state_dir>/sockets/<name>.sock`, at most 107 bytes);
 `registry.retry_max_s` ≥ `registry.retry_initial_s`; `restart.backoff_max_s` ≥
 `restart.backoff_initial_s`.
 

@@ -99,6 +99,17 @@ def standalone(tmp_path):
         proc.wait(10)
 
 
+def run_cli(capsys, *argv: str) -> subprocess.CompletedProcess:
+    """``rolloutd ARGV`` in this process: the command's own code (exit code, stdout, stderr) without
+    the second or so a new Python takes to import it. Tests of the entry point as a process start
+    ``python -m rolloutd.cli`` (slow tier)."""
+    from rolloutd.cli import main
+    capsys.readouterr()
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(["rolloutd", *argv], code, out.out, out.err)
+
+
 def registry_log(tmp_path: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("registry-*.log"))
 
@@ -120,6 +131,26 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+class Cases:
+    """How many cases a generated test tries: ``cases(n)`` is ``n`` in the thorough run and a
+    tenth of it (at least 10) in the quick one; its minimum counts scale the same way."""
+
+    def __init__(self, share: float):
+        self.share = share
+
+    def __call__(self, n: int) -> int:
+        return n if self.share == 1 else max(10, int(n * self.share))
+
+    def at_least(self, n: int) -> int:
+        return int(n * self.share)
+
+
+@pytest.fixture(params=[pytest.param(0.1, id="quick"), pytest.param(1.0, id="thorough", marks=pytest.mark.slow)])
+def cases(request) -> Cases:
+    """Every fuzzer runs twice: ``[quick]`` in the fast tier, ``[thorough]`` (its full count) in the slow one."""
+    return Cases(request.param)
 
 
 def pytest_collection_modifyitems(items):
@@ -163,8 +194,8 @@ def daemons(tmp_path, registry):
               env: dict | None = None, **sections):
         d = directory or tmp_path / f"d{len(started)}"
         d.mkdir(exist_ok=True)
-        specs = [{"name": f"s{i}", "model": "fake-model", "port": free_port(),
-                  "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(servers)]
+        specs = [{"name": f"s{i}", "model": "fake-model", "env": {"FAKE_VLLM_FAULTS": faults}}
+                 for i in range(servers)]
         sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
                                 "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5}, **sections}
         daemon = DaemonProcess(config(d, registry_url or registry.url, specs, fake=True, **sections), d)
@@ -175,3 +206,12 @@ def daemons(tmp_path, registry):
     for daemon in started:
         daemon.kill_everything()
         wait_until(lambda d=daemon: tagged_pids(d.tag) == [], 10, "every process of the daemon gone")
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """A real S3 server (SeaweedFS, ``weed mini``) on loopback free ports, one bucket, credentials
+    in ``s3.credentials_file``; stopped after the module."""
+    from .s3_server import SeaweedS3
+    with SeaweedS3(tmp_path_factory.mktemp("s3")) as server:
+        yield server

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable
@@ -19,7 +20,7 @@ from pathlib import Path
 import httpx
 import yaml
 
-from .vllm_server import FAST_CPU_FLAGS, ROOT, VLLM
+from .vllm_server import FAST_CPU_FLAGS, ROOT, VLLM, client
 
 FAKE_VLLM = ROOT / "tests" / "fake_vllm.py"
 
@@ -52,10 +53,34 @@ def _zombie(proc_dir: str) -> bool:
     return stat[stat.rindex(")") + 2] == "Z"
 
 
-def vllm_server(name: str, model: Path, port: int, cpus: str, **extra) -> dict:
+def vllm_server(name: str, model: Path, cpus: str, **extra) -> dict:
     """A config entry for a real ``vllm serve`` (CPU build) bound to ``cpus``."""
-    return {"name": name, "model": str(model), "port": port, "public_port": _free_port(),
+    return {"name": name, "model": str(model), "public_port": _free_port(),
             "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus}, **extra}
+
+
+def uds_client(socket: Path | str, **kw) -> httpx.Client:
+    """An HTTP client of a server on a UNIX socket (a vLLM child, or the fake)."""
+    return client(Path(socket), **kw)
+
+
+# Runs a command as another user of the machine (nobody), with no supplementary group.
+AS_NOBODY = ("setpriv", "--reuid=65534", "--regid=65534", "--clear-groups")
+
+
+def socket_probe(socket: str | Path) -> str:
+    """A standard-library Python script that asks the server on the UNIX socket ``socket`` for
+    ``GET /is_paused`` and prints the answer's status line, or the name of the error it got."""
+    return textwrap.dedent(f"""
+        import socket
+        s = socket.socket(socket.AF_UNIX)
+        try:
+            s.connect({str(socket)!r})
+            s.sendall(b"GET /is_paused HTTP/1.0\\r\\n\\r\\n")
+            print(s.recv(100).split(b"\\r\\n")[0].decode())
+        except OSError as e:
+            print(type(e).__name__)
+    """)
 
 
 def config(tmp: Path, registry_url: str, servers: list[dict], *, fake: bool = False, tag: str | None = None,
@@ -91,12 +116,15 @@ def _free_port() -> int:
 class DaemonProcess:
     """``python -m rolloutd.cli run -c CONFIG`` in its own session, output in ``log``."""
 
-    def __init__(self, cfg: dict, directory: Path):
+    def __init__(self, cfg: dict, directory: Path, *, prefix: list[str] = ()):
         self.cfg, self.dir = cfg, directory
+        self.prefix = list(prefix)  # e.g. ["ip", "netns", "exec", NS]: run it on another host
         self.path = directory / "rolloutd.yaml"
         self.write(cfg)
         self.tag = cfg["vllm"]["env"]["ROLLOUTD_TEST_TAG"]
-        self.url = f"http://127.0.0.1:{cfg['admin']['port']}"
+        host = cfg["admin"].get("host", "127.0.0.1")
+        host = "127.0.0.1" if host in ("0.0.0.0", "localhost") else host
+        self.url = f"http://{host}:{cfg['admin']['port']}"
         self.log = directory / "rolloutd.log"
         self.proc: subprocess.Popen | None = None
 
@@ -108,7 +136,8 @@ class DaemonProcess:
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(extra_env)
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(self.path)],
+            argv = [*self.prefix, sys.executable, "-m", "rolloutd.cli", "run", "-c", str(self.path)]
+            self.proc = subprocess.Popen(argv,
                                          cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)
         return self
@@ -117,6 +146,14 @@ class DaemonProcess:
         r = httpx.get(self.url + "/status", timeout=10)
         r.raise_for_status()
         return r.json()
+
+    def socket(self, name: str) -> Path:
+        """Where server ``name``'s vLLM listens (only this user can reach it)."""
+        return Path(self.cfg["state_dir"]) / "sockets" / f"{name}.sock"
+
+    def vllm(self, name: str, **kw) -> httpx.Client:
+        """A client straight to server ``name``'s vLLM, on its socket (not through its gateway)."""
+        return uds_client(self.socket(name), **kw)
 
     def server(self, name: str, status: dict | None = None) -> dict:
         return next(s for s in (status or self.status())["servers"] if s["name"] == name)

@@ -1,7 +1,10 @@
 """A fake ``vllm serve`` for fault tests: the routes of vLLM's dev mode that rolloutd calls, and
 faults a real server cannot be made to show. It is not vLLM: it loads no model.
 
-    python tests/fake_vllm.py serve MODEL --host H --port P [other vllm args, ignored]
+    python tests/fake_vllm.py serve MODEL --uds PATH [other vllm args, ignored]
+
+It listens on the UNIX socket ``--uds`` as rolloutd starts vLLM (``--host``/``--port``: on TCP
+instead, for a test that wants one).
 
 Standard library and aiohttp only. Routes (JSON): ``GET /health``, ``POST /pause?mode=``,
 ``POST /resume``, ``GET /is_paused``, ``POST /reset_prefix_cache``, ``POST /start_weight_update``,
@@ -17,13 +20,14 @@ fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). Errors are HT
 ``{"ok": bool}`` lets a test make a running fake healthy or unhealthy; ``POST /fake/faults``
 ``{"faults": "fail=/pause"}`` replaces its faults while it runs (``""``: none); ``POST
 /fake/engine_dies`` acts out vLLM's API server after its engine core died: the ``spawn_child``
-child is killed, the port closes, requests in flight are never answered, the process lives on.
+child is killed, the listener closes, requests in flight are never answered, the process lives on.
 
 Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen``,
 ``exit_at_start=CODE``, ``exit_after=SECONDS`` (status 1), ``ignore_term``,
 ``slow_start=SECONDS`` (before it listens), ``hang=/route``, ``fail=/route``,
 ``fail_once=/route``, ``crash_on=/route`` (exits with status 1), ``spawn_child`` (a ``sleep``
-in its process group, as vLLM's engine core is; it inherits an ignored SIGTERM).
+in its process group, as vLLM's engine core is; it inherits an ignored SIGTERM), ``escape_child``
+(a ``sleep`` in a session of its own: out of the fake's process group, in its cgroup still).
 
 Output: a startup line, then one line per request answered (``fake_vllm: POST /pause?mode=keep
 -> 200``), or per request that will never be answered or crashes the fake.
@@ -76,7 +80,7 @@ class FakeVllm:
         self.loaded_dir: str | None = None
         self.label = "default"
         self.failed_once: set[str] = set()
-        self.site: web.TCPSite | None = None
+        self.site: web.BaseSite | None = None
         self.child: subprocess.Popen | None = None
 
     def routes(self, fault: str) -> set[str]:
@@ -241,6 +245,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("model")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--uds", help="listen on this UNIX socket instead of --host/--port")
     args, _ignored = parser.parse_known_args(argv)
     return args
 
@@ -273,10 +278,12 @@ async def serve(args: argparse.Namespace, faults: dict[str, list[str]], child: s
     fake.child = child
     runner = web.AppRunner(fake.app(), access_log=None, handle_signals=False)
     await runner.setup()
-    fake.site = web.TCPSite(runner, args.host, args.port)
+    if args.uds:
+        fake.site, where = web.UnixSite(runner, args.uds), f"unix:{args.uds}"
+    else:
+        fake.site, where = web.TCPSite(runner, args.host, args.port), f"http://{args.host}:{args.port}"
     await fake.site.start()
-    say(f"serving {args.model} on http://{args.host}:{args.port} (pid {os.getpid()}, "
-        f"faults: {','.join(faults) or 'none'})")
+    say(f"serving {args.model} on {where} (pid {os.getpid()}, faults: {','.join(faults) or 'none'})")
     try:
         await stop.wait()
     finally:
@@ -298,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
     if "spawn_child" in faults:
         child = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL)
         say(f"spawned child {child.pid} (fault spawn_child)")
+    if "escape_child" in faults:
+        escaped = subprocess.Popen(["sleep", "3600"], stdin=subprocess.DEVNULL, start_new_session=True)
+        say(f"spawned child {escaped.pid} in its own session (fault escape_child)")
     asyncio.run(serve(args, faults, child))
     return 0
 

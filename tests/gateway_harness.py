@@ -1,11 +1,16 @@
 """A real :class:`rolloutd.gateway.relay.Gateway` on its own event loop in a thread, in front of a
-server, for tests and benchmarks; the test plays the supervisor and sets the server's state.
-The loop is uvloop's, as in the daemon."""
+server on a UNIX socket (as every vLLM child of the daemon listens), for tests and benchmarks;
+the test plays the supervisor and sets the server's state. The loop is uvloop's, as in the daemon."""
 
 from __future__ import annotations
 
 import asyncio
+import atexit
+import shutil
+import tempfile
 import threading
+import uuid
+from pathlib import Path
 
 import uvloop
 
@@ -14,15 +19,26 @@ from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
 from rolloutd.supervise.states import ServerState
 
+_SOCKETS: list[Path] = []
+
+
+def socket_path() -> Path:
+    """A fresh path for a stand-in server's UNIX socket: short (a socket path has at most 107
+    bytes), in a directory removed when the tests end."""
+    if not _SOCKETS:
+        _SOCKETS.append(Path(tempfile.mkdtemp(prefix="rolloutd-sock.")))
+        atexit.register(shutil.rmtree, _SOCKETS[0], True)
+    return _SOCKETS[0] / f"{uuid.uuid4().hex[:12]}.sock"
+
 
 class GatewayThread:
-    def __init__(self, upstream_port: int, port: int, *, token: str | None = None, name: str = "gpu0",
+    def __init__(self, upstream: Path | str, port: int, *, token: str | None = None, name: str = "gpu0",
                  **settings):
         self.metrics = Metrics()
         self.settings = GatewaySettings.model_validate({"host": "127.0.0.1", **settings})
         self.url = f"http://{self.settings.host}:{port}"
         self._loop = uvloop.new_event_loop()
-        self.gateway = Gateway(name, upstream_port, port, self.settings, token, self.metrics)
+        self.gateway = Gateway(name, Path(upstream), port, self.settings, token, self.metrics)
         self._thread = threading.Thread(target=self._loop.run_forever, name=f"gateway-{name}", daemon=True)
 
     def start(self, state: ServerState = ServerState.SERVING) -> GatewayThread:
@@ -35,6 +51,12 @@ class GatewayThread:
         """The server's new state, as its supervisor would report it (applied before returning)."""
         async def apply() -> None:
             self.gateway.on_state(state)
+        self._call(apply())
+
+    def set_version(self, version: int | None) -> None:
+        """The version the server holds, as its supervisor would report it (applied before returning)."""
+        async def apply() -> None:
+            self.gateway.on_version(version)
         self._call(apply())
 
     def stop(self) -> None:

@@ -126,7 +126,7 @@ class Machine:
 
     # -- lifecycle ------------------------------------------------------------------------------
 
-    def boot(self, timeout_s: float = 60) -> Machine:
+    def boot(self, timeout_s: float = 180) -> Machine:
         """Start the guest and wait for its systemd; on any failure nothing is left running."""
         require_tools()
         try:
@@ -158,7 +158,10 @@ class Machine:
         deadline = time.monotonic() + timeout_s
         while not self.leader:
             self._check_running()
-            children = subprocess.run(["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True).stdout
+            # The guest's systemd: nspawn's child that runs it (nspawn forks short-lived helpers too,
+            # and a helper taken for the guest leaves every later nsenter without a target).
+            children = subprocess.run(["pgrep", "-P", str(self.proc.pid), "-x", "systemd"], capture_output=True,
+                                      text=True).stdout
             self.leader = int(children.split()[0]) if children.split() else 0
             if time.monotonic() > deadline:
                 raise RuntimeError(f"container did not start in {timeout_s} s:\n{self.log_tail()}")
@@ -227,12 +230,18 @@ class Machine:
         self.run("sh", "-ec", f'mkdir -p "$(dirname "$1")" && cat > "$1" && chmod {mode} "$1"', "sh", path, input=text)
 
     def unit_pids(self, unit: str) -> list[int]:
-        """Processes of the unit's cgroup (pids as the guest sees them)."""
+        """Processes of the unit's cgroup and the cgroups below it (pids as the guest sees them)."""
         cgroup = self.show(unit, "ControlGroup")["ControlGroup"]
         if not cgroup:
             return []
-        out = self.run("sh", "-c", f'cat "/sys/fs/cgroup{cgroup}/cgroup.procs" 2>/dev/null', check=False).stdout
+        out = self.run("sh", "-c", f'find "/sys/fs/cgroup{cgroup}" -name cgroup.procs -exec cat {{}} + 2>/dev/null',
+                       check=False).stdout
         return sorted(int(p) for p in out.split())
+
+    def cgroup(self, pid: int | str) -> str | None:
+        """The cgroup (v2) of a guest process, as the guest names it; None once it is gone."""
+        out = self.run("cat", f"/proc/{pid}/cgroup", check=False).stdout
+        return next((line[3:] for line in out.splitlines() if line.startswith("0::")), None)
 
     def processes(self, pattern: str) -> list[str]:
         """``pid args`` of every guest process whose command line matches ``pattern`` (a regex)."""

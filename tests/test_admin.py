@@ -41,7 +41,7 @@ from rolloutd.supervise.supervisor import Supervisor
 
 TOKEN = "adm-7f3c9e-secret-token"
 NOW = 1_750_000_000.0
-CONFIG = {"registry": {"url": "http://trainer:8700"}, "servers": [{"name": "gpu0", "model": "/m", "port": 8001,
+CONFIG = {"registry": {"url": "http://trainer:8700"}, "servers": [{"name": "gpu0", "model": "/m", "public_port": 9001,
                                                                    "gpus": [0]}]}
 
 STATUS = {
@@ -52,17 +52,21 @@ STATUS = {
     "pull": {"target": "latest", "version": 12, "state": "pulling", "bytes_done": 1 << 30,
              "bytes_total": 4 << 30, "rate_bytes_per_s": 512.0 * (1 << 20), "eta_s": 6.0, "retries": 1,
              "workers": [4400, 4401], "worker_restarts": 1, "seconds": 2.0, "error": None},
+    "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
+                     "url": "http://10.0.0.7:9300", "served_bytes": 9 << 30, "served_requests": 1152},
     "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "versions": [10, 11]},
     "servers": [
-        {"name": "gpu0", "state": "SERVING", "pid": 5001, "port": 8001, "public_port": 9001, "gpus": [0, 1],
-         "endpoint": "http://node7:8001", "version": 11, "target": 12, "incarnation": 1, "restarts": 0,
+        {"name": "gpu0", "state": "SERVING", "pid": 5001, "socket": "/var/lib/rolloutd/sockets/gpu0.sock",
+         "public_port": 9001, "gpus": [0, 1],
+         "endpoint": "http://node7:9001", "version": 11, "target": 12, "incarnation": 1, "restarts": 0,
          "state_age_s": 182.0, "last_error": None,
          "last_update": {"version": 11, "ok": True, "at_unix": NOW - 300, "phases_s": {"pause": 0.01, "load": 0.4},
                          "error": None, "gate": {"ok": True, "canary": True, "tokens": 23, "tolerance": 0.05,
                                                  "max_abs_dlogprob": 6.7e-06}},
          "heartbeat_age_s": 2.0},
-        {"name": "gpu1", "state": "BACKOFF", "pid": None, "port": 8002, "public_port": 9002, "gpus": [2],
-         "endpoint": "http://node7:8002", "version": None, "target": 12, "incarnation": 3, "restarts": 2,
+        {"name": "gpu1", "state": "BACKOFF", "pid": None, "socket": "/var/lib/rolloutd/sockets/gpu1.sock",
+         "public_port": 9002, "gpus": [2],
+         "endpoint": "http://node7:9002", "version": None, "target": 12, "incarnation": 3, "restarts": 2,
          "state_age_s": 4.5, "last_error": "exited with status 1 before /health passed: CUDA out of memory "
                                            "while loading the model's weights on GPU 2",
          "last_update": {"version": 12, "ok": False, "at_unix": NOW - 40, "phases_s": {}, "error": "load failed",
@@ -186,10 +190,10 @@ def test_status_model_takes_what_the_daemon_parts_produce():
     doc["servers"][0]["last_update"] = UpdateRecord(version=3, phases_s={"pause": 0.001}, gate=GateResult(
         canary=False, ok=True, tokens=4)).as_dict()
     sup = Supervisor(Config.model_validate(CONFIG).servers[0], lambda: Config.model_validate(CONFIG),
-                     SimpleNamespace(target=None), slots=asyncio.Semaphore, records=None, plugin_dir=Path("/p"),
+                     SimpleNamespace(target=None), slots=asyncio.Semaphore, containment=None, plugin_dir=Path("/p"),
                      metrics=Metrics())
     # What the daemon adds to each supervisor's snapshot (see Daemon.status); endpoint is already there.
-    doc["servers"][1] = sup.snapshot() | {"endpoint": "http://node7:8001", "heartbeat_age_s": None}
+    doc["servers"][1] = sup.snapshot() | {"endpoint": "http://node7:9001", "heartbeat_age_s": None}
     st = NodeStatus.model_validate(doc)
     assert st.pull.state is PullState.LEASING and st.registry.reachable is False
     assert st.servers[1].state is ServerState.STOPPED and st.servers[1].gpus == [0]
@@ -374,6 +378,7 @@ def schemathesis() -> str:
     return exe
 
 
+@pytest.mark.slow  # a schemathesis process: seconds to start, then a few hundred requests
 def test_admin_api_survives_fuzzing(url, tmp_path):
     (tmp_path / "schemathesis.toml").write_text(FUZZ_CONFIG)
     out = subprocess.run(
@@ -412,10 +417,10 @@ def test_status_table():
     header, gpu0, gpu1 = lines[6:9]
     assert cells(header) == ["NAME", "STATE", "PID", "PORT", "GPUS", "VERSION", "TARGET", "RESTARTS", "UPDATED",
                              "HEARTBEAT", "ERROR"]
-    assert cells(gpu0) == ["gpu0", "SERVING 3m02s", "5001", "8001", "0,1", "v11", "v12", "0", "5m00s ago",
+    assert cells(gpu0) == ["gpu0", "SERVING 3m02s", "5001", "9001", "0,1", "v11", "v12", "0", "5m00s ago",
                            "2.0s ago", "-"]
     row = cells(gpu1)
-    assert row[:10] == ["gpu1", "BACKOFF 4.5s", "-", "8002", "2", "base", "v12", "2", "40s ago (failed)", "-"]
+    assert row[:10] == ["gpu1", "BACKOFF 4.5s", "-", "9002", "2", "base", "v12", "2", "40s ago (failed)", "-"]
     assert row[10].startswith("exited with status 1 before /health passed") and row[10].endswith("…")
     assert len(row[10]) == 60
     for line in (gpu0, gpu1):  # columns line up under their headers
@@ -510,7 +515,7 @@ def test_action_commands_refused(node, url, tmp_path, capsys):
 def write_config(path: Path, port: int, token_file: Path | None) -> Path:
     token = f"\n  token_file: {token_file}" if token_file else ""
     path.write_text(f"registry:\n  url: http://trainer:8700\nadmin:\n  host: 0.0.0.0\n  port: {port}{token}\n"
-                    "servers:\n  - name: gpu0\n    model: /m\n    port: 8001\n")
+                    "servers:\n  - name: gpu0\n    model: /m\n    public_port: 9001\n")
     return path
 
 

@@ -125,7 +125,7 @@ def test_heartbeat_gate_is_optional_and_left_out_when_absent():
 # -- make_canary ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def hf_model(tmp_path_factory):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     d = tinymodel.build(tmp_path_factory.mktemp("hf") / "m", seed=1)
     return transformers.AutoModelForCausalLM.from_pretrained(d)
 
@@ -138,6 +138,7 @@ def by_hand(model, ids: list[int]) -> float:
     return float(logits[ids[-1]] - torch.logsumexp(logits, 0))
 
 
+@pytest.mark.slow  # torch and transformers: seconds of imports, then a model
 def test_make_canary_matches_a_computation_by_hand(hf_model):
     import torch
     prompt = [1, 17, 42, 99, 250, 7]

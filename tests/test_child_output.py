@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.supervise import child as process
-from rolloutd.supervise.child import ChildRecords, OutputLevels
+from rolloutd.supervise import leftovers
+from rolloutd.supervise.child import OutputLevels
+from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 
 from .test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
 
@@ -82,8 +83,8 @@ async def test_forwarded_lines_reach_the_log_at_the_childs_level(children, caplo
 # -- one stop per child -------------------------------------------------------------------------------
 async def test_every_stop_of_a_child_is_the_same_one_and_a_cancelled_caller_waits_for_it(children, caplog,
                                                                                           tmp_path):
-    records = ChildRecords(tmp_path)
-    child = await spawned_ready(children, caplog, "deaf", IGNORES_TERM, records=records)
+    child = await spawned_ready(children, caplog, "deaf", IGNORES_TERM,
+                                containment=ProcessGroups(ChildRecords(tmp_path)))
     first = asyncio.ensure_future(child.stop(30.0))
     await asyncio.sleep(0.3)
     second = asyncio.ensure_future(child.stop(0.1))  # a second stop joins the first: no grace of its own
@@ -116,7 +117,7 @@ def shm(monkeypatch):
     d = Path("/dev/shm") / f"rolloutd-test-{uuid.uuid4().hex[:8]}"
     d.mkdir()
     try:
-        monkeypatch.setattr(process, "SHM_DIR", d)
+        monkeypatch.setattr(leftovers, "SHM_DIR", d)
         yield d
     finally:
         for p in d.iterdir():
@@ -154,5 +155,5 @@ async def test_segments_left_by_a_killed_group_are_removed_and_no_other(children
         other.kill()
         other.wait(10)
         other.stdout.close()
-    assert process.remove_shm_leftovers(set()) == ["psm_before", "psm_theirs"]  # unused now, so removable
+    assert leftovers.remove_shm_leftovers(set()) == ["psm_before", "psm_theirs"]  # unused now, so removable
     assert lines_of(caplog, "vllm")[0].endswith(": ready")

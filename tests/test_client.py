@@ -67,11 +67,11 @@ async def test_long_poll_through_the_client(registry):
 
 
 async def test_survives_server_closing_idle_keepalive_connections(clock):
-    with EmbeddedRegistry(port=0, clock=clock, keep_alive_s=0.3) as reg:
+    with EmbeddedRegistry(port=0, clock=clock, keep_alive_s=0.15) as reg:
         async with RegistryClient(reg.url) as c:
             for _ in range(3):
                 await c.heartbeat("n1.s0", HB)
-                await asyncio.sleep(0.6)  # longer than the server's keep-alive
+                await asyncio.sleep(0.3)  # twice the server's keep-alive
 
 
 class FakeRacingServer:

@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # the config doc generator is a dev tool, not installed
 from configdoc import REGENERATE, example_yaml, reference_md  # noqa: E402
 
+from .conftest import run_cli  # noqa: E402
+
 EXAMPLE = ROOT / "etc" / "rolloutd.yaml"
 REFERENCE = ROOT / "docs" / "config.md"
 GiB, MiB = 1 << 30, 1 << 20
@@ -35,11 +37,11 @@ admin:
 servers:
   - name: gpu0
     model: /m
-    port: 8001
+    public_port: 9001
     gpus: [0]
   - name: gpu1
     model: /m
-    port: 8002
+    public_port: 9002
     gpus: [1]
 """
 
@@ -68,8 +70,8 @@ def test_reference_is_generated_from_the_model():
 
 def test_example_loads_two_servers_on_two_gpus():
     cfg = load_config(EXAMPLE)
-    assert [(s.name, s.port, s.cuda_visible_devices) for s in cfg.servers] == [("gpu0", 8001, "0"),
-                                                                               ("gpu1", 8002, "1")]
+    assert [(s.name, s.public_port, s.cuda_visible_devices) for s in cfg.servers] == [("gpu0", 9001, "0"),
+                                                                                      ("gpu1", 9002, "1")]
     assert cfg.registry.url == "http://trainer:8700"
     # Every key is written out with its default, so the example equals the defaults plus its servers.
     defaults = parse_config(BASE)
@@ -166,8 +168,9 @@ def test_config_is_frozen_and_checked_when_built_in_code():
     cfg = parse_config(BASE)
     with pytest.raises(ValidationError):
         cfg.admin.port = 1
-    data = yaml.safe_load(edit("port: 8002", "port: 8001"))
-    with pytest.raises(ValidationError, match=r"servers\[1\]\.port: 8001 is also the port of servers\[0\]"):
+    data = yaml.safe_load(edit("public_port: 9002", "public_port: 9001"))
+    with pytest.raises(ValidationError, match=r"servers\[1\]\.public_port: 9001 is also the public_port of "
+                                              r"servers\[0\]"):
         Config.model_validate(data)
 
 
@@ -206,10 +209,11 @@ BAD = {
     "unknown top-level key": (BASE + "bogus: 1\n", 14, "bogus", "unknown key"),
     "unknown nested key": (edit("  port: 9100", "  prot: 9100"), 4, "admin.prot", "did you mean 'port'?"),
     "unknown server key": (edit("    gpus: [1]", "    gpu: [1]"), 13, "servers[1].gpu", "did you mean 'gpus'?"),
-    "string for a port": (edit("port: 8002", 'port: "8002"'), 12, "servers[1].port", "valid integer"),
+    "string for a port": (edit("public_port: 9002", 'public_port: "9002"'), 12, "servers[1].public_port",
+                          "valid integer"),
     "bool for an int": (BASE + "pull:\n  streams: true\n", 15, "pull.streams", "valid integer"),
     "bool for a float": (BASE + "health:\n  timeout_s: yes\n", 15, "health.timeout_s", "valid number"),
-    "port out of range": (edit("port: 8002", "port: 70000"), 12, "servers[1].port",
+    "port out of range": (edit("public_port: 9002", "public_port: 70000"), 12, "servers[1].public_port",
                           "less than or equal to 65535"),
     "zero timeout": (BASE + "shutdown:\n  kill_wait_s: 0\n", 15, "shutdown.kill_wait_s", "greater than 0"),
     "long poll too long": (edit("  url: http://trainer:8700", "  url: http://t\n  long_poll_s: 301"), 3,
@@ -220,7 +224,11 @@ BAD = {
                              "Field required"),
     "missing registry": (BASE.replace("registry:\n  url: http://trainer:8700\n", ""), 1, "registry",
                          "Field required"),
-    "missing server port": (edit("    port: 8001\n", ""), 6, "servers[0].port", "Field required"),
+    "missing server port": (edit("    public_port: 9001\n", ""), 6, "servers[0].public_port", "Field required"),
+    "vLLM's port, a key of the past": (edit("    public_port: 9001", "    port: 8001"), 8, "servers[0].port",
+                                       "no longer taken: vLLM listens on a UNIX socket"),
+    "state_dir too long for a socket": (BASE + "state_dir: /" + "s" * 90 + "\n", 14, "state_dir",
+                                        "longer than a UNIX socket's may be (107 bytes)"),
     "URL with another scheme": (edit("http://trainer:8700", "ftp://trainer"), 2, "registry.url",
                                 "http:// or https:// URL"),
     "URL without a host": (edit("http://trainer:8700", "http://:8700"), 2, "registry.url", "with a host"),
@@ -228,8 +236,10 @@ BAD = {
     "bad server name": (edit("name: gpu1", "name: GPU-1"), 10, "servers[1].name", "should match pattern"),
     "duplicate server name": (edit("name: gpu1", "name: gpu0"), 10, "servers[1].name",
                               "'gpu0' is also the name of servers[0]"),
-    "duplicate port": (edit("port: 8002", "port: 8001"), 12, "servers[1].port", "also the port of servers[0]"),
-    "port is the admin port": (edit("port: 8001", "port: 9100"), 8, "servers[0].port", "admin.port"),
+    "duplicate port": (edit("public_port: 9002", "public_port: 9001"), 12, "servers[1].public_port",
+                       "also the public_port of servers[0]"),
+    "port is the admin port": (edit("public_port: 9001", "public_port: 9100"), 8, "servers[0].public_port",
+                               "admin.port"),
     "GPU in two servers": (edit("gpus: [1]", "gpus: [1, 0]"), 13, "servers[1].gpus[1]",
                            "GPU 0 is also used by servers[0]"),
     "GPU twice in one server": (edit("gpus: [0]", "gpus: [0, 0]"), 9, "servers[0].gpus[1]", "listed twice"),
@@ -238,6 +248,10 @@ BAD = {
                    "vllm.args[2]", "--port is set by rolloutd"),
     "owned flag=value": (edit("    gpus: [0]", "    gpus: [0]\n    args: [--enforce-eager, --host=0.0.0.0]"), 10,
                          "servers[0].args[1]", "--host is set by rolloutd"),
+    "a socket of one's own": (BASE + "vllm:\n  args: [--uds, /tmp/v.sock]\n", 15, "vllm.args[0]",
+                              "--uds is set by rolloutd"),
+    "a gRPC port": (BASE + "vllm:\n  args: ['--grpc-port=50051']\n", 15, "vllm.args[0]",
+                    "--grpc-port is refused: it opens a TCP port on loopback"),
     "owned flag with underscores": (BASE + "vllm:\n  args: ['--weight_transfer_config={}']\n", 15, "vllm.args[0]",
                                     "--weight_transfer_config is set by rolloutd"),
     "scale-out flag": (BASE + "vllm:\n  args: [--enable-scale-out]\n", 15, "vllm.args[0]", "is set by rolloutd"),
@@ -259,7 +273,8 @@ BAD = {
     "empty servers list": (BASE[:BASE.index("servers:")] + "servers: []\n", 5, "servers", "at least 1 item"),
     "section not a mapping": (BASE + "update: 5\n", 14, "update", "Input should be a mapping of keys"),
     "section a list": (BASE + "node: [a]\n", 14, "node", "Input should be a mapping of keys"),
-    "server not a mapping": (edit("  - name: gpu1\n    model: /m\n    port: 8002\n    gpus: [1]\n", "  - gpu1\n"), 10,
+    "server not a mapping": (edit("  - name: gpu1\n    model: /m\n    public_port: 9002\n    gpus: [1]\n",
+                                  "  - gpu1\n"), 10,
                              "servers[1]", "Input should be a mapping of keys"),
     "path not text": (BASE + "state_dir: 5\n", 14, "state_dir", "Input should be a path (text)"),
     "relative path": (BASE + "mirror:\n  dir: shm/rolloutd\n", 15, "mirror.dir",
@@ -268,8 +283,8 @@ BAD = {
                                     ": No closing quotation"),
     "duplicate YAML key": (edit("  url: http://trainer:8700", "  url: http://a\n  url: http://b"), 3,
                            "registry.url", "duplicate key (first on line 2)"),
-    "duplicate YAML key in a server": (edit("    port: 8002", "    port: 8002\n    port: 8003"), 13,
-                                       "servers[1].port", "duplicate key (first on line 12)"),
+    "duplicate YAML key in a server": (edit("    public_port: 9002", "    public_port: 9002\n    public_port: 9003"),
+                                       13, "servers[1].public_port", "duplicate key (first on line 12)"),
 }
 
 
@@ -283,9 +298,9 @@ def test_bad_config_names_key_path_and_line(case):
 
 
 def test_several_problems_one_line_each_in_file_order():
-    text = edit("port: 8002", "port: 0").replace("  port: 9100", "  port: nine")
+    text = edit("public_port: 9002", "public_port: 0").replace("  port: 9100", "  port: nine")
     assert [p.split(": ")[0:2] for p in problems(text)] == [["c.yaml:4", "admin.port"],
-                                                             ["c.yaml:12", "servers[1].port"]]
+                                                             ["c.yaml:12", "servers[1].public_port"]]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -313,8 +328,8 @@ def test_file_problems(tmp_path):
     (tmp_path / "bin.yaml").write_bytes(b"registry: \xff\n")
     with pytest.raises(ConfigError, match=r"bin.yaml: not UTF-8 text \(byte 10\)$"):
         load_config(tmp_path / "bin.yaml")
-    (tmp_path / "c.yaml").write_text(edit("port: 8002", "port: 70000"))
-    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'c.yaml'}:12: servers\[1\]\.port: "):
+    (tmp_path / "c.yaml").write_text(edit("public_port: 9002", "public_port: 70000"))
+    with pytest.raises(ConfigError, match=rf"^{tmp_path / 'c.yaml'}:12: servers\[1\]\.public_port: "):
         load_config(str(tmp_path / "c.yaml"))
 
 
@@ -325,29 +340,31 @@ def check_config(path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_check_config_valid(tmp_path):
+@pytest.mark.parametrize("where", [pytest.param("process", marks=pytest.mark.slow), "in-process"])
+def test_check_config_valid(tmp_path, capsys, where):
     token = tmp_path / "registry.token"
     token.write_text("top-secret-token\n")
     path = tmp_path / "rolloutd.yaml"
     path.write_text(EXAMPLE.read_text().replace("  token_file: null", f"  token_file: {token}", 1))
-    r = check_config(path)
+    r = check_config(path) if where == "process" else run_cli(capsys, "check-config", "-c", str(path))
     assert (r.returncode, r.stderr) == (0, ""), r.stderr
     assert r.stdout == f"rolloutd: {path} is valid: 2 servers (gpu0, gpu1), registry http://trainer:8700\n"
     assert "top-secret-token" not in r.stdout + r.stderr
 
 
 @pytest.mark.parametrize("text, message", [
-    (edit("port: 8002", "port: 70000"), "{path}:12: servers[1].port: Input should be less than or equal to 65535\n"),
+    (edit("public_port: 9002", "public_port: 70000"),
+     "{path}:12: servers[1].public_port: Input should be less than or equal to 65535\n"),
     ("registry: [\n", "{path}:2:1: YAML syntax error: "),
     (edit("  port: 9100\n", "  port: 9100\n  token_file: /nonexistent/admin.token\n"),
      "{path}:5: admin.token_file: token file /nonexistent/admin.token: not found\n"),
     (None, "{path}: no such file\n"),
 ])
-def test_check_config_invalid(tmp_path, text, message):
+def test_check_config_invalid(tmp_path, capsys, text, message):
     path = tmp_path / "rolloutd.yaml"
     if text is not None:
         path.write_text(text)
-    r = check_config(path)
+    r = run_cli(capsys, "check-config", "-c", str(path))  # in this process; a process in the case above
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith(message.format(path=path)), r.stderr
     assert "Traceback" not in r.stderr
@@ -362,8 +379,8 @@ PROBLEM = re.compile(rf"{re.escape(SOURCE)}:(\d+): ({PATH}): \S.*")
 EXAMPLE_TREE = yaml.safe_load(EXAMPLE.read_text()) if EXAMPLE.exists() else {}
 
 scalars = st.one_of(st.none(), st.booleans(), st.integers(-(1 << 40), 1 << 40), st.floats(), st.text(max_size=12))
-keys = st.one_of(st.text(min_size=1, max_size=10), st.sampled_from(["port", "name", "url", "gpus", "servers"]),
-                 st.integers(0, 5))
+keys = st.one_of(st.text(min_size=1, max_size=10),
+                 st.sampled_from(["port", "public_port", "name", "url", "gpus", "servers"]), st.integers(0, 5))
 values = st.one_of(scalars, st.lists(scalars, max_size=3), st.dictionaries(keys, scalars, max_size=3))
 
 
@@ -392,19 +409,31 @@ def mutate(tree, data) -> None:
         node[slot] = data.draw(values)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.data())
-def test_mutations_only_raise_config_error_with_a_line_and_a_path(data):
-    tree = copy.deepcopy(EXAMPLE_TREE)
-    for _ in range(data.draw(st.integers(1, 3))):
-        mutate(tree, data)
-    text = yaml.safe_dump(tree, sort_keys=False)
-    try:
-        parse_config(text, SOURCE)
-    except ConfigError as e:
-        assert e.lines
-        n_lines = text.count("\n") + 1
-        for line in e.lines:
-            m = PROBLEM.fullmatch(line)
-            assert m, line
-            assert 1 <= int(m[1]) <= n_lines, line
+def test_mutations_only_raise_config_error_with_a_line_and_a_path(cases):
+    @settings(max_examples=cases(200), deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    @given(st.data())
+    def case(data):
+        tree = copy.deepcopy(EXAMPLE_TREE)
+        for _ in range(data.draw(st.integers(1, 3))):
+            mutate(tree, data)
+        text = yaml.safe_dump(tree, sort_keys=False)
+        try:
+            parse_config(text, SOURCE)
+        except ConfigError as e:
+            assert e.lines
+            n_lines = text.count("\n") + 1
+            for line in e.lines:
+                m = PROBLEM.fullmatch(line)
+                assert m, line
+                assert 1 <= int(m[1]) <= n_lines, line
+
+    case()
+
+
+def test_the_peer_listener_needs_a_port_of_its_own():
+    text = ("registry: {url: 'http://trainer:8700'}\nadmin: {port: 9300}\npeers: {enabled: true}\n"
+            "servers: [{name: gpu0, model: /m, public_port: 9001}]\n")
+    with pytest.raises(ConfigError, match=r"peers\.port: 9300 is also the admin API's port"):
+        parse_config(text)
+    assert parse_config(text.replace("enabled: true", "enabled: false")).peers.port == 9300  # off: unused

@@ -22,7 +22,6 @@ import pytest
 from rolloutd.demo import families
 from rolloutd.registry import EmbeddedRegistry
 
-from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server
 from .test_model_matrix import generate, reference
 
@@ -44,7 +43,7 @@ def test_a_missing_tensor_fails_the_update_and_a_declared_partial_version_is_ser
     start = families.build(tmp_path / "A", FAMILY, seed=0)
     b, c, d = (families.hf_model(FAMILY, s) for s in (1, 2, 3))
     with EmbeddedRegistry(port=0) as reg:
-        daemon = DaemonProcess(config(tmp_path, reg.url, [vllm_server("s0", start, free_port(), "0-1")],
+        daemon = DaemonProcess(config(tmp_path, reg.url, [vllm_server("s0", start, "0-1")],
                                       restart={"backoff_initial_s": 0.2, "max_retries": 5}), tmp_path)
         try:
             daemon.start()

@@ -55,9 +55,7 @@ class Node:
         self.registry = EmbeddedRegistry(port=self.registry_port).start()
         self.proxy = RegistryProxy(self.registry_port).start()
         (d / "admin.token").write_text(TOKEN + "\n")
-        self.ports = {"gpu0": free_port(), "gpu1": free_port(), "gpu2": free_port()}
-        servers = [vllm_server("gpu0", self.start_model, self.ports["gpu0"], "0"),
-                   vllm_server("gpu1", self.start_model, self.ports["gpu1"], "1")]
+        servers = [vllm_server("gpu0", self.start_model, "0"), vllm_server("gpu1", self.start_model, "1")]
         self.cfg = config(d, self.proxy.url, servers, admin={"token_file": str(d / "admin.token")})
         self.daemon = DaemonProcess(self.cfg, d)
         self.ref = VllmServer(self.start_model, free_port(), d / "ref.log", pythonpath=[install_plugin(d / "plugin")],
@@ -83,7 +81,7 @@ class Node:
         return self.refs[key]
 
     def outputs(self, name: str) -> list[list[int]]:
-        return tokens(f"http://127.0.0.1:{self.ports[name]}")
+        return tokens(self.daemon.socket(name))  # straight to the server, on its private socket
 
     def replicas(self) -> dict[str, dict]:
         return {r["server"]: r for r in self.registry.replicas()}
@@ -342,7 +340,7 @@ def test_sighup_adds_and_removes_servers_without_touching_the_other(node):
     before = node.daemon.server("gpu0")
     old_gpu1 = node.daemon.server("gpu1")["pid"]
     cfg = json.loads(json.dumps(node.daemon.cfg))
-    cfg["servers"] = [cfg["servers"][0], vllm_server("gpu2", node.start_model, node.ports["gpu2"], "1")]
+    cfg["servers"] = [cfg["servers"][0], vllm_server("gpu2", node.start_model, "1")]
     reload(node, cfg)
     st = node.daemon.wait(lambda s: [x["name"] for x in s["servers"]] == ["gpu0", "gpu2"]
                           and s["servers"][1]["state"] == "SERVING", 300, "gpu2 serving, gpu1 gone")

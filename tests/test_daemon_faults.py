@@ -21,7 +21,8 @@ import pytest
 from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
-from .daemon_harness import DaemonProcess, alive, tagged_pids, wait_until
+from .cgroup_harness import cgroup_of, delegated_cgroup, inside, label
+from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -175,6 +176,46 @@ def test_leftovers_of_a_killed_daemon_are_cleaned_at_the_next_start(daemons, tmp
         assert re.search(r"clean s\d: process group \d+", second.log_text())
     finally:
         second.stop(30)
+
+
+def test_in_a_delegated_cgroup_a_killed_daemon_leaves_one_server_each(registry, tmp_path):
+    """The daemon in a delegated cgroup (as under systemd's Delegate=yes): each fake in its own
+    cgroup with everything it started, the one that left its session too; killed, the next daemon
+    finds them by cgroup (no record) and stops them before it starts its own."""
+    faults = "ignore_term,spawn_child,escape_child"
+    specs = [{"name": f"s{i}", "model": "fake-model", "env": {"FAKE_VLLM_FAULTS": faults}} for i in range(2)]
+    cfg = config(tmp_path, registry.url, specs, fake=True, shutdown={"server_grace_s": 1, "kill_wait_s": 5},
+                 restart={"start_timeout_s": 10, "backoff_initial_s": 0.2, "max_retries": 2})
+    with delegated_cgroup() as top:
+        first = DaemonProcess(cfg, tmp_path, prefix=inside(top)).start()
+        second = DaemonProcess(cfg, tmp_path, prefix=inside(top))
+        second.log = tmp_path / "second.log"
+        try:
+            first.wait_versions({"s0": 1, "s1": 1}, 60)
+            wait_until(lambda: len(tagged_pids(first.tag)) == 6, 10, "a fake, its child and its escaped child each")
+            left = tagged_pids(first.tag)
+            where = sorted(cgroup_of(p) for p in left)
+            assert where == [f"{label(top)}/server-s0"] * 3 + [f"{label(top)}/server-s1"] * 3, where
+            assert cgroup_of(first.proc.pid) == f"{label(top)}/daemon"
+            first.proc.kill()  # no chance to clean up
+            first.proc.wait(10)
+            assert all(alive(p) for p in left), "the servers should outlive a killed daemon"
+            second.start()
+            second.wait_versions({"s0": 1, "s1": 1}, 60)
+            assert not any(alive(p) for p in left), "leftovers not cleaned"
+            wait_until(lambda: len(tagged_pids(first.tag)) == 6, 10, "exactly one fake (and its children) per server")
+            log = second.log_text()
+            assert f"contain: each server in its own cgroup under {label(top)} (delegated)" in log
+            for name in ("s0", "s1"):
+                assert (f"clean {name}: cgroup {label(top)}/server-{name} (3 processes) left by an earlier run: "
+                        "killed with SIGKILL") in log
+            assert not any((tmp_path / "state" / "children").glob("*.json")), "the cgroup way writes no record"
+            assert second.stop(30) == 0
+            assert tagged_pids(first.tag) == []
+            assert sorted(p.name for p in top.iterdir() if p.is_dir()) == ["daemon"]
+        finally:
+            first.kill_everything()
+            second.kill_everything()
 
 
 # -- bad input at start ---------------------------------------------------------------------------

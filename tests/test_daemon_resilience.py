@@ -24,6 +24,7 @@ from rolloutd.config import ConfigError, parse_config
 from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
+from .conftest import free_port
 from .daemon_harness import DaemonProcess, alive
 from .registry_proxy import RegistryProxy
 
@@ -204,7 +205,7 @@ def test_a_bug_in_a_long_lived_task_is_logged_counted_and_retried():
     ("n" * 100, ["s" * 30], "node.name"),  # node.server over the registry's 128 characters
 ])
 def test_a_node_name_the_registry_would_refuse_is_a_config_error(node, servers, message):
-    servers_yaml = "".join(f"  - {{name: {s}, model: m, port: {8001 + i}}}\n" for i, s in enumerate(servers))
+    servers_yaml = "".join(f"  - {{name: {s}, model: m, public_port: {9001 + i}}}\n" for i, s in enumerate(servers))
     text = f"registry: {{url: 'http://r:1'}}\nnode: {{name: {json.dumps(node)}}}\nservers:\n{servers_yaml}"
     with pytest.raises(ConfigError, match=re.escape(message)) as e:
         parse_config(text)
@@ -213,7 +214,7 @@ def test_a_node_name_the_registry_would_refuse_is_a_config_error(node, servers, 
 
 def test_a_node_name_the_registry_takes_is_accepted():
     cfg = parse_config("registry: {url: 'http://r:1'}\nnode: {name: 'gpu-node_7.rack2:a@b'}\n"
-                       f"servers:\n  - {{name: {'s' * 63}, model: m, port: 8001}}\n")
+                       f"servers:\n  - {{name: {'s' * 63}, model: m, public_port: 9001}}\n")
     assert cfg.node_name == "gpu-node_7.rack2:a@b"
 
 
@@ -231,3 +232,37 @@ def test_shutdown_deregisters_every_replica_before_its_server_is_signalled(daemo
     assert seen == {"s0": (True, False), "s1": (True, False)}, seen
     for name, pid in pids.items():  # and the server was stopped after, as usual
         assert f"{name}[{pid}]: fake_vllm: stopping" in d.log_text()
+
+
+# -- 4. a restart during a registry outage -----------------------------------------------------------
+@pytest.mark.parametrize("serve_mirror", [False, True], ids=["wait", "serve_mirror"])
+def test_a_restart_while_the_registry_is_down_serves_the_mirror_only_when_asked(daemons, tmp_path, serve_mirror):
+    node = tmp_path / "node"
+    first = daemons(directory=node)
+    first.wait_versions({"s0": 1}, 30)  # version 1 is now complete in the node's mirror
+    assert first.stop(30) == 0
+    port = free_port()  # the registry is down: nothing listens there
+    d = daemons(directory=node, registry_url=f"http://127.0.0.1:{port}",
+                update={"serve_mirror_when_registry_down": serve_mirror})
+    if serve_mirror:
+        st = d.wait_versions({"s0": 1}, 30)
+        assert st["registry"]["reachable"] is False and st["target"]["version"] == 1
+        assert "serve version 1 from the mirror: the registry is unreachable at start" in d.log_text()
+    else:
+        d.wait(lambda s: s["servers"][0]["state"] == "SYNCING" and s["registry"]["last_error"], 30,
+               "SYNCING, the registry unreachable")
+        for _ in range(10):  # retries every 0.2-2 s meanwhile; the server keeps waiting for the registry
+            assert d.server("s0")["state"] == "SYNCING" and d.status()["target"] is None
+            time.sleep(0.2)
+    # The registry comes back with the same version 1: served, and never loaded twice.
+    with EmbeddedRegistry(port=port) as back:
+        back.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
+        d.wait(lambda s: metric(d, "pulls_total", result="reused") == 1, 30,
+               "the registry's version 1 found in the mirror (the updater's step done, its target published)")
+        d.wait_versions({"s0": 1}, 30)  # (wait: the first sync is under way)
+        for _ in range(10):  # a server that took it for new weights would be UPDATING within milliseconds
+            st = d.status()
+            assert (st["servers"][0]["state"], st["servers"][0]["version"]) == ("SERVING", 1)
+            assert "-> UPDATING" not in d.log_text(), "the same weights were loaded again"
+            time.sleep(0.1)
+        assert d.stop(30) == 0

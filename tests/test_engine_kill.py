@@ -24,7 +24,6 @@ import pytest
 from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
-from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server, wait_until
 from .test_daemon import _engine_core
 from .vllm_server import group_pids
@@ -53,7 +52,7 @@ def test_an_engine_core_killed_mid_update_is_in_backoff_within_seconds(tmp_path)
     start = tinymodel.build(tmp_path / "start", seed=0)
     with EmbeddedRegistry(port=0) as reg:
         reg.publish(1, tinymodel.state_dict(tinymodel.TINY, 11), shard_bytes=600_000, chunk_bytes=1 << 16)
-        cfg = config(tmp_path, reg.url, [vllm_server("gpu0", start, free_port(), "0")],
+        cfg = config(tmp_path, reg.url, [vllm_server("gpu0", start, "0")],
                      update={"pause_timeout_s": 300, "start_timeout_s": 300, "load_timeout_s": 300,
                              "finish_timeout_s": 300},
                      restart={"failed_grace_s": 2}, shutdown={"server_grace_s": 20, "kill_wait_s": 10})

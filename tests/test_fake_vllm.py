@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import httpx
@@ -17,9 +18,10 @@ from rolloutd.demo import tinymodel
 from rolloutd.registry.publish import save_shards
 from rolloutd.wire.manifest import build_manifest
 
-from .conftest import free_port
+from .daemon_harness import uds_client
 
-pytestmark = pytest.mark.timeout(60)
+# Real processes (each fake is a new Python): the slow tier, beside the tests that use the fake.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 
@@ -28,16 +30,15 @@ class Fake:
     """One fake in its own session, output in a file."""
 
     def __init__(self, tmp: Path, faults: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tmp / f"fake-{self.port}.log"
+        self.socket = tmp / f"fake-{uuid.uuid4().hex[:8]}.sock"  # as rolloutd starts it: on a UNIX socket
+        self.log = self.socket.with_suffix(".log")
         env = {**os.environ, "FAKE_VLLM_FAULTS": faults}
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, str(FAKE), "serve", "some-model", "--host", "127.0.0.1", "--port", str(self.port),
+                [sys.executable, str(FAKE), "serve", "some-model", "--uds", str(self.socket),
                  "--weight-transfer-config", '{"backend": "rolloutd"}', "--enable-scale-out", "--dtype", "float32"],
                 env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-        self.http = httpx.Client(base_url=self.url, timeout=5)
+        self.http = uds_client(self.socket, timeout=5)
 
     def listening(self, timeout_s: float = 15) -> Fake:
         deadline = time.monotonic() + timeout_s
@@ -133,7 +134,7 @@ def test_the_update_sequence_loads_a_checked_mirror_and_labels_the_weights(fake,
     after = generate(f)
     assert after["weight_versions"][0]["version"] == "3" and after["token_ids"] != before["token_ids"]
     out = f.output()
-    assert f"fake_vllm: serving some-model on {f.url}" in out
+    assert f"fake_vllm: serving some-model on unix:{f.socket}" in out
     assert "fake_vllm: POST /pause?mode=keep -> 200" in out and "fake_vllm: POST /update_weights -> 500" in out
 
 

@@ -1,23 +1,32 @@
 """The architecture matrix of tiny test models (rolloutd.demo.families), without vLLM: deterministic
 bytes per seed, every tensor seed-dependent, the checkpoint layouts vLLM's loaders see, and
-greedy outputs that are distinct between seeds, not degenerate, and have clear margins."""
+greedy outputs that are distinct between seeds, not degenerate, and have clear margins.
+
+Building the models takes torch and transformers (seconds of imports, then 33 models): those
+tests are slow, and torch is imported only when one runs, so the fast tier never loads it."""
 
 import hashlib
 import json
 
 import pytest
+from safetensors import safe_open
 
-torch = pytest.importorskip("torch")
-pytest.importorskip("transformers")
-
-from safetensors import safe_open  # noqa: E402
-
-from rolloutd.demo import families  # noqa: E402
-from rolloutd.demo.tinymodel import BOS_ID  # noqa: E402
+from rolloutd.demo import families
+from rolloutd.demo.tinymodel import BOS_ID
 
 FAMILIES = sorted(families.FAMILIES)
 SEEDS = (0, 1, 2)
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def builds_models(test):
+    """A test that builds torch models: slow, on one torch thread."""
+    return pytest.mark.slow(pytest.mark.usefixtures("one_torch_thread")(test))
+
+
+@pytest.fixture(scope="module")
+def torch():
+    import torch
+    return torch
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +48,7 @@ def checkpoint_keys(d):
         return set(f.keys())
 
 
+@builds_models
 @pytest.mark.parametrize("family", FAMILIES)
 def test_build_is_deterministic_and_has_the_family_layout(tmp_path, family):
     a1 = families.build(tmp_path / "a1", family, seed=0)
@@ -67,8 +77,9 @@ def test_build_is_deterministic_and_has_the_family_layout(tmp_path, family):
         assert sum(".experts." in k for k in keys) > 0
 
 
+@builds_models
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_tensor_differs_between_seeds(models, family):
+def test_every_tensor_differs_between_seeds(models, family, torch):
     a = dict(models[family, 0].state_dict())
     b = dict(models[family, 1].state_dict())
     assert a.keys() == b.keys()
@@ -81,13 +92,15 @@ def test_every_tensor_differs_between_seeds(models, family):
         assert m.lm_head.weight.data_ptr() == m.model.embed_tokens.weight.data_ptr()
 
 
-def test_same_seed_same_tensors():
+@builds_models
+def test_same_seed_same_tensors(torch):
     a, b = families.hf_model("qwen2", 3).state_dict(), families.hf_model("qwen2", 3).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
     raw = families.hf_model("qwen2", 3, min_margin=0).state_dict()  # draw 0, margins unchecked
     assert all(torch.equal(raw[k], families.hf_model("qwen2", 3, min_margin=0).state_dict()[k]) for k in raw)
 
 
+@builds_models
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_outputs_differ_between_seeds_and_are_not_degenerate(outputs, family):
     per_seed = [outputs[family, s][0] for s in SEEDS]
@@ -99,6 +112,7 @@ def test_greedy_outputs_differ_between_seeds_and_are_not_degenerate(outputs, fam
         assert all(a != b for a, b in zip(per_seed[i], per_seed[j], strict=True)), (family, i, j)
 
 
+@builds_models
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_margins_are_clear(outputs, family):
     # logits have a std of ~6; float32 differences between implementations are ~1e-5
@@ -106,7 +120,8 @@ def test_greedy_margins_are_clear(outputs, family):
         assert min(outputs[family, s][1]) >= families.MIN_MARGIN, (family, s)
 
 
-def test_greedy_is_argmax_without_eos_stop(models):
+@builds_models
+def test_greedy_is_argmax_without_eos_stop(models, torch):
     m = models["llama", 0]
     prompt = families.PROMPTS[0]
     out = families.greedy(m, [prompt], 4)[0]

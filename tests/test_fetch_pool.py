@@ -1,5 +1,5 @@
-"""The pull's worker processes on their own: start, a source that cannot be built, and a
-daemon that dies under them (its workers must not outlive it)."""
+"""The pull's worker processes on their own: a start that fails, a source that cannot be built,
+and a daemon that dies under them (its workers must not outlive it)."""
 
 from __future__ import annotations
 
@@ -11,16 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.rollout.fetch_pool import FetchPool, WorkerCrashed
-from rolloutd.rollout.source import SourceSpec
+from rolloutd.rollout.fetch_pool import ChunkJob, FetchPool, WorkerCrashed
+from rolloutd.rollout.sources import SourceSpec
 
 from .test_puller import gone
 
-SPEC = SourceSpec("registry", "http://127.0.0.1:9", 1)  # never reached: no job is given
+SPEC = SourceSpec("registry", "http://127.0.0.1:9")  # nothing listens there
 
 
-async def test_a_worker_that_cannot_start_fails_the_start_and_leaves_nothing_running():
-    pool = FetchPool(SourceSpec("carrier-pigeon", "http://127.0.0.1:9", 1), workers=2, streams=2)
+async def test_a_worker_that_cannot_start_fails_the_start_and_leaves_nothing_running(monkeypatch):
+    monkeypatch.setattr(sys, "executable", "/bin/false")  # the workers' interpreter exits at once
+    pool = FetchPool(workers=2, streams=2)
     with pytest.raises(WorkerCrashed, match=r"pull worker \d+ did not start \(exit status 1\)"):
         async with pool:
             pass
@@ -28,7 +29,7 @@ async def test_a_worker_that_cannot_start_fails_the_start_and_leaves_nothing_run
 
 
 async def test_workers_stop_when_the_pool_closes():
-    async with FetchPool(SPEC, workers=2, streams=3) as pool:
+    async with FetchPool(workers=2, streams=3) as pool:
         pids = pool.pids
         assert len(pids) == 2
     assert all(gone(pid) for pid in pids)
@@ -40,9 +41,8 @@ def test_workers_exit_when_their_daemon_is_killed(tmp_path: Path):
     script.write_text(
         "import asyncio, sys\n"
         "from rolloutd.rollout.fetch_pool import FetchPool\n"
-        "from rolloutd.rollout.source import SourceSpec\n"
         "async def main():\n"
-        "    async with FetchPool(SourceSpec('registry', 'http://127.0.0.1:9', 1), workers=2, streams=2) as p:\n"
+        "    async with FetchPool(workers=2, streams=2) as p:\n"
         "        print(*p.pids, flush=True)\n"
         "        await asyncio.sleep(3600)\n"
         "asyncio.run(main())\n")
@@ -62,11 +62,21 @@ def test_workers_exit_when_their_daemon_is_killed(tmp_path: Path):
 
 
 async def test_a_chunk_waits_for_a_free_stream():
-    async with FetchPool(SPEC, workers=1, streams=1) as pool:
+    async with FetchPool(workers=1, streams=1) as pool:
         assert pool._pick() is not None
         # a job against a source that refuses connections fails as "unavailable", promptly
-        from rolloutd.rollout.fetch_pool import ChunkJob
         from rolloutd.wire import errors
-        job = ChunkJob("x", Path("/nonexistent"), 0, 10, "xxh3-128", "0" * 32)
+        job = ChunkJob(SPEC, 1, "x", Path("/nonexistent"), 0, 10, "xxh3-128", "0" * 32)
         with pytest.raises((errors.RegistryUnavailable, OSError)):
             await asyncio.wait_for(pool.fetch(job, lambda n: None), 30)
+
+
+async def test_a_source_that_cannot_be_built_fails_its_chunk_and_the_worker_goes_on(tmp_path: Path):
+    part = tmp_path / "f"
+    part.write_bytes(b"\0" * 10)
+    async with FetchPool(workers=1, streams=1) as pool:
+        pid = pool.pids
+        bad = ChunkJob(SourceSpec("carrier-pigeon", "http://127.0.0.1:9"), 1, "f", part, 0, 10, "xxh3-128", "0" * 32)
+        with pytest.raises(RuntimeError, match="unknown source kind 'carrier-pigeon'"):
+            await asyncio.wait_for(pool.fetch(bad, lambda n: None), 30)
+        assert pool.pids == pid  # the same worker, still there

@@ -70,10 +70,9 @@ def test_a_version_whose_canary_fails_is_never_served(tmp_path):
     v2_tokens = make_canary(m2, PROMPT).continuation_ids
     assert v1_tokens != v2_tokens, "the two versions must answer differently for the check to mean anything"
 
-    port = free_port()
     with EmbeddedRegistry(port=free_port()) as reg:
         reg.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), chunk_bytes=1 << 16, canary=good)
-        cfg = config(tmp_path, reg.url, [vllm_server("gpu0", start, port, "1")],
+        cfg = config(tmp_path, reg.url, [vllm_server("gpu0", start, "1")],
                      restart={"max_retries": 1}, gateway={"hold_max_s": 2},
                      # "wait": requests in flight end on version 1 before the pause; with "keep" they would
                      # go on after /resume on version 2's weights while the gate runs (docs/daemon.md)

@@ -25,7 +25,7 @@ from rolloutd.supervise.states import ServerState as S
 
 from .conftest import free_port
 from .daemon_harness import wait_until
-from .gateway_harness import GatewayThread
+from .gateway_harness import GatewayThread, socket_path
 from .vllm_server import VllmServer
 
 pytestmark = pytest.mark.timeout(600)
@@ -62,7 +62,7 @@ def raw_request(url: str, method: str, path: str, headers: dict | None = None) -
 @pytest.fixture(scope="module")
 def vllm(tmp_path_factory):
     d = tmp_path_factory.mktemp("gateway")
-    server = VllmServer(build(d / "model", TINY, seed=3), free_port(), d / "vllm.log",
+    server = VllmServer(build(d / "model", TINY, seed=3), d / "vllm.sock", d / "vllm.log",
                         pythonpath=[install_plugin(d / "plugin")]).wait_healthy()
     yield server
     server.stop()
@@ -73,7 +73,7 @@ def gateway(vllm):
     made = []
 
     def make(**settings) -> GatewayThread:
-        g = GatewayThread(vllm.port, free_port(), **settings).start()
+        g = GatewayThread(vllm.socket, free_port(), **settings).start()
         made.append(g)
         return g
     yield make
@@ -85,8 +85,8 @@ def gateway(vllm):
 
 def test_allowed_routes_answer_as_vllm_does(vllm, gateway):
     gw = gateway(token=TOKEN)
-    with httpx.Client(timeout=60) as c:
-        direct = c.post(vllm.url + "/inference/v1/generate", json=generate_body()).json()
+    with httpx.Client(timeout=60) as c, vllm.client(timeout=60) as d:
+        direct = d.post("/inference/v1/generate", json=generate_body()).json()
         via = c.post(gw.url + "/inference/v1/generate", json=generate_body(), headers=AUTH)
         assert via.status_code == 200 and via.json()["choices"][0]["token_ids"] == direct["choices"][0]["token_ids"]
         model = c.get(gw.url + "/v1/models", headers=AUTH).json()["data"][0]["id"]
@@ -95,15 +95,15 @@ def test_allowed_routes_answer_as_vllm_does(vllm, gateway):
         assert completion.status_code == 200 and completion.json()["choices"][0]["text"] is not None
         chat = c.post(gw.url + "/v1/chat/completions", headers=AUTH,
                       json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
-        assert chat.status_code == c.post(vllm.url + "/v1/chat/completions", json={
+        assert chat.status_code == d.post("/v1/chat/completions", json={
             "model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).status_code
         tokens = c.post(gw.url + "/tokenize", headers=AUTH, json={"model": model, "prompt": "hello"}).json()
-        direct_tokens = c.post(vllm.url + "/tokenize", json={"model": model, "prompt": "hello"}).json()["tokens"]
+        direct_tokens = d.post("/tokenize", json={"model": model, "prompt": "hello"}).json()["tokens"]
         assert tokens["tokens"] == direct_tokens
         text = c.post(gw.url + "/detokenize", headers=AUTH, json={"model": model, "tokens": tokens["tokens"]})
         assert text.status_code == 200 and "prompt" in text.json()
         abort = c.post(gw.url + "/inference/v1/abort_requests", headers=AUTH, json={"request_ids": ["none"]})
-        assert abort.status_code == c.post(vllm.url + "/inference/v1/abort_requests",
+        assert abort.status_code == d.post("/inference/v1/abort_requests",
                                            json={"request_ids": ["none"]}).status_code
         assert c.get(gw.url + "/health", headers=AUTH).status_code == 200
     assert gw.requests("/inference/v1/generate", 200) == 1
@@ -111,13 +111,13 @@ def test_allowed_routes_answer_as_vllm_does(vllm, gateway):
 
 def test_dev_routes_and_their_disguises_are_404(vllm, gateway):
     gw = gateway(token=TOKEN)
-    assert httpx.get(vllm.url + "/is_paused").status_code == 200  # vLLM has them (dev mode) ...
+    assert vllm.client().get("/is_paused").status_code == 200  # vLLM has them (dev mode) ...
     for method, path in DEV_ROUTES:  # ... the gateway does not, with or without the token
         assert raw_request(gw.url, method, path, AUTH) == 404, path
         assert raw_request(gw.url, method, path) == 404, path
     for path in TRICKS:
         assert raw_request(gw.url, "POST", path, AUTH) == 404, path
-    assert httpx.get(vllm.url + "/is_paused").json() == {"is_paused": False}  # nothing reached vLLM
+    assert vllm.client().get("/is_paused").json() == {"is_paused": False}  # nothing reached vLLM
     assert gw.requests("other", 404) == 2 * len(DEV_ROUTES) + len(TRICKS)
 
 
@@ -145,11 +145,11 @@ def test_wrong_method_and_large_body(gateway):
 
 # -- streaming ----------------------------------------------------------------------------------
 
-def stream_arrivals(url: str, headers: dict | None = None) -> tuple[list[float], bytes]:
+def stream_arrivals(http: httpx.Client, headers: dict | None = None) -> tuple[list[float], bytes]:
     """Arrival times (s since the request) of each chunk of a streamed generation, and the body."""
     times, body = [], b""
     t0 = time.perf_counter()
-    with httpx.Client(timeout=60) as c, c.stream("POST", url + "/inference/v1/generate",
+    with http as c, c.stream("POST", "/inference/v1/generate",
                                                json=generate_body(max_tokens=48, stream=True),
                                                headers=headers or {}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
@@ -161,8 +161,8 @@ def stream_arrivals(url: str, headers: dict | None = None) -> tuple[list[float],
 
 def test_streaming_passes_vllms_events_on(vllm, gateway):
     gw = gateway()
-    _, direct_body = stream_arrivals(vllm.url)
-    times, body = stream_arrivals(gw.url)
+    _, direct_body = stream_arrivals(vllm.client(timeout=60))
+    times, body = stream_arrivals(httpx.Client(base_url=gw.url, timeout=60))
 
     def tokens(raw: bytes) -> list[int]:
         out = []
@@ -178,7 +178,7 @@ def test_each_chunk_is_passed_on_before_the_next_exists():
     """Not buffered: the first event reaches the client while the server still holds the second
     (a fake server that waits for the test's go-ahead between its events)."""
     with FakeUpstream() as fake:
-        gw = GatewayThread(fake.port, free_port()).start()
+        gw = GatewayThread(fake.socket, free_port()).start()
         try:
             with httpx.Client(timeout=30) as c, c.stream("POST", gw.url + "/inference/v1/generate", json={}) as r:
                 chunks = r.iter_raw()
@@ -194,7 +194,7 @@ def test_a_client_that_leaves_ends_the_request_upstream():
     """A client that hangs up mid-stream: the gateway closes its connection to the server, which
     is what makes vLLM abort the request (a fake server that streams until its client leaves)."""
     with FakeUpstream() as fake:
-        gw = GatewayThread(fake.port, free_port()).start()
+        gw = GatewayThread(fake.socket, free_port()).start()
         try:
             with httpx.Client(timeout=30) as c, c.stream("POST", gw.url + "/inference/v1/generate?endless=1",
                                                             json={}) as r:
@@ -226,15 +226,15 @@ def post_in_thread(url: str, **kw) -> dict:
 
 def test_hold_while_paused_then_forward(vllm, gateway):
     gw = gateway(while_paused="hold", hold_max_s=30)
-    expected = httpx.post(vllm.url + "/inference/v1/generate", json=generate_body(), timeout=60).json()
+    expected = vllm.client().post("/inference/v1/generate", json=generate_body(), timeout=60).json()
     gw.set_state(S.UPDATING)
-    assert httpx.post(vllm.url + "/pause", params={"mode": "keep"}, timeout=30).status_code == 200
+    assert vllm.client().post("/pause", params={"mode": "keep"}, timeout=30).status_code == 200
     try:
         held = post_in_thread(gw.url + "/inference/v1/generate", json=generate_body())
         time.sleep(1.5)
         assert held["thread"].is_alive()  # held at the gateway
     finally:
-        httpx.post(vllm.url + "/resume", timeout=30)
+        vllm.client().post("/resume", timeout=30)
         gw.set_state(S.SERVING)
     held["thread"].join(60)
     assert held["status"] == 200 and held["seconds"] >= 1.5
@@ -279,7 +279,7 @@ class FakeUpstream:
         self.refuse_after_s = refuse_after_s
         self.seen = 0
         self.go, self.waiting, self.gone = threading.Event(), threading.Event(), threading.Event()
-        self.port = free_port()
+        self.socket = socket_path()
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
 
@@ -323,7 +323,7 @@ class FakeUpstream:
         app.router.add_post("/inference/v1/generate", self.generate)
         self.runner = web.AppRunner(app)
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        await web.UnixSite(self.runner, str(self.socket)).start()
 
     def __exit__(self, *exc) -> None:
         self.go.set()
@@ -333,7 +333,7 @@ class FakeUpstream:
 
 def test_a_request_refused_by_a_pausing_033_server_is_held_and_sent_again():
     with FakeUpstream(refuse_after_s=0.5) as fake:
-        gw = GatewayThread(fake.port, free_port(), while_paused="hold", hold_max_s=30).start()
+        gw = GatewayThread(fake.socket, free_port(), while_paused="hold", hold_max_s=30).start()
         try:
             fake.paused = True  # vLLM paused a moment before the gateway heard of it
             held = post_in_thread(gw.url + "/inference/v1/generate?plain=1", json=generate_body())
@@ -357,8 +357,8 @@ def test_same_answers_on_032_and_033_while_paused(vllm, gateway):
     with FakeUpstream() as fake:
         for settings, expect in (({"while_paused": "reject"}, 503), ({"while_paused": "hold", "hold_max_s": 0.3}, 503)):
             answers = []
-            for port in (vllm.port, fake.port):
-                gw = GatewayThread(port, free_port(), **settings).start(S.UPDATING)
+            for upstream in (vllm.socket, fake.socket):
+                gw = GatewayThread(upstream, free_port(), **settings).start(S.UPDATING)
                 try:
                     r = httpx.post(gw.url + "/inference/v1/generate", json=generate_body(), timeout=30)
                     answers.append((r.status_code, r.headers.get("Retry-After"), r.json()["error"]["code"]))
@@ -424,10 +424,10 @@ def post(path: str, payload: dict, *, extra: str = "", version: str = "1.1") -> 
 
 def test_pipelined_requests_are_answered_in_order(vllm, gateway):
     gw = gateway(token=TOKEN)
-    model = httpx.get(vllm.url + "/v1/models").json()["data"][0]["id"]
+    model = vllm.client().get("/v1/models").json()["data"][0]["id"]
     auth = f"Authorization: Bearer {TOKEN}\r\n"
     words = ["hello", "pause", "world"]
-    expected = [httpx.post(vllm.url + "/tokenize", json={"model": model, "prompt": w}).json()["tokens"]
+    expected = [vllm.client().post("/tokenize", json={"model": model, "prompt": w}).json()["tokens"]
                 for w in words]
     data = talk(gw.url, b"".join([post("/tokenize", {"model": model, "prompt": words[0]}, extra=auth),
                                   b"POST /pause HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n\r\n",  # 404, in turn
@@ -458,7 +458,7 @@ def test_expect_100_continue(vllm, gateway):
 
 def test_a_chunked_request_body_is_forwarded_whole(vllm, gateway):
     gw = gateway()
-    model = httpx.get(vllm.url + "/v1/models").json()["data"][0]["id"]
+    model = vllm.client().get("/v1/models").json()["data"][0]["id"]
     body = json.dumps({"model": model, "prompt": "hello world"}).encode()
     half = len(body) // 2
     chunked = b"%x\r\n%s\r\n%x\r\n%s\r\n0\r\n\r\n" % (half, body[:half], len(body) - half, body[half:])
@@ -466,7 +466,7 @@ def test_a_chunked_request_body_is_forwarded_whole(vllm, gateway):
             b"Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n")
     [(status, _, answer)] = responses(talk(gw.url, head + chunked[:20], chunked[20:], pause_s=0.2))
     assert status == 200, answer
-    direct = httpx.post(vllm.url + "/tokenize", content=body, headers={"Content-Type": "application/json"})
+    direct = vllm.client().post("/tokenize", content=body, headers={"Content-Type": "application/json"})
     assert json.loads(answer)["tokens"] == direct.json()["tokens"]
 
 
@@ -510,13 +510,13 @@ class FakeRawUpstream:
 
     def __init__(self, script):
         self.script, self.connections, self.sent = script, 0, 0
-        self.port = free_port()
+        self.socket = socket_path()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
 
     async def _start(self) -> None:
-        self.server = await asyncio.start_server(self._connection, "127.0.0.1", self.port)
+        self.server = await asyncio.start_unix_server(self._connection, str(self.socket))
 
     async def _connection(self, reader, writer) -> None:
         self.connections += 1
@@ -546,7 +546,7 @@ def test_an_answer_the_server_breaks_off_is_broken_off_for_the_client():
         await writer.drain()
         await asyncio.sleep(0.2)  # and then the server dies, the stream unfinished
     fake = FakeRawUpstream(script)
-    gw = GatewayThread(fake.port, free_port()).start()
+    gw = GatewayThread(fake.socket, free_port()).start()
     try:
         with httpx.Client(timeout=10) as c, c.stream("POST", gw.url + "/inference/v1/generate", json={}) as r:
             chunks = r.iter_raw()
@@ -581,7 +581,7 @@ def test_a_kept_alive_connection_the_server_drops_is_not_a_failure():
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             await writer.drain()
     fake = FakeRawUpstream(script)
-    gw = GatewayThread(fake.port, free_port()).start()
+    gw = GatewayThread(fake.socket, free_port()).start()
     try:
         with httpx.Client(timeout=10) as c:
             assert [c.get(gw.url + "/health").text for _ in range(3)] == ["ok"] * 3
@@ -603,7 +603,7 @@ def test_a_slow_client_holds_the_server_back_instead_of_filling_the_gateway():
             await writer.drain()  # blocks while nobody reads
             fake.sent += len(piece)
     fake = FakeRawUpstream(script)
-    gw = GatewayThread(fake.port, free_port()).start()
+    gw = GatewayThread(fake.socket, free_port()).start()
     try:
         with httpx.Client(timeout=30) as c, c.stream("GET", gw.url + "/health") as r:
             stalled, deadline = -1, time.monotonic() + 20
@@ -618,7 +618,7 @@ def test_a_slow_client_holds_the_server_back_instead_of_filling_the_gateway():
 
 
 def test_a_server_that_cannot_be_reached_or_drops_the_request_is_a_502():
-    gw = GatewayThread(free_port(), free_port()).start()  # nothing listens on the server's port
+    gw = GatewayThread(socket_path(), free_port()).start()  # nothing listens on the server's socket
     try:
         r = httpx.get(gw.url + "/health", timeout=10)
         assert r.status_code == 502 and r.json()["error"]["code"] == "upstream"
@@ -629,7 +629,7 @@ def test_a_server_that_cannot_be_reached_or_drops_the_request_is_a_502():
     async def script(fake, n, reader, writer):
         await read_request(reader)  # and closes without an answer
     fake = FakeRawUpstream(script)
-    gw = GatewayThread(fake.port, free_port()).start()
+    gw = GatewayThread(fake.socket, free_port()).start()
     try:
         r = httpx.get(gw.url + "/health", timeout=10)
         assert (r.status_code, r.json()["error"]["message"]) == \
@@ -675,7 +675,7 @@ def test_a_head_that_stalls_is_answered_408_and_closed():
     """Slowloris: half a head, then nothing (or a byte now and then): 408 after head_timeout_s,
     counted from the head's first byte, however the bytes trickle in."""
     fake = FakeRawUpstream(answer_ok)
-    gw = GatewayThread(fake.port, free_port(), head_timeout_s=0.5).start()
+    gw = GatewayThread(fake.socket, free_port(), head_timeout_s=0.5).start()
     try:
         with connect(gw) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -707,7 +707,7 @@ def test_a_head_that_stalls_is_answered_408_and_closed():
 
 def test_a_body_that_stalls_is_answered_408_and_closed():
     fake = FakeRawUpstream(answer_ok)
-    gw = GatewayThread(fake.port, free_port(), body_timeout_s=0.5).start()
+    gw = GatewayThread(fake.socket, free_port(), body_timeout_s=0.5).start()
     try:
         with connect(gw) as s:
             s.sendall(b"POST /tokenize HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n" + b"x" * 10)
@@ -726,7 +726,7 @@ def test_a_body_that_stalls_is_answered_408_and_closed():
 
 def test_an_idle_kept_alive_connection_is_closed_after_the_idle_timeout():
     fake = FakeRawUpstream(answer_ok)
-    gw = GatewayThread(fake.port, free_port(), idle_timeout_s=0.5).start()
+    gw = GatewayThread(fake.socket, free_port(), idle_timeout_s=0.5).start()
     try:
         with connect(gw) as s:
             for _ in range(3):  # kept alive between requests that come in time
@@ -753,7 +753,7 @@ def test_a_request_being_answered_is_not_timed_out():
         await writer.drain()
         await read_request(reader)
     fake = FakeRawUpstream(slow)
-    gw = GatewayThread(fake.port, free_port(), head_timeout_s=0.3, body_timeout_s=0.3, idle_timeout_s=0.3).start()
+    gw = GatewayThread(fake.socket, free_port(), head_timeout_s=0.3, body_timeout_s=0.3, idle_timeout_s=0.3).start()
     try:
         r = httpx.post(gw.url + "/inference/v1/generate", json={}, timeout=10)
         assert (r.status_code, r.content) == (200, b"data: 1\n\ndata: 2\n\n")
@@ -764,7 +764,7 @@ def test_a_request_being_answered_is_not_timed_out():
 
 def test_connections_past_the_cap_are_refused_and_the_others_served():
     fake = FakeRawUpstream(answer_ok)
-    gw = GatewayThread(fake.port, free_port(), max_connections=2).start()
+    gw = GatewayThread(fake.socket, free_port(), max_connections=2).start()
     try:
         established = [connect(gw), connect(gw)]
         for s in established:
@@ -798,7 +798,7 @@ def test_a_client_pipelining_without_reading_does_not_fill_the_gateway():
             await writer.drain()
             fake.sent += 1
     fake = FakeRawUpstream(big)
-    gw = GatewayThread(fake.port, free_port()).start()
+    gw = GatewayThread(fake.socket, free_port()).start()
     n = 10_000
     try:
         s = connect(gw)
@@ -843,7 +843,7 @@ def test_expect_100_continue_behind_another_request_gets_its_continue_in_turn():
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body) + 2, b"ok" + body))
             await writer.drain()
     fake = FakeRawUpstream(script)
-    gw = GatewayThread(fake.port, free_port()).start()
+    gw = GatewayThread(fake.socket, free_port()).start()
     try:
         with connect(gw) as s:
             s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
@@ -871,7 +871,7 @@ def test_expect_100_continue_behind_another_request_gets_its_continue_in_turn():
 
 OPEN_CONFIG = """\
 registry: {url: "http://trainer:8700"}
-servers: [{name: gpu0, model: /m, port: 8001}]
+servers: [{name: gpu0, model: /m, public_port: 9001}]
 gateway:
   host: %s
 """
@@ -898,6 +898,7 @@ def test_a_loopback_gateway_needs_no_token(host):
 
 def test_the_default_gateway_is_loopback_and_needs_no_token():
     from rolloutd.config import parse_config
-    g = parse_config('registry: {url: "http://trainer:8700"}\nservers: [{name: gpu0, model: /m, port: 8001}]\n').gateway
+    g = parse_config('registry: {url: "http://trainer:8700"}\n'
+                     'servers: [{name: gpu0, model: /m, public_port: 9001}]\n').gateway
     assert (g.host, g.token_file, g.allow_unauthenticated) == ("127.0.0.1", None, False)
     assert (g.head_timeout_s, g.body_timeout_s, g.idle_timeout_s, g.max_connections) == (10, 60, 60, 4096)

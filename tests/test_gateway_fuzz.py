@@ -21,10 +21,10 @@ from aiohttp import web
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rolloutd.gateway.relay import ROUTES
+from rolloutd.gateway.policy import ROUTES
 
 from .conftest import free_port
-from .gateway_harness import GatewayThread
+from .gateway_harness import GatewayThread, socket_path
 
 pytestmark = pytest.mark.slow  # thousands of requests: not the fast tier
 
@@ -43,7 +43,7 @@ class EchoUpstream:
     """A fake upstream: 200 with the request's method and path for anything."""
 
     def __init__(self):
-        self.port = free_port()
+        self.socket = socket_path()
         self.loop = asyncio.new_event_loop()
         threading.Thread(target=self.loop.run_forever, daemon=True).start()
         asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
@@ -51,7 +51,7 @@ class EchoUpstream:
     async def _start(self) -> None:
         self.runner = web.ServerRunner(web.Server(self.echo))
         await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        await web.UnixSite(self.runner, str(self.socket)).start()
 
     async def echo(self, request: web.BaseRequest) -> web.Response:
         await request.read()
@@ -64,7 +64,7 @@ ADDRESS: list = []  # (host, port) of the gateway under test, set by the module'
 @pytest.fixture(scope="module", autouse=True)
 def gateway_under_test():
     upstream = EchoUpstream()
-    gateway = GatewayThread(upstream.port, free_port(), token=TOKEN, max_body_bytes=f"{LIMIT}B").start()
+    gateway = GatewayThread(upstream.socket, free_port(), token=TOKEN, max_body_bytes=f"{LIMIT}B").start()
     ADDRESS[:] = ["127.0.0.1", int(gateway.url.rsplit(":", 1)[1])]
     errors = Errors(logging.ERROR)
     logging.getLogger().addHandler(errors)

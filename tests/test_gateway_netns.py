@@ -4,8 +4,8 @@ lists.
 
 The daemon (``rolloutd run``) runs one real ``vllm serve`` (CPU build), its gateway on all
 addresses with a token. From the other host: the allow-listed routes work with the token and
-fail without it; every vLLM dev route is 404; vLLM's own port, and the admin API's, refuse the
-connection.
+fail without it; every vLLM dev route is 404; the admin API's port refuses the connection (vLLM
+listens on no port at all: tests/test_private_socket.py).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def other_host():
 CLIENT = textwrap.dedent("""
     import json, socket, sys
     import httpx
-    endpoint, token, vllm_port, admin_port, dev_routes, tricks = json.loads(sys.argv[1])
+    endpoint, token, admin_port, dev_routes, tricks = json.loads(sys.argv[1])
     host = endpoint.split("//")[1].split(":")[0]
     auth = {"Authorization": f"Bearer {token}"}
     body = {"token_ids": [1, 5, 9], "stream": False, "sampling_params": {"max_tokens": 8, "temperature": 0}}
@@ -90,7 +90,7 @@ CLIENT = textwrap.dedent("""
             return "connected"
         except OSError as e:
             return type(e).__name__
-    out["vllm_port"], out["admin_port"] = connect(vllm_port), connect(admin_port)
+    out["admin_port"] = connect(admin_port)
     print(json.dumps(out))
 """)
 
@@ -101,7 +101,7 @@ def test_from_another_host_only_the_gateway_answers(tmp_path, other_host):
     model = tinymodel.build(tmp_path / "model", seed=0)
     with EmbeddedRegistry(port=free_port()) as registry:
         registry.publish(1, tinymodel.state_dict(tinymodel.TINY, 11), shard_bytes=600_000, chunk_bytes=1 << 16)
-        server = vllm_server("gpu0", model, free_port(), "0")
+        server = vllm_server("gpu0", model, "0")
         cfg = config(tmp_path, registry.url, [server], node={"name": "node-a", "advertise_host": host_address},
                      gateway={"host": "0.0.0.0", "token_file": str(tmp_path / "gateway.token")})
         daemon = DaemonProcess(cfg, tmp_path).start()
@@ -109,7 +109,7 @@ def test_from_another_host_only_the_gateway_answers(tmp_path, other_host):
             daemon.wait(lambda st: st["servers"][0]["state"] == "SERVING", 300, "gpu0 SERVING")
             endpoint = registry.replicas()[0]["endpoint"]
             assert endpoint == f"http://{host_address}:{server['public_port']}"
-            args = json.dumps([endpoint, TOKEN, server["port"], cfg["admin"]["port"], DEV_ROUTES, TRICKS])
+            args = json.dumps([endpoint, TOKEN, cfg["admin"]["port"], DEV_ROUTES, TRICKS])
             run = subprocess.run(["ip", "netns", "exec", ns, sys.executable, "-c", CLIENT, args],
                                  capture_output=True, text=True, timeout=300)
             assert run.returncode == 0, run.stderr
@@ -123,5 +123,5 @@ def test_from_another_host_only_the_gateway_answers(tmp_path, other_host):
     assert seen["stream"][0] == 200 and seen["stream"][1].startswith("text/event-stream") and seen["stream"][2] > 1
     assert set(seen["dev"].values()) == {404}, seen["dev"]
     assert set(seen["tricks"].values()) == {404}, seen["tricks"]
-    assert seen["vllm_port"] == seen["admin_port"] == "ConnectionRefusedError", seen
+    assert seen["admin_port"] == "ConnectionRefusedError", seen
     assert TOKEN not in log

@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 
-import httpx
 import pytest
 
 from rolloutd.config import Update
@@ -32,7 +30,6 @@ from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.supervise.vllm_http import VllmClient
 from rolloutd.wire.manifest import build_manifest
 
-from .conftest import free_port
 from .vllm_server import VllmServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
@@ -50,7 +47,7 @@ def node(tmp_path_factory):
         m = build_manifest(s, [dirs[s] / "model.safetensors"])
         (dirs[s] / "manifest.json").write_text(m.model_dump_json())
         targets[s] = Target(s, m.digest, dirs[s], "test")
-    server = VllmServer(dirs[0], free_port(), d / "vllm.log", pythonpath=[install_plugin(d / "plugin")], cpus="0-1")
+    server = VllmServer(dirs[0], d / "vllm.sock", d / "vllm.log", pythonpath=[install_plugin(d / "plugin")], cpus="0-1")
     try:
         server.wait_healthy()
         yield server, dirs, targets
@@ -67,16 +64,17 @@ def hf_greedy(model_dir, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def generate(url: str, prompt: list[int], n: int) -> dict:
-    r = httpx.post(url + "/inference/v1/generate", timeout=120, json={
-        "token_ids": prompt, "sampling_params": {"max_tokens": n, "temperature": 0, "ignore_eos": True}})
+def generate(server: VllmServer, prompt: list[int], n: int) -> dict:
+    with server.client(timeout=120) as http:
+        r = http.post("/inference/v1/generate", json={
+            "token_ids": prompt, "sampling_params": {"max_tokens": n, "temperature": 0, "ignore_eos": True}})
     r.raise_for_status()
     return r.json()["choices"][0]
 
 
-def apply(url: str, target: Target, **policy) -> UpdateRecord:
+def apply(server: VllmServer, target: Target, **policy) -> UpdateRecord:
     async def run():
-        vllm = VllmClient(url)
+        vllm = VllmClient(server.socket)  # as the daemon reaches its servers: on their UNIX socket
         try:
             record = UpdateRecord(target.version)
             await Applier("s0", vllm, Update(**policy), Metrics(), verify=_no_verify).apply(target, record)
@@ -93,9 +91,9 @@ async def _no_verify(target: Target) -> Target:
 @pytest.mark.parametrize("mode,version", [("abort", 1), ("wait", 2), ("keep", 3)])
 def test_a_long_prompt_after_an_update_is_answered_by_the_new_weights(node, mode, version):
     server, dirs, targets = node
-    generate(server.url, LONG, 8)  # its blocks are now in the prefix cache, computed with the weights before
-    assert apply(server.url, targets[version], pause_mode=mode).ok
-    assert generate(server.url, LONG, 8)["token_ids"] == hf_greedy(dirs[version], LONG, 8)
+    generate(server, LONG, 8)  # its blocks are now in the prefix cache, computed with the weights before
+    assert apply(server, targets[version], pause_mode=mode).ok
+    assert generate(server, LONG, 8)["token_ids"] == hf_greedy(dirs[version], LONG, 8)
 
 
 @pytest.mark.parametrize("keep_kv_cache,versions", [(False, (4, 5, 6)), (True, (7, 8, 9))])
@@ -103,10 +101,10 @@ def test_a_request_frozen_by_keep_resumes_on_recomputed_kv_unless_told_to_keep_i
     server, dirs, targets = node
     prompt, n = LONG[:30], 220
     for version in versions:  # the tiny model is fast: a request may end before the pause reaches it
-        stream = Stream(server.url, prompt, n)
+        stream = Stream(server, prompt, n)
         try:
             assert stream.started.wait(60), "the request did not start generating"
-            assert apply(server.url, targets[version], pause_mode="keep", keep_kv_cache=keep_kv_cache).ok
+            assert apply(server, targets[version], pause_mode="keep", keep_kv_cache=keep_kv_cache).ok
         finally:
             stream.join(120)
         assert len(stream.tokens) == n and stream.finish_reason == "length"
@@ -131,9 +129,9 @@ def test_a_request_frozen_by_keep_resumes_on_recomputed_kv_unless_told_to_keep_i
 class Stream(threading.Thread):
     """One streamed generation, read in a thread; ``started`` is set once a few tokens arrived."""
 
-    def __init__(self, url: str, prompt: list[int], n: int):
+    def __init__(self, server: VllmServer, prompt: list[int], n: int):
         super().__init__(daemon=True)
-        self.url, self.prompt, self.n = url, prompt, n
+        self.server, self.prompt, self.n = server, prompt, n
         self.tokens: list[int] = []
         self.spans: list[dict] = []
         self.finish_reason: str | None = None
@@ -143,7 +141,7 @@ class Stream(threading.Thread):
     def run(self) -> None:
         body = {"token_ids": self.prompt, "stream": True,
                 "sampling_params": {"max_tokens": self.n, "temperature": 0, "ignore_eos": True}}
-        with httpx.stream("POST", self.url + "/inference/v1/generate", json=body, timeout=120) as r:
+        with self.server.client(timeout=120) as http, http.stream("POST", "/inference/v1/generate", json=body) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -154,7 +152,3 @@ class Stream(threading.Thread):
                 if len(self.tokens) >= 8:
                     self.started.set()
 
-
-def running(url: str) -> float:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    return sum(float(v) for v in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", text, re.M))

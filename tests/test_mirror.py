@@ -333,7 +333,7 @@ async def test_the_updaters_collect_deletes_off_the_event_loop(mirror, monkeypat
         put(mirror, v)
     metrics = Metrics()
     conf = Config.model_validate({"registry": {"url": "http://trainer:8700"},
-                                  "servers": [{"name": "gpu0", "model": "/m", "port": 8001, "gpus": [0]}]})
+                                  "servers": [{"name": "gpu0", "model": "/m", "public_port": 9001, "gpus": [0]}]})
     updater = Updater(lambda: conf, None, mirror, metrics, in_use=lambda: {1})
     where = where_rmtree_runs(monkeypatch)
     updater.collect()

@@ -106,7 +106,7 @@ def test_every_publish_path_updates_the_served_model_exactly(family, tmp_path, r
     assert len({str(w) for w in want.values()}) == 4, "every version must give other outputs"
 
     with EmbeddedRegistry(port=0) as reg:
-        daemon = DaemonProcess(config(tmp_path, reg.url, [vllm_server("s0", start, free_port(), "0")]), tmp_path)
+        daemon = DaemonProcess(config(tmp_path, reg.url, [vllm_server("s0", start, "0")]), tmp_path)
         fresh = VllmServer(c_dir, free_port(), tmp_path / "fresh.log", pythonpath=[install_plugin(tmp_path / "pp")],
                            cpus="1")
         try:

@@ -160,7 +160,7 @@ def test_enable_now_and_status(guest):
 def edited_config(guest: Machine, servers: int) -> str:
     cfg = yaml.safe_load(guest.run("cat", "/etc/rolloutd.yaml").stdout)
     cfg["restart"]["max_retries"] = 0
-    cfg["servers"] = [{**cfg["servers"][0], "name": f"gpu{i}", "port": 8001 + i, "gpus": [i]}
+    cfg["servers"] = [{**cfg["servers"][0], "name": f"gpu{i}", "public_port": 9001 + i, "gpus": [i]}
                       for i in range(servers)]
     return "# edited by the node's operator\n" + yaml.safe_dump(cfg, sort_keys=False)
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from rolloutd.supervise.child import MAX_LINE_BYTES, Child, ChildError, ChildRecords, describe_exit
+from rolloutd.supervise.child import MAX_LINE_BYTES, Child, ChildError, describe_exit
+from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -61,9 +62,10 @@ def alive(pid: int) -> bool:
     return stat[stat.rindex(")") + 2] not in "ZX"
 
 
-def proc_start_time(pid: int) -> int:
+def proc_start_time(pid: int) -> float:
+    """Seconds from boot to the start of ``pid``: field 22 of ``/proc/<pid>/stat`` (clock ticks)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return int(stat[stat.rindex(")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
 
 
 async def until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
@@ -180,8 +182,8 @@ async def test_stop_cancelled_mid_grace_still_kills_and_reaps(children, caplog):
 def test_the_same_on_uvloop(tmp_path):
     """The daemon runs on uvloop: spawn, forward, stop a group with a deaf grandchild there too."""
     async def scenario() -> tuple[str, list[int], int]:
-        records = ChildRecords(tmp_path)
-        child = Child("uv", GRANDCHILD_IGNORES_TERM, dict(os.environ), records=records)
+        child = Child("uv", GRANDCHILD_IGNORES_TERM, dict(os.environ),
+                      containment=ProcessGroups(ChildRecords(tmp_path)))
         await child.spawn()
         await until(lambda: len(alive_in_group(child.pgid)) == 2, what="two processes")
         await asyncio.sleep(0.3)  # time for the grandchild to ignore SIGTERM
@@ -207,10 +209,10 @@ async def test_a_missing_command_is_a_child_error_naming_it(children, tmp_path):
 # -- records ---------------------------------------------------------------------------------------
 async def test_a_record_is_written_at_spawn_and_removed_at_stop(children, caplog, tmp_path):
     records = ChildRecords(tmp_path / "children")
-    child = await spawned_ready(children, caplog, "gpu0", COOPERATIVE, records=records)
+    child = await spawned_ready(children, caplog, "gpu0", COOPERATIVE, containment=ProcessGroups(records))
     record = json.loads((tmp_path / "children" / "gpu0.json").read_text())
-    assert record == {"name": "gpu0", "pid": child.pid, "pgid": child.pid, "start_time": proc_start_time(child.pid),
-                      "argv": COOPERATIVE}
+    assert record == {"name": "gpu0", "pid": child.pid, "pgid": child.pid,
+                      "start_time": pytest.approx(proc_start_time(child.pid), abs=1e-6), "argv": COOPERATIVE}
     await child.stop(5.0)
     assert list((tmp_path / "children").iterdir()) == []
 
@@ -220,12 +222,13 @@ async def test_a_record_is_written_at_spawn_and_removed_at_stop(children, caplog
 DAEMON = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
-    from rolloutd.supervise.child import Child, ChildRecords
+    from rolloutd.supervise.child import Child
+    from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 
     async def main():
-        records = ChildRecords(Path(sys.argv[1]))
-        deaf = Child("gpu0", sys.argv[2:], {}, records=records)
-        coop = Child("gpu1", ["sleep", "60"], {}, records=records)
+        groups = ProcessGroups(ChildRecords(Path(sys.argv[1])))
+        deaf = Child("gpu0", sys.argv[2:], {}, containment=groups)
+        coop = Child("gpu1", ["sleep", "60"], {}, containment=groups)
         for child in (deaf, coop):
             await child.spawn()
         await asyncio.sleep(0.5)  # time for the deaf ones to ignore SIGTERM
@@ -264,7 +267,7 @@ async def test_leftovers_of_a_killed_daemon_are_cleaned(tmp_path, caplog):
                 os.kill(pid, signal.SIGKILL)
 
 
-def forge(rec_dir: Path, name: str, pid: int, start_time: int, pgid: int | None = None) -> None:
+def forge(rec_dir: Path, name: str, pid: int, start_time: float, pgid: int | None = None) -> None:
     rec_dir.mkdir(exist_ok=True)
     (rec_dir / f"{name}.json").write_text(json.dumps({"name": name, "pid": pid, "pgid": pgid or pid,
                                                       "start_time": start_time, "argv": ["vllm"]}))

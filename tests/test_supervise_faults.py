@@ -57,8 +57,8 @@ def s0(d: DaemonProcess) -> dict:
 
 
 def fake(d: DaemonProcess, route: str, body: dict) -> None:
-    port = d.cfg["servers"][0]["port"]
-    httpx.post(f"http://127.0.0.1:{port}{route}", json=body, timeout=5).raise_for_status()
+    with d.vllm("s0", timeout=5) as c:  # on the server's socket, as the daemon reaches it
+        c.post(route, json=body).raise_for_status()
 
 
 def failures(d: DaemonProcess) -> dict[str, float]:
@@ -105,7 +105,7 @@ def wait_updating(d: DaemonProcess, route: str) -> dict:
 
 @pytest.mark.parametrize("how", ["engine_dies", "unhealthy"])
 def test_a_server_that_dies_mid_update_is_in_backoff_within_seconds(daemons, registry, how):
-    """As vLLM when its engine core is killed mid-load: the API process lives on with its port
+    """As vLLM when its engine core is killed mid-load: the API process lives on with its listener
     closed and never answers the request in flight (or, alive, it fails /health)."""
     d = daemons("spawn_child", update={"load_timeout_s": 300})
     serving(d, registry.newest)

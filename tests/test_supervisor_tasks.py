@@ -19,7 +19,8 @@ import pytest
 
 from rolloutd.config import Config
 from rolloutd.node.metrics import Metrics
-from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
+from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
 
@@ -44,17 +45,18 @@ class NoTarget:
 
 
 def supervisor(tmp_path: Path, faults: str) -> Supervisor:
-    port = free_port()
     cfg = Config.model_validate({
-        "registry": {"url": "http://127.0.0.1:9"},
+        "registry": {"url": "http://127.0.0.1:9"}, "state_dir": str(tmp_path / "state"),
         "vllm": {"command": [sys.executable, str(FAKE), "serve"], "env": {"FAKE_VLLM_FAULTS": faults}},
-        "servers": [{"name": "s0", "model": "fake-model", "port": port}],
+        "servers": [{"name": "s0", "model": "fake-model", "public_port": free_port()}],
         "health": {"interval_s": 0.2, "timeout_s": 1, "failures": 2},
         "restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "max_retries": 3, "failed_grace_s": 20},
         "shutdown": {"server_grace_s": 20, "kill_wait_s": 5}})
     sem = asyncio.Semaphore(1)
+    prepare_socket_dir(cfg.socket_dir)
     return Supervisor(cfg.servers[0], lambda: cfg, NoTarget(), slots=lambda: sem,
-                      records=ChildRecords(tmp_path / "children"), plugin_dir=tmp_path, metrics=Metrics())
+                      containment=ProcessGroups(ChildRecords(tmp_path / "children")), plugin_dir=tmp_path,
+                      metrics=Metrics())
 
 
 async def until(predicate, timeout_s: float, what: str) -> None:
@@ -72,8 +74,8 @@ def test_cancelling_a_supervisor_mid_stop_waits_for_the_stop_and_leaves_no_task(
         task = asyncio.ensure_future(sup.run())
         await until(lambda: sup.state is ServerState.SERVING, 20, "SERVING")
         pgid = found["pgid"] = sup.child.pgid
-        async with httpx.AsyncClient() as http:  # unhealthy: the supervisor stops it (a 20 s grace)
-            await http.post(f"http://127.0.0.1:{sup.spec.port}/fake/health", json={"ok": False})
+        async with httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=str(sup.socket))) as http:
+            await http.post("http://localhost/fake/health", json={"ok": False})  # the supervisor stops it (20 s grace)
         await until(lambda: f"stop s0[{pgid}]: SIGTERM" in caplog.text, 10, "the stop's SIGTERM")
         t0 = loop.time()
         task.cancel()

@@ -5,8 +5,9 @@ overlay (tests/nspawn.py), so vLLM's environment (.venv-vllm) is visible inside;
 installed in it with apt, exactly as on a node, and ``/etc/rolloutd.yaml`` names that vLLM. The
 registry runs in this test process; the guest shares the network namespace and reaches it on
 loopback. The tests walk one daemon through its life in order: start (``activating`` until the
-server is SERVING), the vLLM group killed, the daemon frozen (watchdog), reload, stop, and the
-journal of it all.
+server is SERVING), each server in its own cgroup, the vLLM group killed, the daemon frozen
+(watchdog), the daemon killed (as shipped, and with systemd told to leave its servers, so that
+the new daemon must find them by cgroup), reload, stop, and the journal of it all.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .conftest import free_port
-from .daemon_harness import config, vllm_server
+from .daemon_harness import AS_NOBODY, config, socket_probe, vllm_server
 from .nspawn import ROOT, Machine, enabled_host_units, host_root
 from .test_vllm_plugin import generate
 from .vllm_server import VLLM, require_vllm
@@ -44,7 +45,7 @@ class Node:
         self.registry = registry
         self.cfg = cfg
         self.admin = f"http://127.0.0.1:{cfg['admin']['port']}"
-        self.vllm_url = f"http://127.0.0.1:{cfg['servers'][0]['port']}"
+        self.gateway = f"http://127.0.0.1:{cfg['servers'][0]['public_port']}"  # the network namespace is shared
 
     def status(self) -> dict:
         return httpx.get(self.admin + "/status", timeout=5).json()
@@ -77,6 +78,22 @@ class Node:
         """Every process in the guest running ``vllm serve`` (one per server, the API server)."""
         return self.machine.processes(f"{VLLM} serve")
 
+    def cgroup(self) -> str:
+        """The unit's cgroup, as the guest names it."""
+        return self.unit("ControlGroup")["ControlGroup"]
+
+    def contained(self) -> dict[str, list[int]]:
+        """Every process of the unit by cgroup; fails unless the daemon is alone in its leaf and
+        every other process is in the server's cgroup and process group."""
+        main, server = int(self.unit("MainPID")["MainPID"]), self.server()
+        where: dict[str, list[int]] = {}
+        for pid in self.machine.unit_pids(UNIT):
+            where.setdefault(self.machine.cgroup(pid) or "gone", []).append(pid)
+        assert where == {f"{self.cgroup()}/daemon": [main],
+                         f"{self.cgroup()}/server-gpu0": where.get(f"{self.cgroup()}/server-gpu0", [])}, where
+        assert {_pgid(self.machine, p) for p in where[f"{self.cgroup()}/server-gpu0"]} == {server["pid"]}, where
+        return where
+
 
 def open_for_service_user(machine: Machine, script: Path) -> None:
     """Let other users reach ``script`` and its interpreter inside the guest: the interpreter may
@@ -96,7 +113,7 @@ def node(debs, tmp_path_factory):
     model = tinymodel.build(work / "model", seed=0)
     registry = EmbeddedRegistry(port=free_port()).start()
     registry.publish(1, tinymodel.state_dict(tinymodel.TINY, SEED_V1), shard_bytes=600_000, chunk_bytes=1 << 16)
-    cfg = config(work, registry.url, [vllm_server("gpu0", model, free_port(), "0")],
+    cfg = config(work, registry.url, [vllm_server("gpu0", model, "0")],
                  shutdown={"server_grace_s": 10, "kill_wait_s": 10})
     del cfg["state_dir"], cfg["mirror"]  # the package's: /var/lib/rolloutd, /dev/shm/rolloutd
     log = tmp_path_factory.mktemp("guest") / "console.log"
@@ -147,8 +164,33 @@ def test_activating_until_the_server_is_serving(node):
     # Never active before the server serves version 1.
     assert all(state == "SERVING" and version == 1 for unit, state, version in samples if unit == "active")
     assert node.unit("StatusText")["StatusText"] == "gpu0 SERVING v1; registry ok"
-    outputs = generate(node.vllm_url)
+    outputs = generate(node.gateway)
     assert all(spans[0]["version"] == "1" for _, spans in outputs), outputs
+
+
+SOCKET = "/var/lib/rolloutd/sockets/gpu0.sock"
+
+
+def test_the_servers_socket_is_the_service_users_alone(node):
+    """Under the unit's hardening, vLLM listens on a socket in a 0700 directory of the user rolloutd:
+    that user reaches it; another (nobody) is refused."""
+    node.wait("gpu0 SERVING", node.serving, 300)
+    assert node.machine.run("stat", "-c", "%a %U", str(Path(SOCKET).parent)).stdout.split() == ["700", "rolloutd"]
+    probe = socket_probe(SOCKET)
+    as_service = node.machine.run("runuser", "-u", "rolloutd", "--", "/usr/bin/python3", "-c", probe)
+    as_nobody = node.machine.run(*AS_NOBODY, "/usr/bin/python3", "-c", probe)
+    assert (as_service.stdout.strip(), as_nobody.stdout.strip()) == ("HTTP/1.1 200 OK", "PermissionError")
+
+
+def test_each_server_is_in_its_own_cgroup(node):
+    """Delegate=yes: the daemon in <unit>/daemon, vLLM's processes (its API server, engine core)
+    in <unit>/server-gpu0, none in the unit's own cgroup."""
+    node.wait("gpu0 SERVING", node.serving, 300)
+    where = node.contained()
+    assert len(where[f"{node.cgroup()}/server-gpu0"]) >= 2, where  # vLLM's API server and its engine core
+    assert node.machine.run("cat", f"/sys/fs/cgroup{node.cgroup()}/cgroup.procs").stdout == ""
+    assert f"contain: each server in its own cgroup under {node.cgroup()} (delegated)" in node.machine.journal(UNIT)
+    assert f"in cgroup {node.cgroup()}/server-gpu0" in node.machine.journal(UNIT)
 
 
 def test_killed_vllm_group_comes_back_without_restarting_the_daemon(node):
@@ -181,6 +223,53 @@ def test_frozen_daemon_is_restarted_by_the_watchdog(node):
     assert len(node.vllm_serve_processes()) == 1, node.vllm_serve_processes()
     groups = {pid: _pgid(node.machine, pid) for pid in node.machine.unit_pids(UNIT)}
     assert {g for p, g in groups.items() if p != int(after["MainPID"])} == {server["pid"]}, groups
+    node.contained()
+
+
+def test_killed_daemon_is_restarted_with_one_vllm(node):
+    """kill -9 of the daemon: systemd SIGKILLs the rest of the unit (KillMode=mixed) and starts a
+    new daemon, which starts one vLLM, in its cgroup."""
+    before = node.unit("MainPID", "NRestarts")
+    old_server = node.server()
+    old_vllm = node.vllm_serve_processes()
+    node.machine.run("kill", "-9", before["MainPID"])
+    node.wait("a restart by systemd",
+              lambda: node.unit("NRestarts")["NRestarts"] == str(int(before["NRestarts"]) + 1), 120)
+    node.wait("the new daemon active and serving",
+              lambda: node.unit("ActiveState")["ActiveState"] == "active" and node.serving(), 300)
+    assert node.unit("MainPID")["MainPID"] != before["MainPID"]
+    assert node.server()["pid"] != old_server["pid"]
+    assert len(node.vllm_serve_processes()) == 1 and node.vllm_serve_processes() != old_vllm
+    node.contained()
+    assert "Main process exited, code=killed, status=9/KILL" in node.machine.journal(UNIT)
+
+
+def test_what_a_killed_daemon_left_is_found_by_cgroup(node):
+    """The same with systemd told to leave the servers alone (KillMode=process; as when a process
+    stuck in the kernel outlives systemd's SIGKILL): the new daemon finds the old vLLM in its
+    cgroup, with no record of it, stops it, and starts one vLLM."""
+    dropin = "/etc/systemd/system/rolloutd.service.d/leave-servers.conf"
+    node.machine.write(dropin, "[Service]\nKillMode=process\n")
+    node.machine.run("systemctl", "daemon-reload")
+    try:
+        before = node.unit("MainPID", "NRestarts")
+        old_server = node.server()
+        old_group = node.machine.run("ps", "-o", "pid=", "-g", str(old_server["pid"])).stdout.split()
+        node.machine.run("kill", "-9", before["MainPID"])
+        node.wait("a restart by systemd",
+                  lambda: node.unit("NRestarts")["NRestarts"] == str(int(before["NRestarts"]) + 1), 120)
+        node.wait("the new daemon active and serving",
+                  lambda: node.unit("ActiveState")["ActiveState"] == "active" and node.serving(), 300)
+        journal = node.machine.journal(UNIT)
+        head = f"clean gpu0: cgroup {node.cgroup()}/server-gpu0 ({len(old_group)} processes) left by an earlier run"
+        assert head in journal, journal[-4000:]
+        assert node.machine.run("ps", "-o", "pid=", "-g", str(old_server["pid"]), check=False).stdout.strip() == ""
+        assert len(node.vllm_serve_processes()) == 1, node.vllm_serve_processes()
+        node.contained()
+    finally:
+        node.machine.run("rm", "-f", dropin)
+        node.machine.run("systemctl", "daemon-reload")
+    assert node.unit("KillMode")["KillMode"] == "mixed"
 
 
 def _pgid(machine: Machine, pid: int) -> int:

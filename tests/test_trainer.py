@@ -3,6 +3,7 @@ replicas and demand, and the standalone registry and publish commands."""
 
 from __future__ import annotations
 
+import logging
 import signal
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from rolloutd.registry.publish import layer_key, save_shards, shard_plan
 from rolloutd.registry.shards import Cancelled
 from rolloutd.wire import errors
 
-from .conftest import registry_log
+from .conftest import registry_log, run_cli
 
 
 def torch_state_dict(seed: int) -> dict:
@@ -31,6 +32,15 @@ def torch_state_dict(seed: int) -> dict:
     for i in range(12):
         sd[f"model.layers.{i}.self_attn.q_proj.weight"] = torch.randn(64, 64, generator=g)
         sd[f"model.layers.{i}.mlp.down_proj.weight"] = torch.randn(64, 128, generator=g).to(torch.bfloat16)
+    return sd
+
+
+def numpy_state_dict(seed: int) -> dict:
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    sd = {"model.embed_tokens.weight": rng.standard_normal((256, 64), np.float32)}
+    for i in range(12):
+        sd[f"model.layers.{i}.self_attn.q_proj.weight"] = rng.standard_normal((64, 64), np.float32)
     return sd
 
 
@@ -55,6 +65,7 @@ def read_version(url: str, manifest, headers=None) -> dict:
     return out
 
 
+@pytest.mark.slow  # torch: seconds to import (the fast tier never loads it)
 def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path):
     import torch
     sd = torch_state_dict(1)
@@ -75,6 +86,7 @@ def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path)
     assert flat == sorted(flat)
 
 
+@pytest.mark.slow  # torch, as above
 @pytest.mark.parametrize("publisher", ["embedded", "http"])
 def test_publish_a_state_dict_with_tied_fused_and_strided_tensors(registry, publisher):
     """What ``model.state_dict()`` of a real model holds: one tensor under two names (tied
@@ -110,14 +122,14 @@ def test_publish_a_gpu_free_numpy_state_dict_and_a_directory(registry, tmp_path)
 
 
 def test_wait_for_replicas_and_demand(registry):
-    registry.publish(1, torch_state_dict(1))
-    registry.publish(2, torch_state_dict(2))
+    registry.publish(1, numpy_state_dict(1))
+    registry.publish(2, numpy_state_dict(2))
     registry.demand(2)
 
     def node():
         with httpx.Client(base_url=registry.url) as c:
             for i in range(3):
-                time.sleep(0.2)
+                time.sleep(0.05)  # replicas come one by one, while wait_for_replicas polls
                 reply = c.put(f"/v1/replicas/n{i}.s0", json={"node": f"n{i}", "server": "s0",
                               "state": "SERVING", "version": 2}).json()
                 assert reply["demand"]["min_version"] == 2
@@ -128,7 +140,7 @@ def test_wait_for_replicas_and_demand(registry):
     t.join()
     assert sorted(r["replica_id"] for r in ready) == ["n0.s0", "n1.s0", "n2.s0"]
     with pytest.raises(TimeoutError, match="3 of 4 replicas SERVING"):
-        registry.wait_for_replicas(4, min_version=2, timeout_s=0.3, poll_s=0.05)
+        registry.wait_for_replicas(4, min_version=2, timeout_s=0.1, poll_s=0.01)
     with pytest.raises(errors.DemandAhead):
         registry.demand(3)
 
@@ -163,6 +175,48 @@ def test_port_in_use_is_a_clear_error():
 
 # -- standalone: rolloutd registry / rolloutd publish --------------------------------------------
 
+def test_cli_publish_with_a_token(tmp_path, capsys, caplog):
+    """The publish command's code in this process, on an embedded registry with a token; through
+    real processes (the registry's and the command's) in the next test."""
+    from safetensors.numpy import load
+    caplog.set_level(logging.DEBUG)
+    (tmp_path / "token").write_text("tok-Never-Logged\n")
+    ckpt = tmp_path / "ckpt"
+    sd = numpy_state_dict(7)
+    save_shards(sd, ckpt, shard_bytes=50_000)
+    with EmbeddedRegistry(port=0, token_file=tmp_path / "token", data_dir=tmp_path / "data") as reg:
+        argv = ["publish", "--registry", reg.url, "--token-file", str(tmp_path / "token"), "--chunk-bytes", "4096",
+                "--metadata", "step=7"]
+        run = run_cli(capsys, *argv, "3", str(ckpt))
+        assert run.returncode == 0, run.stderr
+        assert "published version 3" in run.stdout and "upload v3:" in run.stderr and "100%" in run.stderr
+        again = run_cli(capsys, *argv, "3", str(ckpt))  # idempotent retry
+        assert again.returncode == 0, again.stderr
+        older = run_cli(capsys, *argv, "2", str(ckpt))
+        assert older.returncode == 1 and "version_not_newer" in older.stderr and "Traceback" not in older.stderr
+        m = reg.manifest(3)
+        assert m.metadata == {"step": "7"}
+        headers = {"authorization": "Bearer tok-Never-Logged"}
+        got = {}
+        with httpx.Client(base_url=reg.url, headers=headers) as c:
+            for f in m.files:
+                got.update(load(c.get(f"/v1/versions/3/files/{f.name}").content))
+        assert got.keys() == sd.keys() and all((got[k] == sd[k]).all() for k in sd)
+    assert "Never-Logged" not in caplog.text  # the token never reaches the log
+
+
+def test_cli_publish_errors_are_one_line_in_process(tmp_path, registry, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    run = run_cli(capsys, "publish", "--registry", registry.url, "1", str(empty))
+    assert run.returncode == 1 and "no .safetensors files" in run.stderr and "Traceback" not in run.stderr
+    run = run_cli(capsys, "publish", "--registry", "http://127.0.0.1:9", "1", str(empty))
+    assert run.returncode == 1 and run.stderr.count("\n") == 1 and "Traceback" not in run.stderr
+    run = run_cli(capsys, "registry", "--keep-versions", "1")
+    assert run.returncode == 2 and "keep_versions" in run.stderr and "Traceback" not in run.stderr
+
+
+@pytest.mark.slow  # real processes: a standalone registry and the command, each a new Python
 def test_cli_publish_to_a_standalone_registry_with_a_token(standalone, tmp_path):
     import torch
     (tmp_path / "token").write_text("tok-Never-Logged\n")
@@ -190,6 +244,7 @@ def test_cli_publish_to_a_standalone_registry_with_a_token(standalone, tmp_path)
     assert proc.wait(10) == 0
 
 
+@pytest.mark.slow  # real processes, as above
 def test_cli_publish_errors_are_one_line(tmp_path, standalone):
     url, _ = standalone()
     empty = tmp_path / "empty"

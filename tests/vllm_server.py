@@ -37,19 +37,25 @@ def group_pids(pgid: int) -> list[int]:
 
 
 class VllmServer:
-    """One ``vllm serve`` on a loopback port, with the plugin reached through ``pythonpath``;
-    ``cpus`` are the cores its compute threads are bound to (``"0"``, ``"0-1"``)."""
+    """One ``vllm serve`` with the plugin reached through ``pythonpath``, listening where ``listen``
+    says: a loopback port (an int), or a UNIX socket (a Path: ``--uds``, as rolloutd starts its
+    servers); ``cpus`` are the cores its compute threads are bound to (``"0"``, ``"0-1"``)."""
 
-    def __init__(self, model: Path, port: int, log: Path, *, pythonpath: list[Path], cpus: str = "0",
+    def __init__(self, model: Path, listen: int | Path, log: Path, *, pythonpath: list[Path], cpus: str = "0",
                  extra_args: list[str] = (), extra_env: dict[str, str] | None = None):
         require_vllm()
-        self.model, self.port, self.log = model, port, log
-        self.url = f"http://127.0.0.1:{port}"
+        self.model, self.log = model, log
+        if isinstance(listen, Path):
+            self.port, self.socket, self.url = None, listen, "http://localhost"
+            where = ["--uds", str(listen)]
+        else:
+            self.port, self.socket, self.url = listen, None, f"http://127.0.0.1:{listen}"
+            where = ["--host", "127.0.0.1", "--port", str(listen)]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
         env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    VLLM_CPU_OMP_THREADS_BIND=cpus, PYTHONPATH=os.pathsep.join(map(str, pythonpath)),
                    **(extra_env or {}))
-        self.cmd = [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+        self.cmd = [str(VLLM), "serve", str(model), *where,
                     *FAST_CPU_FLAGS, "--weight-transfer-config", '{"backend": "rolloutd"}',
                     "--enable-scale-out", *extra_args]
         self._log = open(log, "ab")
@@ -63,12 +69,17 @@ class VllmServer:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode} before it was healthy:\n"
                                    + self.log_tail())
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
+                with self.client(timeout=2) as c:
+                    if c.get("/health").status_code == 200:
+                        return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"vllm serve not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def client(self, **kw) -> httpx.Client:
+        """A client of this server (on its socket or its port), as :func:`client` makes them."""
+        return client(self.socket or self.url, **kw)
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -95,10 +106,14 @@ class VllmServer:
             raise RuntimeError(f"processes {left} of vllm serve's group outlived SIGKILL")
 
 
-def client(url: str) -> httpx.Client:
-    """No keep-alive: vLLM closes the connection after a route raised (HTTP 500), and a reused
+def client(url: str | Path, **kw) -> httpx.Client:
+    """A client of a server at ``url``, or on the UNIX socket ``url`` when it is a Path. No
+    keep-alive: vLLM closes the connection after a route raised (HTTP 500), and a reused
     connection would then fail the next call."""
-    return httpx.Client(base_url=url, timeout=120, limits=httpx.Limits(max_keepalive_connections=0))
+    kw.setdefault("timeout", 120)
+    if isinstance(url, Path):
+        kw["transport"], url = httpx.HTTPTransport(uds=str(url)), "http://localhost"
+    return httpx.Client(base_url=url, limits=httpx.Limits(max_keepalive_connections=0), **kw)
 
 
 def pip_install_rolloutd(target: Path) -> Path:

@@ -33,7 +33,7 @@ from rolloutd.registry.publish import EmbeddedRegistry
 FAMILY = "qwen2"
 PROMPT = [1, 5, 9, 13, 40]
 NEW_TOKENS = 12
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository (rolloutd/demo/serve.py)
 
 
 def say(msg: str) -> None:
@@ -67,7 +67,7 @@ def demo_config(work: Path, registry_url: str, vllm: str, model: Path) -> Config
                  "args": ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
                           "--kv-cache-memory-bytes", str(64 << 20)],
                  "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
-        "servers": [{"name": "cpu0", "model": str(model), "port": _free_port(), "public_port": _free_port()}],
+        "servers": [{"name": "cpu0", "model": str(model), "public_port": _free_port()}],
     })
 
 
@@ -187,6 +187,10 @@ def add_parser(sub) -> None:
     p.add_argument("--workdir", help="keep the models, mirror and state here (default: a temporary directory)")
     p.add_argument("--timeout-s", type=float, default=300, help="longest wait for each version")
     p.set_defaults(func=run_demo)
+    # `rolloutd demo rl`: the trainer's side, learning through the fleet (rolloutd/demo/rl.py)
+    demos = p.add_subparsers(dest="demo", metavar="[rl]", required=False)
+    from rolloutd.demo.rl import add_parser as add_rl
+    add_rl(demos)
 
 
 if __name__ == "__main__":

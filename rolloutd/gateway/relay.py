@@ -1,28 +1,15 @@
-"""The gateway: the only way to a ``vllm serve`` from other hosts.
+"""The gateway's transport: the only way to a ``vllm serve`` from other hosts.
 
 vLLM's pause and weight routes and ``/collective_rpc`` have no authentication, so every vLLM
-child listens on loopback. For each server, the daemon listens on the node's public address
-(``gateway.host``, the server's ``public_port``) and forwards an allow-list of generation
-routes to the loopback vLLM:
+child listens on a UNIX socket only the daemon's user can reach (supervise/sockets.py). For each
+server, the daemon listens on the node's public address (``gateway.host``, the server's
+``public_port``) and relays what the server's :class:`Policy` (policy.py: allow-list, token,
+pause and hold, counting) lets through to that socket:
 
-- **Allow-list.** The raw request path must equal one of ``ROUTES`` exactly (no decoding, no
-  normalisation: ``/v1/../pause`` and ``/%70ause`` are not ``/pause``); anything else is 404,
-  whether vLLM has such a route or not. A listed path with another method is 405.
-- **Token.** With ``gateway.token_file`` set, every request needs ``Authorization: Bearer
-  <token>`` (compared in constant time), else 401. The header is not forwarded to vLLM.
 - **Streaming.** The answer is passed on piece by piece as vLLM writes it (SSE included),
   never buffered whole. A client that goes away (closes its side) closes the connection to
   vLLM, which aborts the request there. If vLLM breaks off an answer, the client's connection
   is closed before the answer's end, so a cut answer never looks complete.
-- **Server state.** Requests are forwarded while the server is SERVING. While it is UPDATING
-  (paused to load a version), ``gateway.while_paused`` decides: ``hold`` keeps new requests at
-  the gateway until the server serves again (at most ``hold_max_s``, then 503), ``reject``
-  answers 503 at once. In any other state (starting, syncing, restarting, stopped) it is 503.
-  Every 503 has ``Retry-After``. Because requests are held *before* they reach vLLM, the
-  behaviour is the same whether vLLM queues requests during a pause (0.32) or refuses them
-  (0.33); a request that reached vLLM just as it paused and came back 503 is held and sent
-  again.
-
 - **Bounded.** Each client connection is a state machine (:class:`Reading`) whose states carry
   their timeouts (head, body, idle keep-alive; none while a request is being answered); at most
   ``max_connections`` per gateway; per connection, a bounded number of requests and bytes read
@@ -34,8 +21,8 @@ It is a relay at the level of asyncio protocols, with llhttp (``httptools``) par
 sides: a streamed generation passes through it once per token, so each request and each piece
 must cost microseconds, not the hundreds a general HTTP client and server spend (see
 bench/README.md, "Gateway cost"). One request per client connection is answered at a time,
-in order (pipelined requests wait their turn); requests to vLLM go over kept-alive loopback
-connections.
+in order (pipelined requests wait their turn); requests to vLLM go over kept-alive connections
+to its socket.
 """
 
 from __future__ import annotations
@@ -48,27 +35,17 @@ import json
 import logging
 import socket
 import time
+from pathlib import Path
 
 import httptools
 
 from rolloutd.config import Gateway as GatewaySettings
+from rolloutd.gateway.policy import Policy, Unavailable
 from rolloutd.node.metrics import Metrics
 from rolloutd.supervise.states import ServerState
-from rolloutd.wire.auth import bearer_ok
+from rolloutd.wire import version_contract
 
 log = logging.getLogger("rolloutd.gateway.relay")
-
-# path -> methods: what a trainer needs for generation, and nothing that changes the server.
-ROUTES: dict[str, frozenset[str]] = {
-    "/inference/v1/generate": frozenset({"POST"}),
-    "/inference/v1/abort_requests": frozenset({"POST"}),
-    "/v1/completions": frozenset({"POST"}),
-    "/v1/chat/completions": frozenset({"POST"}),
-    "/v1/models": frozenset({"GET"}),
-    "/tokenize": frozenset({"POST"}),
-    "/detokenize": frozenset({"POST"}),
-    "/health": frozenset({"GET"}),
-}
 
 HEAD_LIMIT = 64 * 1024  # request line and headers, as most servers allow
 IDLE_UPSTREAM_S = 2.0  # a kept-alive connection to vLLM older than this is not reused (uvicorn drops them at 5 s)
@@ -82,33 +59,31 @@ FEED_BYTES = 4096  # what one read is parsed in pieces of, so that reading ahead
 # and what must not pass: the relay answers ``Expect`` itself and names no server.
 _HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
                   b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
-_DROP_REQUEST = _HOP | {b"host", b"authorization", b"expect"}
+_MIN_VERSION = version_contract.MIN_VERSION_HEADER.lower().encode()
+_DROP_REQUEST = _HOP | {b"host", b"authorization", b"expect", _MIN_VERSION}
 _DROP_RESPONSE = _HOP | {b"server"}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_BAD_VERSION = -1
 
 
 class GatewayError(OSError):
     """The gateway cannot listen (address in use, not available)."""
 
 
-class Unavailable(Exception):
-    """The server is not serving: answered 503 with Retry-After."""
-
-
 class Gateway:
-    def __init__(self, name: str, upstream_port: int, port: int, settings: GatewaySettings, token: str | None,
+    """One server's public listener: client connections in, kept-alive connections to vLLM out,
+    and between them the server's :class:`Policy`."""
+
+    def __init__(self, name: str, upstream: Path, port: int, settings: GatewaySettings, token: str | None,
                  metrics: Metrics):
         self.name, self.port, self.settings, self.metrics = name, port, settings, metrics
-        self.upstream_port = upstream_port
+        self.policy = Policy(name, settings, token, metrics)
+        self.upstream = str(upstream)  # vLLM's UNIX socket
         self.limit = int(settings.max_body_bytes)
-        self.host_header = b"127.0.0.1:%d" % upstream_port
-        self._token = token.encode() if token else None
-        self.state = ServerState.STOPPED
-        self._serving = asyncio.Event()
+        self.host_header = b"localhost"
         self._server: asyncio.Server | None = None
         self._clients: set[_Client] = set()
         self._idle: list[_Upstream] = []  # kept-alive connections to vLLM, newest last
-        self._counters: dict[tuple[str, int], object] = {}
         self.max_connections = settings.max_connections
         self.refused = metrics.gateway_refused_connections.labels(server=name)
         self.timeouts = {Reading.HEAD: settings.head_timeout_s, Reading.BODY: settings.body_timeout_s,
@@ -125,8 +100,7 @@ class Gateway:
         except OSError as e:
             raise GatewayError(f"gateway {self.name}: cannot listen on {self.settings.host}:{self.port}: "
                                f"{e.strerror or e}") from None
-        log.info("gateway %s: listening on %s:%d -> 127.0.0.1:%d", self.name, self.settings.host, self.port,
-                 self.upstream_port)
+        log.info("gateway %s: listening on %s:%d -> %s", self.name, self.settings.host, self.port, self.upstream)
 
     async def stop(self) -> None:
         """Stop listening and end every connection (a request in flight is cut off)."""
@@ -142,44 +116,17 @@ class Gateway:
 
     def on_state(self, new: ServerState) -> None:
         """Follow the server's lifecycle (a listener of its Lifecycle)."""
-        self.state = new
-        if new is ServerState.SERVING:
-            self._serving.set()
-        else:
-            self._serving.clear()
+        self.policy.on_state(new)
 
-    # -- what a request gets --------------------------------------------------------------------
-    def refusal(self, method: str, path: str, authorization: bytes | None) -> tuple | None:
-        """The gateway's own answer to a request, or None when it is forwarded."""
-        methods = ROUTES.get(path)
-        if methods is None:
-            return 404, "not_found", "no such route on this gateway", ()
-        if self._token is not None and not self._authorized(authorization):
-            return 401, "unauthorized", "missing or wrong bearer token", ((b"WWW-Authenticate", b"Bearer"),)
-        if method not in methods:
-            allow = ", ".join(sorted(methods))
-            return 405, "method_not_allowed", f"{path} takes {allow}", ((b"Allow", allow.encode()),)
-        return None
-
-    def _authorized(self, authorization: bytes | None) -> bool:
-        return bearer_ok(authorization, self._token)
-
-    def unavailable(self, message: str) -> tuple:
-        return 503, "unavailable", message, ((b"Retry-After", str(self.settings.retry_after_s).encode()),)
-
-    def count(self, path: str, status: int) -> None:
-        key = (path if path in ROUTES else "other", status)
-        counter = self._counters.get(key)
-        if counter is None:  # labels() costs more than the count: keep each child
-            counter = self._counters[key] = self.metrics.gateway_requests.labels(
-                server=self.name, route=key[0], code=str(status))
-        counter.inc()
+    def on_version(self, version: int | None) -> None:
+        """The version the server holds now (set by its supervisor before it serves it)."""
+        self.policy.on_version(version)
 
     # -- forwarding -----------------------------------------------------------------------------
     def forward(self, exchange: _Exchange) -> None:
         """Send a request on to vLLM: at once on a kept-alive connection while serving (the
         common case, no task at all), else through the policy and a new connection."""
-        if self._serving.is_set():
+        if self.policy.serving:
             up = self._take_idle()
             if up is not None:
                 up.send(exchange, reused=True)
@@ -189,13 +136,16 @@ class Gateway:
     async def _forward_later(self, exchange: _Exchange) -> None:
         try:
             while True:
-                await self._ready(exchange.deadline)
+                await self.policy.ready(exchange.deadline)
+                if (refusal := self.policy.behind(exchange.min_version)) is not None:
+                    exchange.client.answer_error(exchange, *refusal)
+                    return
                 up = reused = self._take_idle()
                 if up is None:
                     try:
                         up = await self._connect()
                     except OSError as e:
-                        if not self._serving.is_set():
+                        if not self.policy.serving:
                             continue  # the server left SERVING meanwhile: the policy decides
                         why = e.strerror or type(e).__name__
                         exchange.client.answer_error(exchange, 502, "upstream",
@@ -204,23 +154,9 @@ class Gateway:
                 up.send(exchange, reused=reused is not None)
                 return
         except Unavailable as e:
-            exchange.client.answer_error(exchange, *self.unavailable(str(e)))
+            exchange.client.answer_error(exchange, *self.policy.unavailable(str(e)))
         finally:
             exchange.task = None
-
-    async def _ready(self, deadline: float) -> None:
-        """Return once the server serves; Unavailable when it will not within the policy."""
-        if self._serving.is_set():
-            return
-        if self.state is not ServerState.UPDATING or self.settings.while_paused == "reject":
-            raise Unavailable(f"server {self.name} is {self.state.name}")
-        self.metrics.gateway_held.labels(server=self.name).inc()
-        try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
-                await self._serving.wait()
-        except TimeoutError:
-            raise Unavailable(f"server {self.name} still {self.state.name} after "
-                              f"{self.settings.hold_max_s:g} s") from None
 
     def resend(self, exchange: _Exchange) -> None:
         """Send a request again: through the policy, on another connection."""
@@ -229,20 +165,16 @@ class Gateway:
     def failed(self, exchange: _Exchange, why: str) -> None:
         """vLLM dropped a request: the policy decides again when it is no longer serving (it
         paused or stopped); while it is serving, that is its failure (502)."""
-        if self._serving.is_set():
+        if self.policy.serving:
             exchange.client.answer_error(exchange, 502, "upstream", f"server {self.name} {why}", ())
         else:
             self.resend(exchange)
-
-    def held_again(self, status: int) -> bool:
-        """A 503 from a server that has paused since: hold the request and send it again."""
-        return status == 503 and not self._serving.is_set() and self.settings.while_paused == "hold"
 
     # -- connections to vLLM --------------------------------------------------------------------
     async def _connect(self) -> _Upstream:
         loop = asyncio.get_running_loop()
         async with asyncio.timeout(5):
-            _, up = await loop.create_connection(lambda: _Upstream(self), "127.0.0.1", self.upstream_port)
+            _, up = await loop.create_unix_connection(lambda: _Upstream(self), self.upstream)
         return up
 
     def _take_idle(self) -> _Upstream | None:
@@ -270,7 +202,7 @@ class _Exchange:
     """One request from a client and what the gateway does with it."""
 
     __slots__ = ("client", "method", "target", "path", "headers", "authorization", "length", "expect", "body",
-                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream")
+                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream", "min_version")
 
     def __init__(self, client: _Client):
         self.client = client
@@ -285,6 +217,7 @@ class _Exchange:
         self.http10 = False
         self.task: asyncio.Task | None = None
         self.upstream: _Upstream | None = None
+        self.min_version: int | None = None  # X-Rolloutd-Min-Version (_BAD_VERSION: not a version)
 
     def request_bytes(self, host: bytes, connection_tokens: frozenset[bytes]) -> bytes:
         """The request as sent to vLLM: the same target, method, headers and body; a Host of
@@ -541,6 +474,8 @@ class _Client(asyncio.Protocol):
             ex.length = int(value)  # llhttp has checked it is a number
         elif low == b"expect":
             ex.expect = value.lower() == b"100-continue"
+        elif low == _MIN_VERSION:
+            ex.min_version = version_contract.parse_min_version(value) or _BAD_VERSION
 
     def on_headers_complete(self) -> None:
         if self.state is Reading.DONE:
@@ -559,7 +494,9 @@ class _Client(asyncio.Protocol):
         ex.http10 = self.parser.get_http_version() == "1.0"
         ex.path = ex.target.partition(b"?")[0].decode("latin-1")
         ex.deadline = time.monotonic() + gw.settings.hold_max_s
-        ex.refusal = gw.refusal(ex.method, ex.path, ex.authorization)
+        ex.refusal = gw.policy.refusal(ex.method, ex.path, ex.authorization)
+        if ex.refusal is None and ex.min_version == _BAD_VERSION:
+            ex.refusal = (400, "bad_request", f"{version_contract.MIN_VERSION_HEADER} must be a positive integer", ())
         if ex.refusal is None and ex.length is not None and ex.length > gw.limit:
             ex.refusal = (413, "too_large", f"request body of {ex.length} bytes; the limit is {gw.limit}", ())
         if ex.refusal is not None and (ex.expect or ex.refusal[0] == 413) and ex.length:
@@ -620,6 +557,8 @@ class _Client(asyncio.Protocol):
                     return
                 ex = self.queue[0]
                 if ex.refusal is None:
+                    ex.refusal = self.gw.policy.behind(ex.min_version)
+                if ex.refusal is None:
                     self.gw.forward(ex)  # its answer comes later: answered() brings us back
                     return
                 if self.transport.is_closing():
@@ -650,7 +589,7 @@ class _Client(asyncio.Protocol):
 
     def _done_with(self, ex: _Exchange, status: int) -> bool:
         """Count ``ex``'s answer and take it off the queue; False when that ends the connection."""
-        self.gw.count(ex.path, status)
+        self.gw.policy.count(ex.path, status)
         self.queue.popleft()
         self.held -= len(ex.target) + len(ex.body) + sum(len(n) + len(v) + 4 for n, v in ex.headers)
         if not ex.keep_alive:
@@ -667,7 +606,7 @@ class _Client(asyncio.Protocol):
             return
         self._set_state(Reading.DONE)
         self.stash = None
-        self.gw.count(exchange.path if exchange is not None else "other", status)
+        self.gw.policy.count(exchange.path if exchange is not None else "other", status)
         answer = _error_bytes(status, code, message, extra, None)
         if self.queue:  # the requests before it are answered first
             self.last = answer
@@ -696,8 +635,7 @@ class _Upstream(asyncio.Protocol):
         self.idle_since = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:
-        self.transport = transport
-        _nodelay(transport)
+        self.transport = transport  # a UNIX socket: no Nagle to turn off
 
     def send(self, exchange: _Exchange, reused: bool) -> None:
         self.exchange, exchange.upstream, self.reused = exchange, self, reused
@@ -746,7 +684,7 @@ class _Upstream(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         ex = self.exchange
         self.status = self.parser.get_status_code()
-        if self.status < 200 or self.gw.held_again(self.status):
+        if self.status < 200 or self.gw.policy.held_again(self.status):
             self.discard = True  # an interim answer, or a pausing server's refusal: not passed on
             return
         dropped = _connection_tokens(self.headers)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from typing import Annotated, Protocol
 
 from fastapi import Depends, FastAPI, Path, Request
@@ -96,6 +97,15 @@ class MirrorStatus(_Model):
     versions: list[int] = Field(description="complete versions it holds")
 
 
+class PullSources(_Model):
+    peers: bool = Field(description="the chunk swarm is on (peers.enabled)")
+    last_pull: dict[str, int] = Field(description="bytes of the last pull by kind of source: origin (the "
+                                      "registry or the object store) and peers")
+    url: str | None = Field(None, description="this node's peer listener as other nodes reach it")
+    served_bytes: int | None = Field(None, description="bytes this node served its peers since it started")
+    served_requests: int | None = Field(None, description="requests its peer listener answered")
+
+
 class GateStatus(_Model):
     ok: bool = Field(description="the server passed the gate")
     canary: bool = Field(description="the version's canary was scored (false: it has none; only the probe ran)")
@@ -119,7 +129,8 @@ class ServerStatus(_Model):
     name: str = Field(description="the server's name in the config")
     state: ServerState = Field(description="lifecycle state")
     pid: int | None = Field(description="pid of its `vllm serve` process while one runs")
-    port: int = Field(description="its loopback port (vLLM)")
+    socket: str = Field(description="the UNIX socket its vLLM listens on (it opens no TCP port): only "
+                        "rolloutd's user can reach it")
     public_port: int = Field(description="its gateway's port on gateway.host")
     gpus: list[int] = Field(description="GPU indices it uses")
     endpoint: str = Field(description="URL the registry lists for it")
@@ -142,6 +153,8 @@ class NodeStatus(_Model):
     registry: RegistryStatus
     target: TargetStatus | None = Field(description="the version every server is moving to (null: none yet)")
     pull: PullStatus | None = Field(description="the current or last pull (null: none yet)")
+    pull_sources: PullSources | None = Field(None, description="where the last pull's bytes came from; what "
+                                              "peers took")
     mirror: MirrorStatus
     servers: list[ServerStatus]
 
@@ -286,13 +299,17 @@ def _add_actions(app: FastAPI, node: AdminNode, auth: list) -> None:
 
 class AdminServer:
     """The admin API's HTTP server: the socket is bound at construction, so an address in use
-    fails at once (``OSError: cannot listen on HOST:PORT: ...``) before anything is spawned."""
+    fails at once (``OSError: cannot listen on HOST:PORT: ...``) before anything is spawned.
+    :meth:`serve` may be called again after a crash (the daemon's crash policy does): it binds
+    the same address again and serves on a new uvicorn server."""
 
     def __init__(self, app, host: str = "127.0.0.1", port: int = 9100):
-        self.sock = bind(host, port)
+        self.app = app
+        self.sock: socket.socket | None = bind(host, port)
         self.host, self.port = self.sock.getsockname()[:2]
         self.server = QuietServer(server_config(app))
         self._serving = False
+        self.stopped = False
 
     @property
     def started(self) -> bool:
@@ -301,13 +318,20 @@ class AdminServer:
 
     async def serve(self) -> None:
         """Serve until ``stop()``; run as a task (uvicorn's signal handling is off)."""
+        if self.stopped:
+            return
+        if self.sock is None:  # the last serve ended (it crashed): uvicorn closed the socket with it
+            self.sock = bind(self.host, self.port)
+            self.server = QuietServer(server_config(self.app))
         self._serving = True
         try:
             await self.server.serve(sockets=[self.sock])
         finally:
             self.sock.close()
+            self.sock = None
 
     def stop(self) -> None:
-        self.server.should_exit = True
-        if not self._serving:  # never served: nothing else will close the socket
+        self.stopped = True
+        self.server.exit()
+        if not self._serving and self.sock is not None:  # never served: nothing else will close the socket
             self.sock.close()

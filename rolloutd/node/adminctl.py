@@ -256,7 +256,7 @@ def _server_row(s: dict, now_unix: float) -> tuple[str, ...]:
     error = " ".join((s["last_error"] or "-").split())
     if len(error) > ERROR_WIDTH:
         error = error[:ERROR_WIDTH - 1] + "…"
-    return (s["name"], f"{s['state']} {_age(s['state_age_s'])}", _dash(s["pid"]), str(s["port"]),
+    return (s["name"], f"{s['state']} {_age(s['state_age_s'])}", _dash(s["pid"]), str(s["public_port"]),
             ",".join(map(str, s["gpus"])) or "-", _v(s["version"]) if s["version"] is not None else "base",
             _v(s["target"]), str(s["restarts"]), updated, beat, error)
 

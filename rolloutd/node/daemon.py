@@ -1,7 +1,10 @@
 """``rolloutd run``: the node daemon, wiring every part together under one task group.
 
-Start: read the tokens, stop what a crashed earlier run left behind (``ChildRecords``), clean
-the mirror's partial pulls, put the plugin where children import it, bind the admin API
+Start: read the tokens, choose how servers are held (a delegated cgroup each, or a process
+group each: ``supervise/cgroups.py``), stop what a crashed earlier run left behind (the
+populated cgroups, or the recorded process groups), make the directory of the servers' sockets
+(mode 0700), clean the mirror's partial pulls, put the plugin
+where children import it, bind the admin API
 (an address in use fails here, before anything is spawned), then run under one
 ``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
 supervisor and a heartbeat task.
@@ -12,10 +15,14 @@ watchdog stay true while servers stop. Signal handlers only set events: SIGTERM 
 for the ordered shutdown, a second one kills every server's process group at once; SIGHUP asks
 the reloader task for a reload.
 
-Crash policy: the updater, the reloader and every heartbeat task run under :func:`keep`: a crash
-(a bug, or a reply nobody expected) is logged with its traceback, counted in
-``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay. Only
-shutdown ends the task group.
+A probe of the loop's own lateness (:mod:`rolloutd.node.looplag`) runs beside them.
+
+Crash policy: every long-lived task (the admin API, the updater, the peer announcer, the
+reloader, the loop-lag probe, and per server its supervisor and its heartbeats) runs under
+:func:`keep`: a crash (a bug, or a reply nobody expected) is logged with its traceback, counted
+in ``rolloutd_task_errors_total{task}``, and the loop is started again after a growing delay; a
+crashed supervisor first stops its server's process group, and the admin API binds its address
+again. Only shutdown ends the task group.
 
 Shutdown, each step bounded by a ``shutdown.*`` deadline: wait for a reload in progress,
 deregister every replica (the trainer stops routing to a server before it stops answering),
@@ -47,14 +54,20 @@ from rolloutd import __version__
 from rolloutd.config import Config, ConfigError, load_config, read_token
 from rolloutd.gateway.relay import Gateway, GatewayError
 from rolloutd.node.admin import AdminServer, create_app
+from rolloutd.node.looplag import LoopLag
 from rolloutd.node.metrics import Metrics
 from rolloutd.node.notify import Notifier
+from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.peerserve import PeerServer, PeerServerError
+from rolloutd.rollout.slots import RolloutSlots
+from rolloutd.rollout.swarm import Swarm, SwarmSettings
 from rolloutd.rollout.updater import Updater
-from rolloutd.supervise.child import ChildRecords
+from rolloutd.supervise.cgroups import contain
 from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
 
@@ -62,7 +75,7 @@ log = logging.getLogger("rolloutd")
 S = ServerState
 
 # Sections a running daemon cannot change: they name its identity, its sockets and its files.
-FIXED_SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "state_dir")
+FIXED_SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "state_dir", "peers", "object_store")
 
 
 @dataclass
@@ -89,7 +102,7 @@ class Daemon:
         self._changing = asyncio.Lock()  # reloads and restarts change self.servers
         self._terms = 0
         self._tick = time.monotonic()
-        self._slots: tuple[tuple, asyncio.Semaphore] | None = None
+        self._slots = RolloutSlots(1)  # one for the daemon's life: a reload resizes it (rollout/slots.py)
         self._tg: asyncio.TaskGroup | None = None
 
     def conf(self) -> Config:
@@ -100,9 +113,11 @@ class Daemon:
         cfg = self.cfg
         registry_token, admin_token = read_token(cfg.registry.token_file), read_token(cfg.admin.token_file)
         self.gateway_token = read_token(cfg.gateway.token_file)
-        self.records = ChildRecords(cfg.state_dir / "children")
-        for line in await self.records.reap_leftovers(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
+        self.containment = contain(cfg.state_dir)
+        log.info("contain: %s", self.containment)
+        for line in await self.containment.start(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
             log.warning("clean %s", line)
+        prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
         self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes))
         self.mirror.clean_partials()
         self.plugin_dir = install_plugin(cfg.state_dir / "plugin")
@@ -110,12 +125,20 @@ class Daemon:
         self.client = RegistryClient(cfg.registry.url, registry_token, timeouts=Timeouts(
             connect_s=cfg.registry.connect_timeout_s, request_s=cfg.registry.request_timeout_s,
             read_s=cfg.pull.read_timeout_s))
-        self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use)
+        self.swarm = Swarm(swarm_settings(cfg, registry_token), self.client, self.mirror, node=cfg.node_name,
+                           object_store=ObjectStoreSettings(**cfg.object_store.model_dump()),
+                           read_timeout_s=cfg.pull.read_timeout_s)
+        self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use,
+                               swarm=self.swarm)
         gateways = {}
+        self.peer_server = None
         try:
             for spec in cfg.servers:  # every public port bound before anything is spawned
                 gateways[spec.name] = await self._open_gateway(spec)
-        except GatewayError:
+            if cfg.peers.enabled:
+                self.peer_server = PeerServer(self.mirror, self.swarm.ledger, cfg.peers.host, cfg.peers.port,
+                                              self.swarm.settings.token).start()
+        except (GatewayError, PeerServerError):
             await asyncio.gather(*(g.stop() for g in gateways.values()))
             self.admin.stop()
             await self.client.close()
@@ -130,14 +153,21 @@ class Daemon:
         try:
             async with asyncio.TaskGroup() as tg:
                 self._tg = tg
-                admin = tg.create_task(self.admin.serve(), name="admin")
+                admin = tg.create_task(keep("admin", self.admin.serve, self.metrics, done=lambda: self.admin.stopped),
+                                       name="admin")
                 updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
+                announcer = tg.create_task(keep("announcer", self.swarm.run_announcer, self.metrics),
+                                           name="announcer")
                 reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
+                lag = tg.create_task(keep("loop_lag", LoopLag(self.metrics).run, self.metrics), name="loop-lag")
                 for spec in cfg.servers:
                     self._start_server(spec, gateways[spec.name])
                 await self._main()
-                await self._shutdown(updater, reloader, admin)
+                await self._shutdown(updater, reloader, admin, announcer)
+                await _cancel(lag)
         finally:
+            if self.peer_server is not None:
+                self.peer_server.stop()
             await self.client.close()
             self._unhandle_signals()
         log.info("stop rolloutd: every server stopped")
@@ -210,17 +240,17 @@ class Daemon:
 
     # -- servers ----------------------------------------------------------------------------------------
     async def _open_gateway(self, spec) -> Gateway:
-        gateway = Gateway(spec.name, spec.port, spec.gateway_port, self.cfg.gateway, self.gateway_token,
-                          self.metrics)
+        gateway = Gateway(spec.name, self.cfg.socket_path(spec.name), spec.public_port, self.cfg.gateway,
+                          self.gateway_token, self.metrics)
         await gateway.start()
         return gateway
 
     def _start_server(self, spec, gateway: Gateway) -> Running:
-        sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, records=self.records,
+        sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, containment=self.containment,
                          plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state,
                          gateway=gateway)
         running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)
-        running.task = self._tg.create_task(sup.run(), name=f"server-{spec.name}")
+        running.task = self._tg.create_task(keep("supervisor", sup.run, self.metrics), name=f"server-{spec.name}")
         running.beats = self._tg.create_task(keep("heartbeat", running.heartbeater.run, self.metrics),
                                              name=f"heartbeat-{spec.name}")
         self.servers[spec.name] = running
@@ -231,14 +261,12 @@ class Daemon:
         await _cancel(running.task)
         await running.gateway.stop()
 
-    def _rollout_slots(self) -> asyncio.Semaphore:
-        """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise."""
+    def _rollout_slots(self) -> RolloutSlots:
+        """Servers updating at once: ``max_unavailable`` when rolling, all of them otherwise. The
+        same slots before and after a reload, with the limit of the configuration running now."""
         u = self.cfg.update
-        size = u.max_unavailable if u.strategy == "rolling" else max(1, len(self.cfg.servers))
-        key = (u.strategy, size)
-        if self._slots is None or self._slots[0] != key:
-            self._slots = (key, asyncio.Semaphore(size))
-        return self._slots[1]
+        self._slots.resize(u.max_unavailable if u.strategy == "rolling" else max(1, len(self.cfg.servers)))
+        return self._slots
 
     def _in_use(self) -> set[int]:
         used = set()
@@ -257,7 +285,8 @@ class Daemon:
             log.info("restart %s: asked through the admin API", name)
             await _cancel(running.task)
             running.supervisor.reset_failures()
-            running.task = self._tg.create_task(running.supervisor.run(), name=f"server-{name}")
+            running.task = self._tg.create_task(keep("supervisor", running.supervisor.run, self.metrics),
+                                                name=f"server-{name}")
         return f"server {name} restarted"
 
     async def update_now(self) -> str:
@@ -289,6 +318,7 @@ class Daemon:
             log.warning("reload: %s changed; these take effect when rolloutd restarts", ", ".join(kept))
             new = new.model_copy(update={s: getattr(old, s) for s in FIXED_SECTIONS})
         self.cfg = new
+        self._rollout_slots()  # a larger limit lets waiting servers in now
         message = await self._apply_servers(old, new)
         if kept:
             message += f"; needs a restart of rolloutd: {', '.join(kept)}"
@@ -321,7 +351,8 @@ class Daemon:
         return message + (f"; not started: {', '.join(failed)}" if failed else "")
 
     # -- shutdown ---------------------------------------------------------------------------------------
-    async def _shutdown(self, updater: asyncio.Task, reloader: asyncio.Task, admin: asyncio.Task) -> None:
+    async def _shutdown(self, updater: asyncio.Task, reloader: asyncio.Task, admin: asyncio.Task,
+                        announcer: asyncio.Task) -> None:
         self.notifier.stopping()
         log.info("stop: deregister %d server(s), then stop them, the updater and the admin API", len(self.servers))
         async with self._changing:  # a reload or restart in progress ends first (its steps have deadlines)
@@ -330,6 +361,7 @@ class Daemon:
             await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
             await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
             await _cancel(updater)
+            await _cancel(announcer)  # the tracker forgets this node's chunks
             self.admin.stop()
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.cfg.shutdown.admin_grace_s):
@@ -358,22 +390,44 @@ class Daemon:
             "registry": self.updater.registry.as_dict(now),
             "target": {"version": target.version, "digest": target.digest} if target else None,
             "pull": progress.as_dict() if progress is not None else None,
+            "pull_sources": self._pull_sources(),
             "mirror": {"dir": str(self.mirror.dir), "max_bytes": self.mirror.max_bytes,
                        "usage_bytes": self.mirror.usage_bytes(), "versions": self.mirror.versions()},
             "servers": servers,
         }
 
 
+    def _pull_sources(self) -> dict:
+        """Bytes of the last pull by kind of source, and what this node served its peers."""
+        plan = self.updater.puller.last_plan
+        out = {"last_pull": dict(plan.bytes_from) if plan is not None else {}, "peers": self.cfg.peers.enabled}
+        if self.peer_server is not None:
+            out.update(url=self.swarm.settings.url, served_bytes=self.peer_server.served_bytes,
+                       served_requests=self.peer_server.requests)
+        return out
+
+
+def swarm_settings(cfg: Config, registry_token: str | None) -> SwarmSettings:
+    p = cfg.peers
+    token = read_token(p.token_file) if p.token_file is not None else registry_token
+    return SwarmSettings(enabled=p.enabled, url=cfg.peers_url, token=token, announce_every_s=p.announce_every_s,
+                         announce_idle_s=p.announce_idle_s, peer_timeout_s=p.peer_timeout_s,
+                         peer_chunk_timeout_s=p.peer_chunk_timeout_s, origin_wait_s=p.origin_wait_s)
+
+
 async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, *,
-               initial_s: float = 1.0, max_s: float = 30.0) -> None:
-    """Run the long-lived loop ``run`` until cancelled. A crash is a bug or a peer's surprise,
-    never a reason to take every server down with the daemon: log it with its traceback, count it
-    in ``task_errors_total{task}``, wait (``initial_s`` doubling up to ``max_s``), start it again."""
+               initial_s: float = 1.0, max_s: float = 30.0, done: Callable[[], bool] | None = None) -> None:
+    """Run the long-lived loop ``run`` until cancelled (or until it returns when ``done()`` says
+    it was asked to). A crash is a bug or a peer's surprise, never a reason to take every server
+    down with the daemon: log it with its traceback, count it in ``task_errors_total{task}``, wait
+    (``initial_s`` doubling up to ``max_s``), start it again."""
     delay = initial_s
     while True:
         started = time.monotonic()
         try:
             await run()
+            if done is not None and done():
+                return
             raise RuntimeError("returned")  # these loops end only by being cancelled
         except Exception:
             if time.monotonic() - started > max_s:  # it had run well for a while: back to the short delay

@@ -20,11 +20,13 @@ from rolloutd.supervise.states import ServerState
 PAUSE_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # A pull is a fraction of a second from a warm page cache, up to an hour over a WAN.
 PULL_BUCKETS = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600)
+# A loop that keeps up is late by about a millisecond; a deletion or a hash on it, by seconds.
+LAG_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 
 PULL_RESULTS = ("ok", "failed", "reused")
 UPDATE_PHASES = ("pause", "start", "load", "finish", "check", "resume", "gate")
 FAILURE_KINDS = ("pull", "pause", "start", "load", "finish", "check", "resume", "timeout", "sync", "gate")
-TASKS = ("heartbeat", "updater", "reload")  # the daemon's long-lived tasks with a crash policy
+TASKS = ("heartbeat", "updater", "reload", "loop_lag")  # the daemon's long-lived tasks with a crash policy
 
 
 class Metrics:
@@ -65,6 +67,11 @@ class Metrics:
         self.task_errors = Counter("rolloutd_task_errors", "Crashes of a long-lived task of the daemon (a bug, "
                                    "logged with its traceback); the task is started again after a delay",
                                    ["task"], registry=r)
+        self.loop_lag = Histogram("rolloutd_loop_lag_seconds", "How late the daemon's event loop woke a timer "
+                                  "(sampled every 0.25 s): a blocked loop delays every token the gateways relay",
+                                  buckets=LAG_BUCKETS, registry=r)
+        self.loop_lag_max = Gauge("rolloutd_loop_lag_max_seconds", "The event loop's longest lateness since the "
+                                  "daemon started", registry=r)
         self.mirror_bytes = Gauge("rolloutd_mirror_bytes", "Bytes held by the node mirror", registry=r)
         self.gateway_requests = Counter("rolloutd_gateway_requests", "Requests answered by a server's gateway, "
                                         "by route (other: not on the allow-list) and HTTP status",

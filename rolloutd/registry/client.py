@@ -22,7 +22,16 @@ from pydantic import ValidationError
 
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Manifest
-from rolloutd.wire.messages import Heartbeat, HeartbeatReply, LatestInfo, LeaseInfo, Replicas, Reply
+from rolloutd.wire.messages import (
+    Announce,
+    AnnounceReply,
+    Heartbeat,
+    HeartbeatReply,
+    LatestInfo,
+    LeaseInfo,
+    Replicas,
+    Reply,
+)
 
 
 @dataclass(frozen=True)
@@ -134,6 +143,15 @@ class RegistryClient:
 
     async def replicas(self) -> list[dict]:
         return _parse(Replicas, await self._json("GET", "/v1/replicas"), "GET /v1/replicas").replicas
+
+    # -- the swarm's tracker ----------------------------------------------------------------------
+    async def announce(self, node: str, body: Announce) -> AnnounceReply:
+        reply = await self._json("PUT", f"/v1/holders/{node}", data=body.model_dump_json(),
+                                 headers={"content-type": "application/json"})
+        return _parse(AnnounceReply, reply, f"PUT /v1/holders/{node}")
+
+    async def forget_holder(self, node: str) -> None:
+        await self._json("DELETE", f"/v1/holders/{node}")
 
     async def healthz(self) -> dict:
         return await self._json("GET", "/healthz")

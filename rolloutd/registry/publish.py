@@ -20,6 +20,7 @@ from typing import Any
 
 import httpx
 
+from rolloutd.objstore import ObjectStoreSettings, publish_files, version_source
 from rolloutd.registry.handle import PublishHandle, PublishState, Turns
 from rolloutd.registry.shards import (  # noqa: F401 -- the trainer's names for them
     DEFAULT_SHARD_BYTES,
@@ -93,6 +94,10 @@ class RegistryHTTP:
     def replicas(self) -> list[dict]:
         return self._call("GET", "/v1/replicas")["replicas"]
 
+    def fleet(self, **query: Any) -> dict:
+        """One page of the fleet view (``GET /v1/fleet``; the query's keys are its parameters)."""
+        return self._call("GET", "/v1/fleet", params={k: v for k, v in query.items() if v not in (None, "")})
+
     def demand(self, min_version: int | None) -> None:
         """Ask every replica for at least ``min_version`` (None clears it)."""
         self._call("PUT", "/v1/demand", json={"min_version": min_version})
@@ -127,42 +132,56 @@ class RegistryHTTP:
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None, partial: bool = False) -> Manifest:
+                canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                store: ObjectStoreSettings | None = None) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
         model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`). The
         shards are written to a temporary directory (each tensor copied once, hashed as it
-        lands), then uploaded."""
+        lands), then uploaded. ``to`` and ``store``: as for :meth:`publish_dir`."""
         with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
             entries = []
             for shard in plan_shards(state_dict, shard_bytes):
                 with MappedFile(Path(tmp) / shard.name, shard.size) as dest:
                     entries.append(FileEntry(name=shard.name, size=shard.size,
                                              chunks=write_shard(shard, dest, chunk_bytes)))
+            source = version_source(to, version) if to is not None else None
             manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries, metadata=metadata or {},
-                                canary=canary, partial=partial or None).sealed()
-            return self._upload(manifest, [Path(tmp) / e.name for e in entries], progress)
+                                canary=canary, partial=partial or None, source=source).sealed()
+            return self._upload(manifest, [Path(tmp) / e.name for e in entries], progress, store)
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None, partial: bool = False) -> Manifest:
+                    canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                    store: ObjectStoreSettings | None = None) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
         Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
         ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
         that loads the version before it takes traffic again. ``partial``: the files carry only
         some of the model's tensors on purpose; the rest keeps its weights (without it, a version
-        that lacks a tensor of the served model fails to load, naming it)."""
-        files = safetensors_files(path)
-        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                  partial=partial)
-        return self._upload(manifest, files, progress)
+        that lacks a tensor of the served model fails to load, naming it).
 
-    def _upload(self, manifest: Manifest, files: list[Path], progress: Progress | None) -> Manifest:
-        """Upload each file, then publish the manifest (a no-op when the registry has it)."""
+        ``to="s3://bucket/prefix"``: the files go to the object store under ``<prefix>/<version>/``
+        instead of the registry, which keeps the manifest (naming that source), the leases and
+        the version's lifecycle; ``store`` says where the S3 service is and which file holds
+        the credentials (:class:`~rolloutd.objstore.ObjectStoreSettings`). The registry never
+        deletes objects: a bucket lifecycle rule, or the trainer, removes retired versions."""
+        files = safetensors_files(path)
+        source = version_source(to, version) if to is not None else None
+        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
+                                  partial=partial, source=source)
+        return self._upload(manifest, files, progress, store)
+
+    def _upload(self, manifest: Manifest, files: list[Path], progress: Progress | None,
+                store: ObjectStoreSettings | None = None) -> Manifest:
+        """Upload each file (to the object store when the manifest names one), then publish the
+        manifest (a no-op when the registry has it)."""
         try:
             if self.manifest(manifest.version).digest == manifest.digest:
                 return manifest
         except (errors.VersionUnknown, errors.VersionRetired):
             pass
+        if manifest.source is not None:
+            return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress)
         version = manifest.version
         total, done = manifest.total_bytes, 0
         for p in files:
@@ -176,6 +195,23 @@ class RegistryHTTP:
                         yield piece
             self._call("PUT", f"/v1/uploads/{version}/files/{p.name}", content=body(),
                        headers={"content-length": str(p.stat().st_size)})
+        self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
+                   headers={"content-type": "application/json"})
+        return manifest
+
+    def _publish_to_store(self, manifest: Manifest, files: list[Path], store: ObjectStoreSettings,
+                          progress: Progress | None) -> Manifest:
+        """Files to the object store first, then the manifest: a version is never visible before
+        its bytes are where it says."""
+        self._call("GET", "/v1/versions/latest")  # fail on a wrong token before uploading gigabytes
+        done = 0
+
+        def stored(n: int) -> None:
+            nonlocal done
+            done += n
+            if progress:
+                progress(done, manifest.total_bytes)
+        publish_files(manifest.source, files, store, stored)
         self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
                    headers={"content-type": "application/json"})
         return manifest
@@ -233,9 +269,15 @@ class EmbeddedRegistry(RegistryHTTP):
     def publish(self, version: int, state_dict: Mapping[str, Any], *,
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None, partial: bool = False) -> Manifest:
+                canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                store: ObjectStoreSettings | None = None) -> Manifest:
         """Write each tensor straight into the registry's store (one copy, in the caller's
-        thread, hashed as it lands), then commit on the registry's loop."""
+        thread, hashed as it lands), then commit on the registry's loop. With ``to``, the files
+        go to the object store (:meth:`RegistryHTTP.publish_dir`)."""
+        if to is not None:
+            return super().publish(version, state_dict, shard_bytes=shard_bytes, chunk_bytes=chunk_bytes,
+                                   metadata=metadata, progress=progress, canary=canary, partial=partial,
+                                   to=to, store=store)
         shards = plan_shards(state_dict, shard_bytes)
         with self._turn.mine():
             return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
@@ -298,7 +340,11 @@ class EmbeddedRegistry(RegistryHTTP):
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None, partial: bool = False) -> Manifest:
+                    canary: Canary | None = None, partial: bool = False, to: str | None = None,
+                    store: ObjectStoreSettings | None = None) -> Manifest:
+        if to is not None:
+            return super().publish_dir(version, path, chunk_bytes=chunk_bytes, metadata=metadata,
+                                       progress=progress, canary=canary, partial=partial, to=to, store=store)
         files = safetensors_files(path)
         with self._turn.mine(), self._staging(version):
             manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,

@@ -8,12 +8,13 @@ and one per ``progress_bytes`` written.
 
 Contract:
 
-- ``async with FetchPool(spec, ...) as pool`` starts the workers (in the daemon's cgroup, each
+- ``async with FetchPool(...) as pool`` starts the workers (in the daemon's cgroup, each
   in its own session so a terminal's Ctrl-C reaches only the daemon, at ``priority``) and returns
   once each said it is ready; leaving the block stops and reaps every one, on every path
   (cancellation included): stdin closed (a worker exits at once at its end), then SIGKILL after
   ``stop_grace_s``. A worker whose daemon dies sees its stdin end and exits: none outlives it.
-- ``await pool.fetch(job, progress)`` runs one chunk on a worker with a free stream; ``progress``
+- ``await pool.fetch(job, progress)`` runs one chunk on a worker with a free stream, from the
+  job's source (a worker keeps the connections of the sources it used last); ``progress``
   gets the bytes written as they are. It raises :class:`ChunkCorrupt` (bad digest or length),
   the registry's typed error, ``RegistryUnavailable`` (network), ``OSError`` (the mirror's
   file) or :class:`WorkerCrashed`.
@@ -38,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rolloutd.rollout.source import SourceSpec
+from rolloutd.rollout.sources import SourceSpec
 from rolloutd.wire import errors
 
 log = logging.getLogger("rolloutd.rollout.fetch_pool")
@@ -57,12 +58,15 @@ class WorkerCrashed(Exception):
 
 @dataclass(frozen=True)
 class ChunkJob:
+    source: SourceSpec
+    version: int
     name: str      # the file, as the source knows it
     path: Path     # where it goes: the partial directory's file, already at full size
     start: int
     end: int
     hash: str
     digest: str
+    timeout_s: float | None = None  # the whole chunk's time limit (a peer); None: only read timeouts
 
 
 @dataclass
@@ -82,7 +86,7 @@ class _Worker:
 
 
 class FetchPool:
-    def __init__(self, spec: SourceSpec, *, workers: int, streams: int, piece_bytes: int = 1 * MiB,
+    def __init__(self, *, workers: int, streams: int, piece_bytes: int = 1 * MiB,
                  request_bytes: int = 16 * MiB, priority: str = "normal", progress_bytes: int = 8 * MiB,
                  zero_copy: bool = True,
                  on_restart: Callable[[list[int]], None] | None = None, restart_initial_s: float = 0.1,
@@ -90,8 +94,7 @@ class FetchPool:
         if workers < 1 or streams < workers:
             raise ValueError(f"need at least one worker and one stream per worker (workers {workers}, "
                              f"streams {streams})")
-        self.spec = spec
-        self._hello = {"hello": {"source": spec.as_json(), "piece_bytes": piece_bytes,
+        self._hello = {"hello": {"piece_bytes": piece_bytes,
                                  "request_bytes": request_bytes, "priority": priority, "progress_bytes": progress_bytes,
                                  "zero_copy": zero_copy}}
         # streams spread over the workers as evenly as they go
@@ -151,8 +154,11 @@ class FetchPool:
             stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True)
         try:
             hello = {"hello": {**self._hello["hello"], "streams": w.capacity}}
-            w.proc.stdin.write(json.dumps(hello).encode() + b"\n")
-            await w.proc.stdin.drain()
+            try:
+                w.proc.stdin.write(json.dumps(hello).encode() + b"\n")
+                await w.proc.stdin.drain()
+            except (ConnectionError, RuntimeError):
+                pass  # it is gone already: its exit status says why, below
             async with asyncio.timeout(self._start_timeout_s):
                 line = await w.proc.stdout.readline()
             if not line.startswith(b'{"ready"'):
@@ -246,8 +252,9 @@ class FetchPool:
         pending = _Pending(asyncio.get_running_loop().create_future(), progress)
         w.inflight[job_id] = pending
         try:
-            line = {"job": {"id": job_id, "name": job.name, "path": str(job.path), "start": job.start,
-                            "end": job.end, "hash": job.hash, "digest": job.digest}}
+            line = {"job": {"id": job_id, "source": job.source.as_json(), "version": job.version,
+                            "name": job.name, "path": str(job.path), "start": job.start, "end": job.end,
+                            "hash": job.hash, "digest": job.digest, "timeout_s": job.timeout_s}}
             try:
                 w.proc.stdin.write(json.dumps(line).encode() + b"\n")
                 await w.proc.stdin.drain()

@@ -5,11 +5,13 @@ Network reads, digests and writes happen here, in threads of their own process, 
 work never shares an interpreter lock or an event loop with the daemon's gateway, heartbeats
 or admin API. Standard library and xxhash only: it starts in a few tens of milliseconds.
 
-Protocol, one JSON object per line. On stdin, first ``{"hello": {"source", "streams",
-"piece_bytes", "request_bytes", "priority", "progress_bytes"}}``, then any number of ``{"job":
-{"id", "name", "path", "start", "end", "hash", "digest"}}``: fetch bytes [start, end) of file
-``name`` from the source, write them at the same offsets into ``path`` (a file of the mirror's
-partial directory, already at full size), and check them against ``digest``. On stdout:
+Protocol, one JSON object per line. On stdin, first ``{"hello": {"streams", "piece_bytes",
+"request_bytes", "priority", "progress_bytes"}}``, then any number of ``{"job": {"id",
+"source", "version", "name", "path", "start", "end", "hash", "digest", "timeout_s"}}``: fetch
+bytes [start, end) of file ``name`` of ``version`` from ``source`` (a
+:class:`~rolloutd.rollout.sources.SourceSpec`), write them at the same offsets into ``path`` (a
+file of the mirror's partial directory, already at full size), and check them against
+``digest``, all within ``timeout_s`` if given (a peer slower than that is as good as gone). On stdout:
 ``{"ready": pid}`` once, then per job ``{"id", "bytes"}`` as bytes are written, and one
 ``{"id", "done": true}`` or ``{"id", "error": {"kind", "message", "status", "body"}}``; kinds:
 ``unavailable``, ``http`` (the source's error reply), ``corrupt`` (digest or length),
@@ -29,12 +31,14 @@ import os
 import queue
 import sys
 import threading
+import time
 
 import xxhash
 
-from rolloutd.rollout.source import SourceError, SourceSpec
+from rolloutd.rollout.sources import Source, SourceError, SourceSpec
 
 MiB = 1 << 20
+KEPT_SOURCES = 8  # per stream: the places it fetched from last, their connections kept open
 
 
 class _Corrupt(Exception):
@@ -43,17 +47,14 @@ class _Corrupt(Exception):
 
 class Worker:
     def __init__(self, hello: dict, out=sys.stdout):
-        self.spec = SourceSpec.from_json(hello["source"])
         self.piece_bytes = int(hello["piece_bytes"])
         self.request_bytes = int(hello["request_bytes"])
         self.progress_bytes = int(hello.get("progress_bytes", 8 * MiB))
         self.zero_copy = bool(hello.get("zero_copy", True))
         self.jobs: queue.Queue[dict] = queue.Queue()
         self._out, self._out_lock = out, threading.Lock()
-        # Built before "ready": a source that cannot be built fails the worker's start, loudly.
-        sources = [self.spec.open(self.piece_bytes, self.zero_copy) for _ in range(int(hello["streams"]))]
-        for i, source in enumerate(sources):
-            threading.Thread(target=self._stream, args=(source,), name=f"stream-{i}", daemon=True).start()
+        for i in range(int(hello["streams"])):
+            threading.Thread(target=self._stream, name=f"stream-{i}", daemon=True).start()
 
     def emit(self, event: dict) -> None:
         line = json.dumps(event, separators=(",", ":")) + "\n"
@@ -61,12 +62,13 @@ class Worker:
             self._out.write(line)
             self._out.flush()
 
-    def _stream(self, source) -> None:
-        """One connection's worth of jobs, one after another."""
+    def _stream(self) -> None:
+        """Jobs one after another; the sources it used last stay open (their connections)."""
+        sources: dict[SourceSpec, Source] = {}
         while True:
             job = self.jobs.get()
             try:
-                self._fetch(source, job)
+                self._fetch(self._source(sources, SourceSpec.from_json(job["source"])), job)
                 self.emit({"id": job["id"], "done": True})
             except SourceError as e:
                 self.emit({"id": job["id"], "error": e.as_json()})
@@ -77,8 +79,18 @@ class Worker:
             except Exception as e:  # a bug: say so, and keep the worker for the next job
                 self.emit({"id": job["id"], "error": {"kind": "bug", "message": f"{type(e).__name__}: {e}"}})
 
-    def _fetch(self, source, job: dict) -> None:
+    def _source(self, sources: dict[SourceSpec, Source], spec: SourceSpec) -> Source:
+        source = sources.pop(spec, None)
+        if source is None:
+            source = spec.open(self.piece_bytes, self.zero_copy)
+            if len(sources) >= KEPT_SOURCES:
+                sources.pop(next(iter(sources))).close()  # the one used longest ago
+        sources[spec] = source  # now the newest
+        return source
+
+    def _fetch(self, source: Source, job: dict) -> None:
         start, end = int(job["start"]), int(job["end"])
+        deadline = time.monotonic() + float(job["timeout_s"]) if job.get("timeout_s") else None
         hasher = xxhash.xxh3_128() if job["hash"] == "xxh3-128" else hashlib.sha256()
         fd = os.open(job["path"], os.O_RDWR | os.O_CLOEXEC)
         try:
@@ -86,9 +98,10 @@ class Worker:
             # file sparse (allocating it there would be the daemon's CPU time).
             os.posix_fallocate(fd, start, end - start)
             with ChunkWriter(fd, start, end, hasher, lambda n: self.emit({"id": job["id"], "bytes": n}),
-                             self.progress_bytes) as sink:
+                             self.progress_bytes, deadline=deadline) as sink:
                 for req_start in range(start, end, self.request_bytes):
-                    source.fetch(job["name"], req_start, min(end, req_start + self.request_bytes), sink)
+                    source.fetch(int(job["version"]), job["name"], req_start, min(end, req_start + self.request_bytes),
+                                 sink)
         finally:
             os.close(fd)
         if sink.offset != end:
@@ -103,8 +116,10 @@ class ChunkWriter:
     source spliced into the file are hashed where they landed, through a mapping of the region
     (pages just written, still in cache)."""
 
-    def __init__(self, fd: int, start: int, end: int, hasher, report, report_every: int):
+    def __init__(self, fd: int, start: int, end: int, hasher, report, report_every: int,
+                 deadline: float | None = None):
         self.fd, self.offset, self._start, self._end = fd, start, start, end
+        self._deadline = deadline
         self._hasher, self._report, self._every, self._unreported = hasher, report, report_every, 0
         self._map: mmap.mmap | None = None
         self._view: memoryview | None = None
@@ -138,6 +153,8 @@ class ChunkWriter:
     def _advance(self, n: int) -> None:
         if self.offset + n > self._end:
             raise _Corrupt(f"the source sent more than the {self._end - self._start} bytes asked for")
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise SourceError("unavailable", "the chunk was not done in time")
         self.offset += n
         self._unreported += n
         if self._unreported >= self._every:

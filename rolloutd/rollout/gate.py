@@ -2,7 +2,7 @@
 
 After a load and ``/resume``, while the supervisor still holds the server out of traffic
 (UPDATING or SYNCING: its gateway forwards nothing), the daemon asks the server itself, on its
-loopback port, for the prompt logprobs of a fixed token sequence:
+private socket, for the prompt logprobs of a fixed token sequence:
 
 - the version's **canary** (``manifest.json`` in the mirror: prompt, continuation, the logprobs
   the trainer's model gives, a tolerance): the gate passes when every served logprob of the

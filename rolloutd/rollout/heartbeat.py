@@ -1,7 +1,8 @@
 """Heartbeats: one task per server, on its own timer, reporting to the registry.
 
 Each beat is a ``PUT /v1/replicas/<node>.<server>`` with the server's state, loaded version,
-target, incarnation, endpoint and last update's phase durations. The task only reads the
+target, incarnation, endpoint, last update's phase durations and gate, the node's last pull time
+and the server's last error (the registry's fleet view shows them). The task only reads the
 supervisor's fields, so a pull or an update never delays it. The reply's newest version and
 demand go to the updater. A failed beat is counted and logged when the registry is lost and
 when it is back, not on every beat; beats go on at the same interval. Cancelling the task
@@ -18,10 +19,11 @@ from collections.abc import Callable
 
 from rolloutd.config import Config
 from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout.puller import PullState
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire import errors
-from rolloutd.wire.messages import GateReport, Heartbeat
+from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, GateReport, Heartbeat
 
 log = logging.getLogger("rolloutd.rollout.heartbeat")
 
@@ -33,7 +35,7 @@ class Heartbeater:
         self.replica_id = f"{cfg.node_name}.{server.name}"
         self.last_ok: float | None = None
         self._failing = False
-        self._gate_refused = False  # a registry from before the "gate" field refuses it: leave it out
+        self._refused: set[str] = set()  # newer fields a registry from before them refuses: left out
 
     def age_s(self) -> float | None:
         return None if self.last_ok is None else time.monotonic() - self.last_ok
@@ -41,12 +43,17 @@ class Heartbeater:
     def heartbeat(self) -> Heartbeat:
         cfg, snap = self._conf(), self.server.snapshot()
         last = snap["last_update"]
-        timings = last["phases_s"] if last else {}
-        gate = GateReport(**last["gate"]) if last and last.get("gate") and not self._gate_refused else None
+        timings = dict(last["phases_s"]) if last else {}
+        pull = self._updater.puller.progress
+        if pull is not None and pull.state is PullState.DONE:
+            timings["pull"] = round(pull.seconds, 4)  # the node's last pull, for the fleet view
+        optional = {"gate": GateReport(**last["gate"]) if last and last.get("gate") else None,
+                    "last_error": _clip(snap["last_error"])}
         return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap["state"],
                          endpoint=snap["endpoint"],
                          version=snap["version"], target=snap["target"], incarnation=snap["incarnation"],
-                         registry_instance=self._updater.registry.instance, timings=timings, gate=gate)
+                         registry_instance=self._updater.registry.instance, timings=timings,
+                         **{k: v for k, v in optional.items() if k not in self._refused})
 
     async def run(self) -> None:
         try:
@@ -66,11 +73,12 @@ class Heartbeater:
             try:
                 reply = await self._client.heartbeat(self.replica_id, hb, timeout_s=cfg.heartbeat.timeout_s)
             except errors.InvalidRequest as e:
-                if hb.gate is None or "gate" not in str(e):
+                refused = [f for f in OPTIONAL_HEARTBEAT_FIELDS if getattr(hb, f) is not None and f in str(e)]
+                if not refused:
                     raise
-                log.warning("heartbeat %s: the registry does not take the gate's figure (%s); sending "
-                            "heartbeats without it", self.replica_id, e)
-                self._gate_refused = True
+                log.warning("heartbeat %s: the registry does not take %s (%s); sending heartbeats without",
+                            self.replica_id, " and ".join(refused), e)
+                self._refused.update(refused)
                 reply = await self._client.heartbeat(self.replica_id, self.heartbeat(),
                                                      timeout_s=cfg.heartbeat.timeout_s)
         except (errors.RegistryError, errors.RegistryUnavailable) as e:
@@ -94,3 +102,9 @@ class Heartbeater:
             async with asyncio.timeout(self._conf().shutdown.deregister_timeout_s):
                 await self._client.deregister(self.replica_id)
                 log.info("deregister %s", self.replica_id)
+
+
+def _clip(error: str | None) -> str | None:
+    if error is None or len(error) <= MAX_ERROR_CHARS:
+        return error
+    return error[:MAX_ERROR_CHARS - 1] + "…"

@@ -9,8 +9,12 @@ Contract:
   ``request_bytes``), checks every chunk against the manifest as it completes, and commits
   the directory into place. It returns a :class:`PullResult`, or raises :class:`PullError`
   naming what failed.
-- A chunk that arrives corrupt or whose transfer fails is fetched again, up to
-  ``max_chunk_retries`` times per chunk; then the pull fails.
+- Where each chunk comes from is the pull's :class:`~rolloutd.rollout.swarm.ChunkPlan`: the
+  version's origin (the registry, or the object store its manifest names) and, with peers on,
+  other nodes. A chunk from the origin that arrives corrupt or whose transfer fails is fetched
+  again, up to ``max_chunk_retries`` times per chunk; then the pull fails. A peer that fails
+  (an error, bad bytes, slower than ``peer_chunk_timeout_s`` for a chunk) is dropped for the
+  rest of the pull and its chunk fetched elsewhere, without counting against that limit.
 - The lease is renewed every ``renew_every_s`` while pulling. A lease that expired anyway is
   taken again on the same version if the registry still has it (a retired version keeps its
   bytes only while leased: if they are gone, the pull fails).
@@ -20,7 +24,8 @@ Contract:
   One pull at a time per ``Puller``.
 
 Who does what: this object, on the daemon's loop, takes the lease, reads the manifest, makes
-room, has the mirror create the partial directory, hands each chunk to a pull worker
+room, has the mirror create the partial directory, asks the plan where each chunk comes from
+and hands it, with that source, to a pull worker
 (:mod:`~rolloutd.rollout.fetch_pool`: ``workers`` child processes with ``streams`` transfers
 in all), retries what failed, renews the lease and has the mirror commit. The workers only
 move bytes: network reads, digests and writes into the partial directory's files, so no pull
@@ -48,7 +53,7 @@ from pydantic import ValidationError
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.fetch_pool import ChunkCorrupt, ChunkJob, FetchPool, WorkerCrashed
 from rolloutd.rollout.mirror import Mirror, Partial
-from rolloutd.rollout.source import SourceSpec
+from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
 from rolloutd.wire.messages import LeaseInfo
@@ -164,7 +169,7 @@ class Puller:
                  lease_ttl_s: float = 60.0, renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES,
                  retry_delay_s: float = 0.1, in_use: Callable[[], set[int]] = set,
                  on_worker_restart: Callable[[], None] | None = None, zero_copy: bool = True,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None):
         if streams < 1 or workers < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
             raise ValueError("streams, workers and request_bytes must be positive, max_chunk_retries >= 0, "
                              "lease_ttl_s > 0")
@@ -183,6 +188,11 @@ class Puller:
         self.clock = clock
         self.progress: PullProgress | None = None
         self._lease: LeaseInfo | None = None
+        # Where chunks come from: the origin (registry or object store) and, with peers on, other
+        # nodes; the default is the registry alone.
+        self.swarm = swarm or Swarm(SwarmSettings(), client, mirror, node=holder)
+        self.peer_chunk_timeout_s = self.swarm.settings.peer_chunk_timeout_s
+        self.last_plan: ChunkPlan | None = None
 
     @property
     def lease(self) -> LeaseInfo | None:
@@ -195,6 +205,7 @@ class Puller:
             raise RuntimeError(f"a pull of {self.progress.target} is in progress: one at a time")
         progress = self.progress = PullProgress(target=version, clock=self.clock)
         partial: Partial | None = None
+        self.last_plan = None
         try:
             lease = await self._take_lease(version)
             progress.version = lease.version
@@ -212,7 +223,7 @@ class Puller:
             await asyncio.to_thread(self.mirror.ensure_room, manifest.total_bytes, self.in_use())
             partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
             self._set_state(PullState.PULLING)
-            workers, streams = self._plan(manifest)
+            workers, streams = self._plan(sum(len(f.chunks) for f in manifest.files))
             log.info("pull version %d: %d files, %d bytes, %d workers, %d streams of %d-byte requests",
                      manifest.version, len(manifest.files), manifest.total_bytes, workers, streams,
                      self.request_bytes)
@@ -238,6 +249,8 @@ class Puller:
         finally:
             if partial is not None:
                 await _settle(asyncio.to_thread(self.mirror.discard, partial))
+            if self.last_plan is not None:  # after the commit: peers are served the partial until then
+                self.swarm.finish(self.last_plan)
             await self._release()
             if progress.ended_at is None:  # only if something stranger than an Exception ended it
                 progress.ended_at = self.clock()
@@ -281,37 +294,35 @@ class Puller:
         return manifest
 
     # -- chunks -----------------------------------------------------------------------------------
-    def _source(self, version: int) -> SourceSpec:
-        c = self.client
-        return SourceSpec("registry", c.url, version, c.token, connect_timeout_s=c.timeouts.connect_s,
-                          read_timeout_s=c.timeouts.read_s)
-
     async def _fetch_all(self, manifest: Manifest, partial: Partial) -> None:
-        """``streams`` tasks take chunks in file order and hand each to a worker; the lease is
-        renewed meanwhile. The first failure cancels the rest."""
-        work = _chunks(manifest)
-        workers, streams = self._plan(manifest)
+        """``streams`` tasks take chunks from the pull's plan (:class:`ChunkPlan`: in file order
+        from the origin alone, or from peers and the origin as the tracker says) and hand each
+        to a worker; the lease is renewed meanwhile. The first failure cancels the rest."""
+        plan = self.last_plan = self.swarm.plan(manifest, partial.dir)
+        workers, streams = self._plan(plan.count)
         if not streams:
             return  # only empty files: they exist at their size already
-        pool = FetchPool(self._source(manifest.version), workers=workers, streams=streams,
-                         piece_bytes=self.piece_bytes, request_bytes=self.request_bytes, priority=self.priority,
-                         zero_copy=self.zero_copy, on_restart=self._worker_restarted)
+        failures: dict[int, int] = {}  # chunk -> failed attempts from the origin
+        pool = FetchPool(workers=workers, streams=streams, piece_bytes=self.piece_bytes,
+                         request_bytes=self.request_bytes, priority=self.priority, zero_copy=self.zero_copy,
+                         on_restart=self._worker_restarted)
         try:
             async with asyncio.TaskGroup() as tg:
                 keeper = tg.create_task(self._keep_lease(manifest.version))
                 async with pool, asyncio.TaskGroup() as tasks:
                     self.progress.worker_pids = pool.pids
                     for _ in range(streams):
-                        tasks.create_task(self._stream(work, manifest, partial, pool))
+                        tasks.create_task(self._stream(plan, manifest, partial, pool, failures))
                 keeper.cancel()
         except BaseExceptionGroup as group:
             raise _first(group) from None
         finally:
             self.progress.worker_pids = []  # reaped: the pool's exit waits for every one
 
-    def _plan(self, manifest: Manifest) -> tuple[int, int]:
-        """(workers, streams) for this version: a small one needs fewer, and each costs a start."""
-        streams = min(self.streams, sum(len(f.chunks) for f in manifest.files))
+    def _plan(self, chunks: int) -> tuple[int, int]:
+        """(workers, streams) for a version of ``chunks`` chunks: a small one needs fewer, and
+        each costs a start."""
+        streams = min(self.streams, chunks)
         return min(self.workers, streams), streams
 
     def _worker_restarted(self, pids: list[int]) -> None:
@@ -320,34 +331,46 @@ class Puller:
         if self.on_worker_restart is not None:
             self.on_worker_restart()
 
-    async def _stream(self, work: Iterator[tuple[FileEntry, int]], manifest: Manifest, partial: Partial,
-                      pool: FetchPool) -> None:
-        for entry, index in work:  # one shared iterator: each chunk goes to one stream
-            await self._fetch_chunk(manifest, entry, index, partial, pool)
+    async def _stream(self, plan: ChunkPlan, manifest: Manifest, partial: Partial, pool: FetchPool,
+                      failures: dict[int, int]) -> None:
+        while (pick := await plan.next()) is not None:  # each chunk goes to one stream at a time
+            await self._fetch_chunk(manifest, plan, pick, partial, pool, failures)
 
-    async def _fetch_chunk(self, manifest: Manifest, entry: FileEntry, index: int, partial: Partial,
-                           pool: FetchPool) -> None:
-        """Fetch one chunk and check it; again on failure, up to the retry limit."""
+    async def _fetch_chunk(self, manifest: Manifest, plan: ChunkPlan, pick: Pick, partial: Partial,
+                           pool: FetchPool, failures: dict[int, int]) -> None:
+        """One attempt at one chunk from the source the plan chose. A failure puts the chunk back
+        in the plan: a failed peer is dropped and the chunk fetched elsewhere; a failed origin
+        transfer counts against ``max_chunk_retries``."""
+        entry, index, source = pick.entry, pick.index, pick.source
         where = f"version {manifest.version} file {entry.name} chunk {index}"
         start, end = manifest.chunk_span(entry, index)
-        job = ChunkJob(entry.name, partial.path(entry.name), start, end, manifest.hash, entry.chunks[index])
-        last = ""
-        for attempt in range(self.max_chunk_retries + 1):
-            if attempt:
+        job = ChunkJob(source, manifest.version, entry.name, partial.path(entry.name), start, end, manifest.hash,
+                       entry.chunks[index], timeout_s=self.peer_chunk_timeout_s if source.is_peer else None)
+        try:
+            await self._attempt(pool, job)
+        except OSError as e:  # the mirror's file: no other source helps
+            plan.failed(pick, _describe(e))
+            raise PullError(f"{where}: cannot write to the mirror: {e}") from None
+        except (ChunkCorrupt, WorkerCrashed, errors.RegistryError) as e:
+            last = _describe(e)
+            if source.is_peer:  # whatever a peer answered, another source may do better
                 self.progress.retries += 1
-                await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
-            try:
-                await self._attempt(pool, job)
+                plan.failed(pick, f"{where}: {last}")
                 return
-            except _FATAL as e:
-                raise PullError(f"{where}: {_describe(e)}") from None
-            except OSError as e:
-                raise PullError(f"{where}: cannot write to the mirror: {e}") from None
-            except (ChunkCorrupt, WorkerCrashed, errors.RegistryError) as e:
-                last = _describe(e)
-                log.warning("retry %s (attempt %d of %d failed): %s", where, attempt + 1,
-                            self.max_chunk_retries + 1, last)
-        raise PullError(f"{where}: failed {self.max_chunk_retries + 1} times; last: {last}")
+            if isinstance(e, _FATAL):
+                plan.failed(pick, last)
+                raise PullError(f"{where}: {last}") from None
+            attempt = failures[pick.bit] = failures.get(pick.bit, 0) + 1
+            if attempt > self.max_chunk_retries:
+                plan.failed(pick, last)
+                raise PullError(f"{where}: failed {attempt} times; last: {last}") from None
+            self.progress.retries += 1
+            log.warning("retry %s (attempt %d of %d failed): %s", where, attempt, self.max_chunk_retries + 1, last)
+            await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
+            plan.failed(pick, last)
+            return
+        plan.done(pick, end - start)
+        self.swarm.landed(pick)
 
     async def _attempt(self, pool: FetchPool, job: ChunkJob) -> None:
         """One attempt at a chunk. A failed attempt takes back the bytes it had added to the

@@ -11,9 +11,13 @@ Contract:
   :class:`Target`. Servers wait on :meth:`Updater.next_target` and apply it themselves.
 - A registry that restarted (its ``instance`` changed) is resynchronised: numbers from the old
   instance mean nothing, so the node moves to the new instance's newest version whatever its
-  number (targets are compared by instance, version and digest, never by number alone).
+  number. Targets are compared by version and digest, never by number alone: the digest names
+  the bytes, so the same version republished by a new instance is not loaded again.
 - The registry unreachable, or a pull failing: the servers keep serving what they hold; the
-  loop retries with a growing delay (``registry.retry_initial_s`` .. ``retry_max_s``).
+  loop retries with a growing delay (``registry.retry_initial_s`` .. ``retry_max_s``). Unreachable
+  before the first decision (a restart during an outage): servers wait in SYNCING, unless
+  ``update.serve_mirror_when_registry_down``, which makes the mirror's newest complete version
+  the target (from no registry instance: the registry's newest replaces it once it answers).
 - :meth:`verify` re-checks a target's mirror copy chunk by chunk when a server failed to load
   it; a damaged copy is removed and pulled again.
 """
@@ -33,6 +37,7 @@ from rolloutd.node.metrics import Metrics
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullResult, PullState
+from rolloutd.rollout.swarm import Swarm
 from rolloutd.wire import errors
 from rolloutd.wire.messages import HeartbeatReply, LatestInfo
 
@@ -47,7 +52,7 @@ class Target:
     version: int
     digest: str
     path: Path
-    instance: str
+    instance: str | None = field(compare=False)  # the registry's that named it; None: the mirror's own
 
     def update_info(self) -> dict:
         return {"path": str(self.path), "digest": self.digest}
@@ -107,7 +112,8 @@ class RegistryView:
 
 class Updater:
     def __init__(self, conf: Callable[[], Config], client: RegistryClient, mirror: Mirror, metrics: Metrics, *,
-                 in_use: Callable[[], set[int]], clock: Callable[[], float] = time.monotonic):
+                 in_use: Callable[[], set[int]], clock: Callable[[], float] = time.monotonic,
+                 swarm: Swarm | None = None):
         self._conf, self._client, self.mirror, self._metrics = conf, client, mirror, metrics
         self._in_use, self._clock = in_use, clock
         cfg = conf()
@@ -116,21 +122,24 @@ class Updater:
                              workers=cfg.pull.worker_count(), priority=cfg.pull.cpu_priority,
                              request_bytes=int(cfg.pull.request_bytes),
                              max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
-                             in_use=in_use, on_worker_restart=metrics.pull_worker_restarts.inc)
+                             in_use=in_use, on_worker_restart=metrics.pull_worker_restarts.inc,
+                             swarm=swarm)
         self.target: Target | None = None
         self.settled = asyncio.Event()   # the first decision was made (a target, or nothing to load)
         self._changed = asyncio.Condition()
         self._wake = asyncio.Event()     # a heartbeat reply, or a person, asks to look again
+        self._polling: asyncio.Timeout | None = None  # the long-poll in flight, which a wake ends
         self._verifying = asyncio.Lock()
         self._pulling = asyncio.Lock()
         self._asked = False
         self._pending_since: float | None = None
+        self._no_mirror_said = False
 
     # -- inputs from elsewhere ------------------------------------------------------------------
     def poke(self, asked: bool = True) -> None:
         """Look at the registry again now (``asked``: update even below the lag threshold)."""
         self._asked = self._asked or asked
-        self._wake.set()
+        self._wake_up()
 
     def note_reply(self, reply: HeartbeatReply) -> None:
         """A heartbeat reply carries the registry's newest version and the trainer's demand."""
@@ -141,7 +150,7 @@ class Updater:
             held = self._held()
             if demand is not None and (held is None or demand > held):
                 log.info("demand: the trainer asks for version %d or newer", demand)
-                self._wake.set()
+                self._wake_up()
 
     def note_unreachable(self, error: str) -> None:
         self.registry.reachable, self.registry.last_error = False, error
@@ -192,19 +201,25 @@ class Updater:
                 info = await self._watch()
             except (errors.RegistryUnavailable, errors.RegistryError) as e:
                 self._failed_contact(str(e))
+                if isinstance(e, errors.RegistryUnavailable):
+                    await self._serve_mirror()
                 await self._sleep(delay)
                 delay = min(delay * 2, self._conf().registry.retry_max_s)
                 continue
-            delay = self._conf().registry.retry_initial_s
             try:
                 stepped = await self._step(info)
             except Exception:  # a bug here must not take the node's servers down with the daemon
                 log.exception("crash in the update step; retrying in %g s", delay)
                 self._metrics.task_errors.labels(task="updater").inc()
                 stepped = False
-            if not stepped:
-                await self._sleep(delay)
-                delay = min(delay * 2, self._conf().registry.retry_max_s)
+            if stepped:
+                delay = self._conf().registry.retry_initial_s
+                continue
+            await self._sleep(delay)
+            delay = min(delay * 2, self._conf().registry.retry_max_s)
+            # Retry the failed step now: a long-poll would wait for a version newer than the one
+            # that failed, up to registry.long_poll_s.
+            self._wake.set()
 
     async def _watch(self) -> LatestInfo:
         """Long-poll for a version newer than the newest seen, or until poked or a deadline."""
@@ -216,21 +231,46 @@ class Updater:
         self._wake.clear()
         after = self.registry.latest or 0
         instance = self.target.instance if self.target else self.registry.instance
-        poll = asyncio.ensure_future(self._client.latest(after=after, instance=instance, wait_s=wait_s))
-        woken = asyncio.ensure_future(self._wake.wait())
+        # No task of its own: a wake meanwhile (_wake_up) moves this scope's deadline to now,
+        # which cancels the long-poll right here.
+        self._polling = polling = asyncio.timeout(None)
         try:
-            await asyncio.wait({poll, woken}, return_when=asyncio.FIRST_COMPLETED)
+            async with polling:
+                info = await self._client.latest(after=after, instance=instance, wait_s=wait_s)
+        except TimeoutError:
+            self._polling = None  # an exited scope cannot be moved
+            if not polling.expired():
+                raise  # the client's own timeout, not a wake
+            info = await self._client.latest(after=after, instance=instance, wait_s=0)  # ask again at once
         finally:
-            woken.cancel()
-            if not poll.done():
-                poll.cancel()
-                await asyncio.wait({poll})  # let the long-poll finish cancelling
-        if poll.cancelled():  # poked: ask again without waiting
-            info = await self._client.latest(after=after, instance=instance, wait_s=0)
-        else:
-            info = poll.result()
+            self._polling = None
         self._contact(info.instance, info.version)
         return info
+
+    def _wake_up(self) -> None:
+        """Look at the registry again now: end the long-poll in flight, or the wait between tries."""
+        self._wake.set()
+        if self._polling is not None and not self._polling.expired():
+            self._polling.reschedule(asyncio.get_running_loop().time())
+
+    async def _serve_mirror(self) -> None:
+        """No registry before the first decision: with ``update.serve_mirror_when_registry_down``,
+        the target is the newest complete version in the mirror (pulled and checked before the
+        restart; the plugin checks its digest again as it loads)."""
+        if self.settled.is_set() or not self._conf().update.serve_mirror_when_registry_down:
+            return
+        version = await asyncio.to_thread(self.mirror.newest)
+        manifest = None if version is None else await asyncio.to_thread(self.mirror.manifest, version)
+        if manifest is None:
+            if not self._no_mirror_said:
+                self._no_mirror_said = True
+                log.warning("the registry is unreachable and the mirror holds no complete version: servers wait "
+                            "for the registry")
+            return
+        log.warning("serve version %d from the mirror: the registry is unreachable at start "
+                    "(update.serve_mirror_when_registry_down)", version)
+        await self._publish(Target(version, manifest.digest, self.mirror.path(version), None))
+        self.settled.set()
 
     async def _step(self, info: LatestInfo) -> bool:
         """Decide and, if so, pull and publish. False when a pull failed (retry later)."""
@@ -266,19 +306,22 @@ class Updater:
 
     async def _pull_once(self, version: int | str) -> PullResult | None:
         cfg = self._conf()
-        rate = asyncio.ensure_future(self._report_rate())
-        try:
-            async with asyncio.timeout(cfg.pull.timeout_s):
-                result = await self.puller.pull(version)
-        except (PullError, TimeoutError, errors.RegistryError) as e:
-            what = f"no result within pull.timeout_s={cfg.pull.timeout_s:g}" if isinstance(e, TimeoutError) else e
-            log.error("pull %s failed: %s", version, what)
-            self._metrics.pulls.labels(result="failed").inc()
-            self._metrics.update_failures.labels(kind="pull").inc()
+        async with asyncio.TaskGroup() as tg:  # owns the rate reporter: awaited once cancelled
+            rate = tg.create_task(self._report_rate(), name="pull-rate")
+            try:
+                async with asyncio.timeout(cfg.pull.timeout_s):
+                    result = await self.puller.pull(version)
+            except (PullError, TimeoutError, errors.RegistryError) as e:
+                what = f"no result within pull.timeout_s={cfg.pull.timeout_s:g}" if isinstance(e, TimeoutError) else e
+                log.error("pull %s failed: %s", version, what)
+                self._metrics.pulls.labels(result="failed").inc()
+                self._metrics.update_failures.labels(kind="pull").inc()
+                result = None
+            finally:
+                rate.cancel()
+                self._metrics.pull_rate.set(0)
+        if result is None:
             return None
-        finally:
-            rate.cancel()
-            self._metrics.pull_rate.set(0)
         if result.reused:
             self._metrics.pulls.labels(result="reused").inc()
         else:
@@ -323,7 +366,7 @@ class Updater:
             log.warning("resync: the registry restarted (instance %s -> %s)", view.instance, instance)
             view.latest = None
             self._pending_since = None
-            self._wake.set()
+            self._wake_up()
         if not view.reachable:
             log.info("reach registry %s (instance %s, newest version %s)", view.url, instance, latest)
         view.instance, view.reachable, view.last_error, view.latest = instance, True, None, latest

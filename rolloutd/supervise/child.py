@@ -1,55 +1,49 @@
-"""Child processes of the daemon: spawn, forward output, signal the group, reap, clean leftovers.
+"""One child process of the daemon: spawn, forward output, signal all its processes, reap.
 
-This module is the daemon's OS seam; the supervisor decides *when*, this module does *how*.
+This module is the daemon's OS seam for a running child; the supervisor decides *when*, this
+module does *how*. Where the child's processes live (a delegated cgroup, or its process group)
+and what an earlier run left behind are the containment's (containment.py, cgroups.py,
+leftovers.py); ``/dev/shm`` segments are leftovers.py.
 
-- :meth:`Child.spawn` starts a command in its own session (so its process group is its pid and
-  everything it forks, such as vLLM's engine core and workers, is in that group), stdin from
-  ``/dev/null``, stdout and stderr into one pipe. A reader task logs every line to
+- :meth:`Child.spawn` starts a command in its own session (so its process group is its pid),
+  placed at once in its scope (its own cgroup, or that process group), where everything it
+  forks, such as vLLM's engine core and workers, is too; stdin from ``/dev/null``, stdout and
+  stderr into one pipe. A reader task logs every line to
   ``rolloutd.server.<name>`` as ``<name>[<pid>]: <line>`` (undecodable bytes replaced, lines
   over 64 KiB split), at the level the child gave the line (vLLM's ``WARNING 12-01 20:09:15
   [file.py:266] ...`` prefix, also after ``(APIServer pid=N)``; a traceback at the level of the
   line that started it; anything else at INFO). It ends at end of file, when the last process
   holding the pipe is gone; the child owns it, and its stop (or wait) awaits it.
-- :meth:`Child.stop` signals the **group**: SIGTERM, a grace period for the whole group (not
-  only the leader), then SIGKILL. The leader is reaped on every path; cancelling the caller
+- :meth:`Child.stop` signals the **scope**, every process of it: SIGTERM, a grace period for all
+  of them (not only the leader), then SIGKILL. The leader is reaped on every path; cancelling the caller
   hurries to SIGKILL and still reaps before the cancellation goes on. A child has one stop task:
   every caller awaits that one (a second stop never runs beside the first). Lines start with
-  ``stop``. Once the group is gone, the shared-memory segments it left in ``/dev/shm`` (vLLM's
-  ``psm_*``: its resource tracker dies with the group) are removed (:func:`remove_shm_leftovers`).
+  ``stop``. Once its processes are gone, its record (if any) is forgotten, its cgroup (if any)
+  removed, and the shared-memory segments they left are removed
+  (:func:`rolloutd.supervise.leftovers.remove_shm_leftovers`).
 - :func:`describe_exit` turns an exit status into words for logs and status.
-- :class:`ChildRecords` keeps one JSON record per live child under the state directory, so
-  that a daemon started after a crash can stop the process groups the crashed one left behind
-  (:meth:`ChildRecords.reap_leftovers`; lines start with ``clean``). A recorded group is only
-  signalled while it provably is the one recorded: a recycled pid is never signalled.
-
-Liveness comes from ``/proc`` (zombies count as gone): leftovers of an earlier daemon are not
-its children and cannot be waited for, and a group outlives its leader. Process group ids
-0 and 1 and the daemon's own group are never signalled.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
-import fnmatch
-import json
 import logging
 import os
 import re
 import signal
-import stat
 import time
 from collections.abc import Awaitable, Iterable
-from pathlib import Path
 from typing import TypeVar
+
+from rolloutd.supervise.containment import Containment, Scope
+from rolloutd.supervise.leftovers import ProcessGroups, remove_shm_leftovers, shm_names
 
 log = logging.getLogger("rolloutd.supervise.child")
 
 MAX_LINE_BYTES = 64 * 1024      # a longer output line is logged in pieces of this size
 _READ_BYTES = 64 * 1024
 _DRAIN_S = 1.0                  # after the group is gone, how long the last output may take to arrive
-_POLL_S = (0.02, 0.2)           # /proc polling interval: first, at most
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 T = TypeVar("T")
@@ -57,137 +51,6 @@ T = TypeVar("T")
 
 class ChildError(Exception):
     pass
-
-
-# -- /proc -------------------------------------------------------------------------------------------
-def _stat(pid: int | str) -> tuple[str, int, int] | None:
-    """(state, pgid, start time in clock ticks since boot) of a process, None if it is gone."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-        fields = raw[raw.rindex(")") + 2:].split()  # the command name may hold spaces and parentheses
-        return fields[0], int(fields[2]), int(fields[19])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def start_time(pid: int) -> int | None:
-    """Field 22 of ``/proc/<pid>/stat``: with the pid, it names one process for the machine's uptime."""
-    st = _stat(pid)
-    return None if st is None or st[0] in "ZX" else st[2]
-
-
-def group_members(pgid: int) -> dict[int, int]:
-    """Live (not zombie) processes of process group ``pgid``: pid -> start time."""
-    found = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            st = _stat(entry.name)
-            if st is not None and st[1] == pgid and st[0] not in "ZX":
-                found[int(entry.name)] = st[2]
-    return found
-
-
-def _may_signal(pgid: int | None) -> bool:
-    return pgid is not None and pgid > 1 and pgid != os.getpgrp()
-
-
-def _killpg(pgid: int, sig: int) -> None:
-    if not _may_signal(pgid):
-        raise ValueError(f"refusing to signal process group {pgid}")
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
-
-
-async def _group_gone(pgid: int, timeout_s: float, *, hurry: asyncio.Event | None = None) -> bool:
-    """Poll ``/proc`` until no live process is left in the group; False if some outlived ``timeout_s``
-    (or ``hurry`` was set meanwhile)."""
-    deadline = time.monotonic() + timeout_s
-    pause = _POLL_S[0]
-    while group_members(pgid):
-        left = deadline - time.monotonic()
-        if left <= 0 or (hurry is not None and hurry.is_set()):
-            return False
-        await asyncio.sleep(min(pause, left))
-        pause = min(pause * 2, _POLL_S[1])
-    return True
-
-
-# -- shared memory left by a group -------------------------------------------------------------------
-SHM_DIR = Path("/dev/shm")
-# What vLLM's processes create there: Python's multiprocessing.shared_memory segments ("psm_<hex>":
-# vLLM's message queues and object storage; ~160 MiB each with the test flags), and vLLM's own
-# mmap regions (KV offload, encoder cache transfer). Python's resource tracker would unlink the
-# first kind when its owners exit, but it is in the group and dies with it under SIGKILL.
-SHM_PATTERNS = ("psm_*", "vllm_offload_*.mmap", "vllm_ec_*.mmap")
-
-
-def shm_names() -> set[str]:
-    try:
-        return set(os.listdir(SHM_DIR))
-    except OSError:
-        return set()
-
-
-def shm_in_use() -> set[str]:
-    """Names under ``/dev/shm`` that a live process has open or mapped, as far as ``/proc`` shows
-    (a process it hides is covered by the lease in :func:`remove_shm_leftovers`)."""
-    prefix, used = f"{SHM_DIR}/", set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        with contextlib.suppress(OSError):  # gone meanwhile, or hidden from us
-            with open(f"{entry.path}/maps", errors="replace") as maps:
-                used.update(_shm_name(line[line.index(prefix):], prefix) for line in maps if prefix in line)
-            for fd in os.scandir(f"{entry.path}/fd"):
-                with contextlib.suppress(OSError):
-                    if (target := os.readlink(fd.path)).startswith(prefix):
-                        used.add(_shm_name(target, prefix))
-    return used
-
-
-def _shm_name(path: str, prefix: str) -> str:
-    return path.strip().removeprefix(prefix).removesuffix(" (deleted)")
-
-
-def _unlink_if_unused(path: Path) -> bool:
-    """Unlink ``path`` under a write lease: the kernel grants one only while no other open file
-    (a mapping holds its file open) refers to it, and holds back any open meanwhile."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-    except OSError:  # in use (EAGAIN), or leases unsupported: not provably unused
-        os.close(fd)
-        return False
-    try:
-        path.unlink()
-        return True
-    except OSError:
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        os.close(fd)
-
-
-def remove_shm_leftovers(before: set[str]) -> list[str]:
-    """Remove the segments a stopped group left: in ``/dev/shm``, named as vLLM names them, owned by
-    the daemon's user, not there before the group was spawned (``before``), open or mapped by no
-    live process (``/proc``, then a write lease): one another live process uses is never removed."""
-    me, found = os.geteuid(), []
-    for name in sorted(shm_names() - before):
-        path = SHM_DIR / name
-        with contextlib.suppress(OSError):
-            st = path.lstat()
-            if st.st_uid == me and stat.S_ISREG(st.st_mode) and any(fnmatch.fnmatchcase(name, p)
-                                                                    for p in SHM_PATTERNS):
-                found.append(name)
-    if not found:
-        return []
-    used = shm_in_use()
-    return [name for name in found if name not in used and _unlink_if_unused(SHM_DIR / name)]
 
 
 async def _finish(aw: Awaitable[T]) -> T:
@@ -279,16 +142,17 @@ def describe_exit(returncode: int | None, *, sent: Iterable[int] = ()) -> str:
 
 # -- one child ---------------------------------------------------------------------------------------
 class Child:
-    """One long-running command, in its own session and process group, supervised by the daemon."""
+    """One long-running command, in its own session and its own scope (``containment``'s: a
+    cgroup, or by default its process group), supervised by the daemon."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], *,
-                 records: ChildRecords | None = None, log: logging.Logger | None = None):
+                 containment: Containment | None = None, log: logging.Logger | None = None):
         self.name, self.argv, self.env = name, list(argv), dict(env)
-        self.records = records
+        self.containment = containment or ProcessGroups()
         self.log = log or logging.getLogger(f"rolloutd.server.{name}")
         self.pid: int | None = None
         self.pgid: int | None = None
-        self.start_time: int | None = None      # /proc start time of the leader, for the record
+        self.scope: Scope | None = None         # where its processes are; set at spawn
         self.started_at: float | None = None    # time.monotonic() at spawn
         self._proc: asyncio.subprocess.Process | None = None
         self._reader: asyncio.Task | None = None      # the output forwarder; awaited by _drain
@@ -319,6 +183,10 @@ class Child:
         # Our own pipe, not asyncio's: asyncio's wait() would also wait for the pipe to close,
         # which a grandchild holding it open delays past the leader's exit.
         self._shm_before = shm_names()
+        try:
+            scope = self.containment.scope(self.name)
+        except OSError as e:
+            raise ChildError(f"cannot start {self.name}: no scope for its processes: {e}") from None
         r, w = os.pipe()
         try:
             self._proc = await asyncio.create_subprocess_exec(
@@ -326,12 +194,20 @@ class Child:
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         except OSError as e:
             os.close(r)
+            scope.release()
             raise ChildError(f"cannot start {self.name}: {self.argv[0]}: {e.strerror or e}") from None
         finally:
             os.close(w)
         self.pid = self.pgid = self._proc.pid  # a new session's process group id is its leader's pid
         self.started_at = time.monotonic()
-        self.start_time = start_time(self.pid)
+        try:
+            scope.place(self.pid)  # at once: what it forks from now on is in its scope too
+        except OSError as e:
+            os.killpg(self.pgid, signal.SIGKILL)  # uncontained: it must not run
+            await self._proc.wait()
+            os.close(r)
+            raise ChildError(f"cannot start {self.name}: cannot place it in {scope}: {e}") from None
+        self.scope = scope
         stream = asyncio.StreamReader(limit=2 * _READ_BYTES)
         loop = asyncio.get_running_loop()
         pipe = open(r, "rb", buffering=0)
@@ -345,11 +221,7 @@ class Child:
             self._transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream),
                                                               open(moved, "rb", buffering=0))
         self._reader = asyncio.get_running_loop().create_task(self._forward(stream), name=f"output-{self}")
-        if self.records is not None:
-            try:
-                self.records.add(self)
-            except OSError as e:  # the record is a safety net for after a crash; the child runs on
-                log.warning("spawn %s: cannot write its record: %s", self, e)
+        self.containment.record(self)
 
     # -- output --------------------------------------------------------------------------------------
     async def _forward(self, stream: asyncio.StreamReader) -> None:
@@ -400,9 +272,12 @@ class Child:
         return code
 
     async def _reaped(self) -> None:
-        """The group is gone: log its last output, forget its record, remove the shared memory it
-        left. Each step may run again (a cancelled wait, then a stop); the cleaning runs once."""
-        self._forget()
+        """Its processes are gone: log their last output, forget its record, release its scope,
+        remove the shared memory they left. Each step may run again (a cancelled wait, then a
+        stop); the cleaning runs once."""
+        self.containment.forget(self)
+        if self.scope is not None:
+            self.scope.release()
         await self._drain()
         if self._gone:
             return
@@ -413,24 +288,21 @@ class Child:
                      ", ".join(removed))
 
     def group_pids(self) -> list[int]:
-        """Live processes of the child's group (the leader, and what it forked that stayed in it)."""
-        return sorted(group_members(self.pgid)) if self.pgid is not None else []
+        """Live processes of the child's scope (the leader, and what it forked that stayed in it)."""
+        return self.scope.pids() if self.scope is not None else []
 
     def kill_group(self, sig: int) -> None:
-        if not _may_signal(self.pgid):
+        """``sig`` to every process of the child's scope."""
+        if self.scope is None:
             return
-        # Once the leader is reaped and no member is left, the number may belong to a new group.
+        # Once the leader is reaped and no member is left, a group's number may name a new group.
         if self.returncode is not None and not self.group_pids():
             return
         self._sent.add(sig)
-        _killpg(self.pgid, sig)
+        self.scope.signal(sig)
 
     def describe_exit(self) -> str:
         return describe_exit(self.returncode, sent=self._sent)
-
-    def _forget(self) -> None:
-        if self.records is not None:
-            self.records.remove(self.name, pid=self.pid)  # never the record of a newer child of that name
 
     # -- stop ----------------------------------------------------------------------------------------
     async def stop(self, grace_s: float, kill_wait_s: float = 10.0) -> str:
@@ -462,26 +334,24 @@ class Child:
         pids = self.group_pids()
         if not pids:
             return
-        log.info("stop %s: SIGTERM to process group %d (%d processes), grace %.1f s", self, self.pgid, len(pids),
-                 grace_s)
+        log.info("stop %s: SIGTERM to %s (%d processes), grace %.1f s", self, self.scope, len(pids), grace_s)
         self.kill_group(signal.SIGTERM)
-        if await _group_gone(self.pgid, grace_s, hurry=self._hurry):
+        if await self.scope.wait_empty(grace_s, hurry=self._hurry):
             return
         if self._hurry.is_set():
-            log.warning("stop %s: cancelled during the grace period: SIGKILL to process group %d now",
-                        self, self.pgid)
+            log.warning("stop %s: cancelled during the grace period: SIGKILL to %s now", self, self.scope)
             return
         log.warning("stop %s: pids %s still alive after the %.1f s grace period", self, self.group_pids(), grace_s)
 
     async def _end(self, kill_wait_s: float) -> str:
         """SIGKILL whatever is left, reap the leader, forget the record; the exit in words."""
         if self.group_pids():
-            log.warning("stop %s: SIGKILL to process group %d (pids %s)", self, self.pgid, self.group_pids())
+            log.warning("stop %s: SIGKILL to %s (pids %s)", self, self.scope, self.group_pids())
             self.kill_group(signal.SIGKILL)
-            if not await _group_gone(self.pgid, kill_wait_s):
+            if not await self.scope.wait_empty(kill_wait_s):
                 left = self.group_pids()
                 log.error("stop %s: pids %s outlived SIGKILL by %.1f s", self, left, kill_wait_s)
-                raise ChildError(f"{self.name}: processes {left} of group {self.pgid} outlived SIGKILL "
+                raise ChildError(f"{self.name}: processes {left} of {self.scope} outlived SIGKILL "
                                  f"by {kill_wait_s:g} s")
         await self._spawned().wait()  # prompt: the leader is dead (a zombie at most)
         await self._reaped()
@@ -490,107 +360,3 @@ class Child:
         return how
 
 
-# -- records of children, for the next daemon -----------------------------------------------------------
-class ChildRecords:
-    """``<directory>/<name>.json``: ``{"name", "pid", "pgid", "start_time", "argv"}`` for every
-    child spawned and not yet reaped, written atomically (temporary file, then rename)."""
-
-    def __init__(self, directory: Path):
-        self.dir = Path(directory)
-        self.dir.mkdir(parents=True, exist_ok=True)
-
-    def _path(self, name: str) -> Path:
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"{name!r} cannot name a child record")
-        return self.dir / f"{name}.json"
-
-    def add(self, child: Child) -> None:
-        path = self._path(child.name)
-        record = {"name": child.name, "pid": child.pid, "pgid": child.pgid, "start_time": child.start_time,
-                  "argv": child.argv}
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        # No fsync: after a power loss, no process of the record survives either.
-        os.replace(tmp, path)
-
-    def remove(self, name: str, *, pid: int | None = None) -> None:
-        """Delete ``name``'s record; with ``pid``, only while the record is that process's."""
-        path = self._path(name)
-        if pid is not None:
-            try:
-                if json.loads(path.read_text()).get("pid") != pid:
-                    return
-            except (OSError, ValueError, AttributeError):
-                pass  # missing or unreadable: nothing of a newer child to keep
-        path.unlink(missing_ok=True)
-
-    async def reap_leftovers(self, grace_s: float, kill_wait_s: float = 10.0) -> list[str]:
-        """Stop every recorded group that is still alive and still the recorded one (all at once,
-        so the whole takes one grace period); delete every record. One line per group stopped."""
-        paths = sorted(self.dir.glob("*.json"))
-        found = await asyncio.gather(*(self._reap_one(p, grace_s, kill_wait_s) for p in paths))
-        return [d for d in found if d is not None]
-
-    async def _reap_one(self, path: Path, grace_s: float, kill_wait_s: float) -> str | None:
-        try:
-            record = _read_record(path)
-        except ValueError as e:
-            log.warning("clean: removing corrupt child record %s: %s", path, e)
-            path.unlink(missing_ok=True)
-            return None
-        try:
-            pids = _leftover_pids(record)
-            if not pids:
-                return None
-            return await _stop_leftover(record, len(pids), grace_s, kill_wait_s)
-        finally:
-            path.unlink(missing_ok=True)
-
-
-def _read_record(path: Path) -> dict:
-    try:
-        record = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(str(e)) from None
-    if not isinstance(record, dict):
-        raise ValueError("not an object")
-    for key in ("pid", "pgid", "start_time"):
-        if not isinstance(record.get(key), int) or isinstance(record[key], bool) or record[key] <= 0:
-            raise ValueError(f"{key} is {record.get(key)!r}")
-    if not _may_signal(record["pgid"]):
-        raise ValueError(f"process group {record['pgid']} may not be signalled")
-    record["name"] = str(record.get("name") or path.stem)
-    return record
-
-
-def _leftover_pids(record: dict) -> list[int]:
-    """The recorded group's live processes, if it is provably the recorded group; else none.
-
-    While any process is in group ``pgid`` the kernel does not reuse that number as a pid, so the
-    group is the recorded one when its leader has the recorded start time, or when the leader
-    is gone and the members started no earlier than it did."""
-    members = group_members(record["pgid"])
-    leader_start = members.get(record["pid"])
-    if leader_start is not None:
-        ours = leader_start == record["start_time"]
-    else:
-        ours = bool(members) and all(t >= record["start_time"] for t in members.values())
-    if members and not ours:
-        log.info("clean %s: process group %d is not the recorded one (pid reused); left alone",
-                 record["name"], record["pgid"])
-    return sorted(members) if ours else []
-
-
-async def _stop_leftover(record: dict, count: int, grace_s: float, kill_wait_s: float) -> str:
-    name, pgid = record["name"], record["pgid"]
-    head = f"{name}: process group {pgid} ({count} process{'es' if count != 1 else ''}) left by an earlier run"
-    log.warning("clean %s: SIGTERM, grace %.1f s", head, grace_s)
-    _killpg(pgid, signal.SIGTERM)
-    how = "stopped with SIGTERM"
-    if not await _group_gone(pgid, grace_s):
-        _killpg(pgid, signal.SIGKILL)
-        how = "killed with SIGKILL"
-        if not await _group_gone(pgid, kill_wait_s):
-            how = f"pids {sorted(group_members(pgid))} outlived SIGKILL"
-    log.info("clean %s: %s", head, how)
-    return f"{head}: {how}"

@@ -2,8 +2,9 @@
 
 :meth:`Supervisor.run` is the server's whole life, owned by the daemon's task group:
 
-- STARTING: spawn the child (own process group, loopback port, the plugin on its import path)
-  and wait until ``/health`` passes, within ``restart.start_timeout_s``.
+- STARTING: spawn the child (own session, in its own cgroup or process group, listening on its
+  private UNIX socket, the plugin on its import path) and wait until ``/health`` passes,
+  within ``restart.start_timeout_s``.
 - SYNCING: wait for the node's first decision, then load the node's target version into the
   server (the same sequence as an update). Only then is it SERVING.
 - SERVING: probe ``/health`` every ``health.interval_s``; ``health.failures`` failed probes in
@@ -16,7 +17,7 @@
 - A failure goes to BACKOFF: the process group is stopped, then the server is started again
   after a growing delay; after ``restart.max_retries`` failures in a row, FATAL (a person
   restarts it through the admin API). Serving for ``restart.stable_after_s`` resets the count.
-- Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to the group, grace, KILL,
+- Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to all its processes, grace, KILL,
   every process reaped, STOPPED; the child is never left behind on any path.
 """
 
@@ -27,6 +28,7 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,9 +39,12 @@ from rolloutd.config import Server as ServerConfig
 from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
+from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Target, Updater
-from rolloutd.supervise.child import Child, ChildError, ChildRecords
+from rolloutd.supervise.child import Child, ChildError
+from rolloutd.supervise.containment import Containment
 from rolloutd.supervise.plugin_path import child_env
+from rolloutd.supervise.sockets import SocketDirError, remove_stale
 from rolloutd.supervise.states import Lifecycle, ServerState
 from rolloutd.supervise.vllm_http import VllmClient
 
@@ -57,7 +62,7 @@ class ServerFailed(Exception):
 
 
 def child_argv(cfg: Config, server: ServerConfig) -> list[str]:
-    return [*cfg.vllm.command, server.model, "--host", "127.0.0.1", "--port", str(server.port),
+    return [*cfg.vllm.command, server.model, "--uds", str(cfg.socket_path(server.name)),
             "--weight-transfer-config", json.dumps({"backend": "rolloutd"}), "--enable-scale-out",
             *cfg.vllm.args, *server.args]
 
@@ -68,20 +73,25 @@ def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dic
     env.update(server.env)
     if server.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = server.cuda_visible_devices
-    env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause and weight routes; vLLM listens on loopback only
+    env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause and weight routes; only rolloutd's user reaches the socket
     return child_env(env, plugin_dir)
 
 
 class Supervisor:
     def __init__(self, spec: ServerConfig, conf: Callable[[], Config], updater: Updater, *,
-                 slots: Callable[[], asyncio.Semaphore], records: ChildRecords, plugin_dir: Path, metrics: Metrics,
+                 slots: Callable[[], RolloutSlots], containment: Containment, plugin_dir: Path, metrics: Metrics,
                  on_state: Callable[[str, ServerState, ServerState], None] | None = None,
-                 gateway: Gateway | None = None):
+                 gateway: Gateway | None = None, vllm: VllmClient | None = None,
+                 make_child: Callable[..., Child] = Child, clock: Callable[[], float] = time.monotonic):
+        # vllm, make_child and clock are the seams of the OS and the server: tests pass fakes and the
+        # event loop's clock, to walk every arrow of the lifecycle in milliseconds.
         self.spec, self._conf, self.updater, self.gateway = spec, conf, updater, gateway
-        self._slots, self._records, self._plugin_dir, self.metrics = slots, records, plugin_dir, metrics
-        self.lifecycle = Lifecycle(spec.name, on_change=self._changed, log=log)
+        self._slots, self._containment, self._plugin_dir, self.metrics = slots, containment, plugin_dir, metrics
+        self._make_child, self._clock = make_child, clock
+        self.lifecycle = Lifecycle(spec.name, on_change=self._changed, log=log, clock=clock)
         self._on_state = on_state
-        self.vllm = VllmClient(f"http://127.0.0.1:{spec.port}")
+        self.socket = conf().socket_path(spec.name)  # state_dir is fixed for the daemon's life
+        self.vllm = vllm or VllmClient(self.socket)
         self.child: Child | None = None
         self.loaded: Target | None = None       # what the running process holds (None: its start model)
         self.loading: Target | None = None      # what it is moving to
@@ -110,7 +120,11 @@ class Supervisor:
 
     # -- the whole life -------------------------------------------------------------------------------
     async def run(self) -> None:
-        """Supervise until cancelled; cancelling stops the server (ordered, with deadlines)."""
+        """Supervise until cancelled; cancelling stops the server (ordered, with deadlines).
+
+        A bug outside one process's life (``_live`` turns those inside it into a restart) stops
+        the server's process group, leaves the server in BACKOFF and raises: the daemon's crash
+        policy counts it and calls ``run`` again after a delay, which starts a new process."""
         try:
             while True:
                 error = await self._live()
@@ -119,6 +133,22 @@ class Supervisor:
         except asyncio.CancelledError:
             await self._stop()
             raise
+        except Exception as e:
+            await self._crashed(e)
+            raise
+
+    async def _crashed(self, error: Exception) -> None:
+        """Leave nothing running behind a crashed ``run``: no process, a state ``_live`` starts from."""
+        self.last_error = f"internal error: {error!r}"[:200]
+        try:
+            await self._terminate(self._conf().restart.failed_grace_s)
+        except Exception:  # the same bug may be in the way: the group is killed all the same
+            log.exception("stop %s after a crash", self.name)
+            if self.child is not None:
+                self.child.kill_group(signal.SIGKILL)
+        if self.state.running:
+            with contextlib.suppress(Exception):
+                self.lifecycle.set(S.BACKOFF, self.last_error)
 
     async def _live(self) -> str:
         """One process, from spawn to failure; returns what failed."""
@@ -129,7 +159,7 @@ class Supervisor:
             self.lifecycle.set(S.SYNCING)
             await self._guarded(self._sync())
             self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
-            self.serving_since = time.monotonic()
+            self.serving_since = self._clock()
             await self._serve()
             raise AssertionError("_serve returns only by raising")
         except (ServerFailed, ApplyFailed, ChildError) as e:
@@ -150,21 +180,27 @@ class Supervisor:
         self.incarnation += 1
         self._hold(None)
         self.loading = None
-        self.child = Child(self.name, child_argv(cfg, self.spec), child_environ(cfg, self.spec, self._plugin_dir),
-                           records=self._records, log=logging.getLogger(f"rolloutd.server.{self.name}"))
+        try:
+            if remove_stale(self.socket):  # vLLM cannot bind a path that exists
+                log.info("clean %s: removed the socket %s an earlier process left", self.name, self.socket)
+        except SocketDirError as e:
+            raise ServerFailed(str(e)) from None
+        self.child = self._make_child(self.name, child_argv(cfg, self.spec),
+                                      child_environ(cfg, self.spec, self._plugin_dir), containment=self._containment,
+                                      log=logging.getLogger(f"rolloutd.server.{self.name}"))
         await self.child.spawn()
-        log.info("spawn %s[%d]: port %d, gpus %s, incarnation %d", self.name, self.child.pid, self.spec.port,
-                 self.spec.cuda_visible_devices or "-", self.incarnation)
+        log.info("spawn %s[%d]: socket %s, gpus %s, incarnation %d, in %s", self.name, self.child.pid, self.socket,
+                 self.spec.cuda_visible_devices or "-", self.incarnation, self.child.scope)
 
     async def _wait_healthy(self) -> None:
         cfg = self._conf()
-        deadline = time.monotonic() + cfg.restart.start_timeout_s
-        while time.monotonic() < deadline:
+        deadline = self._clock() + cfg.restart.start_timeout_s
+        while self._clock() < deadline:
             if not self.child.running:
                 await self.child.wait()
                 raise ServerFailed(f"exited before it was healthy: {self.child.describe_exit()}")
             if await self.vllm.healthy(cfg.health.timeout_s):
-                up_s = time.monotonic() - self.child.started_at
+                up_s = self._clock() - self.child.started_at
                 log.info("healthy %s[%d] after %.1f s", self.name, self.child.pid, up_s)
                 return
             await asyncio.sleep(min(0.5, cfg.health.interval_s))
@@ -279,12 +315,14 @@ class Supervisor:
     def _hold(self, target: Target | None) -> None:
         """The one setter of what the running process holds (None: its start model, or unknown)."""
         self.loaded = target
+        if self.gateway is not None:
+            self.gateway.on_version(target.version if target else None)
         self.metrics.server_version.labels(server=self.name).set(target.version if target else -1)
 
     # -- failures, restarts, stop ------------------------------------------------------------------------
     def _note_stable(self) -> None:
         stable_s = self._conf().restart.stable_after_s
-        if self.failures and self.serving_since is not None and time.monotonic() - self.serving_since >= stable_s:
+        if self.failures and self.serving_since is not None and self._clock() - self.serving_since >= stable_s:
             log.info("stable %s: serving for %.0f s, failure count reset", self.name, stable_s)
             self.failures = 0
 
@@ -313,6 +351,9 @@ class Supervisor:
             await child.stop(grace_s, shutdown.kill_wait_s)
         except ChildError as e:
             log.error("reap %s: %s", self.name, e)
+        else:
+            with contextlib.suppress(SocketDirError):
+                remove_stale(self.socket)  # the group is gone: nothing listens on it any more
         finally:
             self._hold(None)
 
@@ -337,12 +378,12 @@ class Supervisor:
     @property
     def endpoint(self) -> str:
         """Where the registry tells trainers to send this server's generation requests: its gateway."""
-        return f"http://{self._conf().advertise_host}:{self.spec.gateway_port}"
+        return f"http://{self._conf().advertise_host}:{self.spec.public_port}"
 
     def snapshot(self) -> dict:
         target = self.loading or self.updater.target
         return {"name": self.name, "state": self.state.name, "pid": self.child.pid if self.child and self.state.running
-                else None, "port": self.spec.port, "public_port": self.spec.gateway_port,
+                else None, "socket": str(self.socket), "public_port": self.spec.public_port,
                 "gpus": list(self.spec.gpus), "endpoint": self.endpoint,
                 "version": self.loaded.version if self.loaded else None,
                 "target": target.version if target else None,

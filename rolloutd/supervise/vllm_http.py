@@ -1,15 +1,16 @@
-"""The daemon's client for one ``vllm serve`` on loopback: health, the weight-update routes, and
-the prompt logprobs the gate scores (``/v1/completions`` straight to the server, never through
-its gateway).
+"""The daemon's client for one ``vllm serve`` on its private UNIX socket: health, the weight-update
+routes, and the prompt logprobs the gate scores (``/v1/completions`` straight to the server, never
+through its gateway).
 
 Every call has its own timeout and raises :class:`VllmError` naming the route on any failure
 (HTTP error, refused connection, timeout). Connections are never reused: vLLM closes the
 connection after a route raised, and a pooled one would fail the next call for that reason
-alone (the cost, one loopback connect per call, is a fraction of a millisecond).
+alone (the cost, one UNIX-socket connect per call, is a fraction of a millisecond).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -22,13 +23,15 @@ class VllmError(Exception):
 
 
 class VllmClient:
-    def __init__(self, url: str):
-        self.url = url.rstrip("/")
+    def __init__(self, socket: Path):
+        self.socket = Path(socket)
+        self.url = "http://localhost"  # the host only names the server in the request; the socket is the address
         self._session: aiohttp.ClientSession | None = None
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+            self._session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(str(self.socket),
+                                                                                  force_close=True))
         return self._session
 
     async def close(self) -> None:

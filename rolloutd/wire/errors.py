@@ -97,6 +97,14 @@ class RangeNotSatisfiable(RegistryError):
     status = 416
 
 
+class BytesElsewhere(RegistryError):
+    """The version's bytes are not on the registry: its manifest's ``source`` (an object store)
+    holds them; the registry keeps only the manifest, leases and the source."""
+
+    code = "bytes_elsewhere"
+    status = 409
+
+
 class UploadIncomplete(RegistryError):
     """Files the manifest lists were not uploaded, or have the wrong size."""
     code = "upload_incomplete"
@@ -154,7 +162,7 @@ class RegistryUnavailable(RegistryError):
 BY_CODE: dict[str, type[RegistryError]] = {
     cls.code: cls for cls in (
         InvalidRequest, Unauthorized, RouteNotFound, MethodNotAllowed, BodyTooLarge, NoVersions,
-        VersionUnknown, VersionRetired, VersionNotNewer, VersionConflict, FileUnknown,
+        VersionUnknown, VersionRetired, VersionNotNewer, VersionConflict, FileUnknown, BytesElsewhere,
         RangeNotSatisfiable, UploadIncomplete, DigestMismatch, ManifestDigestMismatch,
         DuplicateTensor, LeaseUnknown, LeaseExpired, DemandAhead, Internal, RegistryUnavailable)
 }

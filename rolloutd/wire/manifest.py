@@ -154,7 +154,11 @@ class Canary(BaseModel):
 
 # Optional keys left out of every dump while unset, so that a manifest without them keeps the
 # canonical bytes, and so the digest, it had before they existed (the plugin hashes the raw JSON).
-_OMITTED_WHEN_NONE = ("canary", "partial")
+_OMITTED_WHEN_NONE = ("canary", "partial", "source")
+
+# Where a version's bytes are when not on the registry: an S3 bucket and key prefix; file
+# ``name`` is the object ``<prefix>/<name>``. Bucket names as S3 allows them.
+SOURCE_RE = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/[A-Za-z0-9!_.*'()/=+-]{0,900})?$")
 
 
 class Manifest(BaseModel):
@@ -173,6 +177,17 @@ class Manifest(BaseModel):
                                   "version, before it takes traffic (absent: none)")
     partial: bool | None = Field(None, description="true: this version deliberately carries only some of the "
                                  "model's tensors; the others keep their values (absent: a full checkpoint)")
+    source: str | None = Field(None, description="where the bytes are when not on the registry: "
+                               "s3://bucket/prefix, file <name> being the object <prefix>/<name> (absent: "
+                               "on the registry)", json_schema_extra={"pattern": SOURCE_RE.pattern})
+
+    @field_validator("source")
+    @classmethod
+    def _source_is_s3(cls, source: str | None) -> str | None:
+        if source is not None and not SOURCE_RE.fullmatch(source):
+            raise ValueError(f"source {source[:100]!r} is not s3://bucket/prefix (bucket: 3 to 63 lowercase "
+                             "letters, digits, '.', '-'; prefix: letters, digits and !_.*'()/=+-)")
+        return source
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
@@ -283,12 +298,12 @@ def hash_file(path: Path, chunk_bytes: int, hash_name: str,
 
 def build_manifest(version: int, paths: Iterable[Path], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                    hash_name: str = "xxh3-128", metadata: dict[str, str] | None = None,
-                   canary: Canary | None = None, partial: bool = False) -> Manifest:
+                   canary: Canary | None = None, partial: bool = False, source: str | None = None) -> Manifest:
     """Hash ``paths`` (in the given order) into a sealed manifest for ``version``."""
     with ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2))) as pool:
         files = [hash_file(Path(p), chunk_bytes, hash_name, pool) for p in paths]
     return Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=files,
-                    metadata=metadata or {}, canary=canary, partial=partial or None).sealed()
+                    metadata=metadata or {}, canary=canary, partial=partial or None, source=source).sealed()
 
 
 def bad_chunks(data: memoryview | bytes, entry: FileEntry, manifest: Manifest) -> list[int]:

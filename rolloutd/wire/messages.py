@@ -5,11 +5,16 @@ with the reply models, which ignore keys they do not know, so a newer registry m
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
-from rolloutd.wire.manifest import Count, VersionNumber
+from rolloutd.wire.manifest import Count, ManifestDigest, VersionNumber
+
+MAX_ERROR_CHARS = 512
+# Heartbeat fields added after the first registries: left out of the body when unset, and left
+# out by a node whose registry refuses them (rollout/heartbeat.py).
+OPTIONAL_HEARTBEAT_FIELDS = ("gate", "last_error")
 
 # A replica id is ``<node>.<server>``: node configs refuse a name this would not take.
 REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -46,12 +51,16 @@ class Heartbeat(BaseModel):
     timings: dict[str, float] = Field(default_factory=dict, max_length=32,
                                       description="last update's phase durations, seconds")
     gate: GateReport | None = Field(None, description="last update's gate (absent: none ran yet)")
+    last_error: str | None = Field(None, max_length=MAX_ERROR_CHARS, description="the server's last failure, "
+                                   "if any (it stays after the server recovered)")
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
-        data = handler(self)  # without a gate, the body is what registries before the field accept
-        if isinstance(data, dict) and data.get("gate", 0) is None:
-            del data["gate"]
+        data = handler(self)  # without them, the body is what registries before these fields accept
+        if isinstance(data, dict):
+            for name in OPTIONAL_HEARTBEAT_FIELDS:
+                if data.get(name, 0) is None:
+                    del data[name]
         return data
 
 
@@ -72,6 +81,34 @@ class DemandRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
     min_version: VersionNumber | None = Field(description="every replica should "
                                     "load at least this version; null clears the demand")
+
+
+class HeldVersion(BaseModel):
+    """What a node holds of one version: all of it, or the chunks of a pull in progress."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    digest: ManifestDigest = Field(description="the manifest digest it holds (another is ignored)")
+    chunks: str | None = Field(None, pattern=r"^[0-9a-f]{1,4096}$", description="chunks held and checked, "
+                               "bit i = chunk i of the version in manifest order, lowercase hex; null: all")
+    pulling: bool = Field(False, description="a pull of it is in progress: the reply says where from")
+
+
+class Announce(BaseModel):
+    """``PUT /v1/holders/{node}``: where a node serves chunks to its peers, and what it holds."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    url: str = Field(min_length=8, max_length=512, pattern=r"^https?://[^\s/]+$",
+                     description="the node's peer listener, e.g. http://10.0.0.7:9300")
+    versions: dict[Annotated[str, Field(pattern=r"^[1-9][0-9]{0,15}$")], HeldVersion] = Field(
+        max_length=16, description="version number -> what the node holds of it",
+        # pydantic writes the key pattern as patternProperties, which alone lets other keys
+        # through: the schema must refuse them as the model does
+        json_schema_extra={"additionalProperties": False})
+    failed: list[Annotated[str, Field(pattern=REPLICA_ID_RE.pattern)]] = Field(
+        default_factory=list, max_length=64, description="peers that failed this node since its last "
+        "announcement (gone, too slow, or bad bytes): not handed out for a while")
 
 
 # -- replies -------------------------------------------------------------------------------------
@@ -108,3 +145,23 @@ class HeartbeatReply(Reply):
 
 class Replicas(Reply):
     replicas: list[dict]
+
+
+class PeerInfo(Reply):
+    node: str
+    url: str
+    chunks: str  # hex chunk map, as in HeldVersion (every bit set: complete)
+
+
+class SwarmView(Reply):
+    """For one version being pulled: peers that hold chunks the puller lacks (a sample, spread
+    over pullers) and the chunks it should take from the origin (registry or object store) now."""
+
+    peers: list[PeerInfo]
+    origin: str  # hex chunk map
+    pullers: int = 0  # nodes pulling the version now
+
+
+class AnnounceReply(Reply):
+    instance: str
+    versions: dict[str, SwarmView]

@@ -23,11 +23,19 @@ from starlette.routing import Match
 
 from rolloutd.registry.server.blobs import Blob, stream_range
 from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
-from rolloutd.registry.server.ranges import parse_range
 from rolloutd.registry.server.service import RegistryService
+from rolloutd.registry.server.ui import add_ui_routes
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FILE_NAME_RE, MAX_VERSION, Manifest, valid_file_name
-from rolloutd.wire.messages import REPLICA_ID_RE, DemandRequest, Heartbeat, LeaseRequest, RenewRequest
+from rolloutd.wire.messages import (
+    REPLICA_ID_RE,
+    Announce,
+    DemandRequest,
+    Heartbeat,
+    LeaseRequest,
+    RenewRequest,
+)
+from rolloutd.wire.ranges import parse_range
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -89,6 +97,7 @@ def create_app(service: RegistryService) -> FastAPI:
     _add_version_routes(app, service)
     _add_lease_routes(app, service)
     _add_replica_routes(app, service)
+    add_ui_routes(app, service)
     _with_body_defs(app)
 
     @app.get("/healthz")
@@ -109,6 +118,7 @@ async def _sweep_forever(service: RegistryService) -> None:
     while True:
         await asyncio.sleep(SWEEP_INTERVAL_S)
         service.store.sweep()
+        service.tracker.sweep()
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -187,6 +197,9 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
         entry = v.manifest.file(name) if valid_file_name(name) else None
         if entry is None:
             raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
+        if v.manifest.source is not None:  # the registry keeps the manifest, never these bytes
+            raise errors.BytesElsewhere(f"version {version} is stored at {v.manifest.source}: "
+                                        f"read {name} from there")
         blob = v.blobs[name]
         span = parse_range(request.headers.get("range"), blob.size)
         start, end = span or (0, blob.size)
@@ -291,6 +304,20 @@ def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
     async def deregister(replica_id: str = ReplicaIdPath):
         store.deregister(replica_id)  # idempotent: a node may deregister after a registry restart
         return Response(status_code=204)
+
+    @app.put("/v1/holders/{node}", openapi_extra=body_schema(Announce))
+    async def announce(request: Request, node: str = Path(pattern=REPLICA_ID_RE.pattern, description="node name")):
+        return JSONResponse(service.announce(node, await request.body()))
+
+    @app.delete("/v1/holders/{node}", status_code=204)
+    async def forget_holder(node: str = Path(pattern=REPLICA_ID_RE.pattern, description="node name")):
+        service.tracker.forget_node(node)
+        return Response(status_code=204)
+
+    @app.get("/v1/holders")
+    async def holders():
+        return {"instance": store.instance,
+                "versions": {str(v): s for v, s in service.tracker.summary().items()}}
 
     @app.put("/v1/demand", openapi_extra=body_schema(DemandRequest))
     async def set_demand(request: Request):

@@ -215,7 +215,9 @@ class MemoryStore:
                 if (bad := bad_chunks(memoryview(staged[f.name]), f, manifest))}
 
     def commit(self, manifest: Manifest) -> dict[str, Blob]:
-        staged = self._staging.pop(manifest.version)
+        staged = self._staging.pop(manifest.version, {})
+        if manifest.source is not None:  # bytes in an object store: nothing of them here
+            return {}
         return {f.name: MemoryBlob(staged[f.name]) for f in manifest.files}
 
     def discard_staging(self, version: int) -> None:
@@ -390,8 +392,9 @@ class DiskStore:
         return {f.name: bad for f in manifest.files if (bad := verify_file(d / f.name, f, manifest))}
 
     def commit(self, manifest: Manifest) -> dict[str, Blob]:
-        src = self._staging / str(manifest.version)
-        keep = {f.name for f in manifest.files}
+        src = self.staging_dir(manifest.version)
+        # A version whose bytes are in an object store keeps only its manifest here.
+        keep = {f.name for f in manifest.files} if manifest.source is None else set()
         for p in src.iterdir():  # uploads the manifest does not list are not part of the version
             if p.name not in keep:
                 p.unlink()
@@ -400,7 +403,7 @@ class DiskStore:
         dst = self._versions / str(manifest.version)
         os.rename(src, dst)
         _fsync_dir(self._versions)
-        return {f.name: DiskBlob(dst / f.name, f.size) for f in manifest.files}
+        return {f.name: DiskBlob(dst / f.name, f.size) for f in keep_entries(manifest)}
 
     def discard_staging(self, version: int) -> None:
         # An upload still arriving for it finds its directory gone: StagingDropped, as before.
@@ -427,7 +430,7 @@ class DiskStore:
                 if manifest.version != int(d.name):
                     raise ValueError(f"manifest says version {manifest.version}")
                 blobs: dict[str, Blob] = {}
-                for f in manifest.files:
+                for f in keep_entries(manifest):
                     size = (d / f.name).stat().st_size
                     if size != f.size:
                         raise ValueError(f"{f.name} has {size} bytes, manifest says {f.size}")
@@ -437,6 +440,11 @@ class DiskStore:
                 continue
             found.append((manifest, blobs))
         return found
+
+
+def keep_entries(manifest: Manifest) -> list:
+    """The files whose bytes the registry holds: none when the manifest names a source."""
+    return list(manifest.files) if manifest.source is None else []
 
 
 def _fsync_dir(path: Path) -> None:

@@ -16,10 +16,11 @@ from fastapi.responses import JSONResponse
 
 from rolloutd.registry.server import sendfile
 from rolloutd.registry.server.blobs import DiskBlob
-from rolloutd.registry.server.ranges import parse_range
 from rolloutd.registry.server.service import RegistryService
+from rolloutd.registry.server.ui import is_public
 from rolloutd.wire import errors
 from rolloutd.wire.auth import bearer_ok
+from rolloutd.wire.ranges import parse_range
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -142,7 +143,7 @@ class Guard:
 
     def _refusal(self, scope, limit: int) -> errors.RegistryError | None:
         """Why a request is refused before any route sees it (token, declared body size)."""
-        if self.token is not None and scope["path"] != "/healthz" and not self._authorized(scope):
+        if self.token is not None and not _public(scope["path"]) and not self._authorized(scope):
             err = errors.Unauthorized("missing or wrong bearer token")
             err.headers = {"www-authenticate": "Bearer"}
             return err
@@ -155,6 +156,12 @@ class Guard:
 
     def _authorized(self, scope) -> bool:
         return bearer_ok(_header(scope, b"authorization"), self.token)
+
+
+def _public(path: str) -> bool:
+    """Routes without a token: liveness, and the fleet page's files (no data: the page sends the
+    token with every data request it makes)."""
+    return path == "/healthz" or is_public(path)
 
 
 def _is_heartbeat(scope) -> bool:

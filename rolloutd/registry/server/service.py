@@ -10,19 +10,25 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import Counter as Tally
 from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped, Upload
+from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.settings import RegistrySettings
 from rolloutd.registry.server.store import Store, Version, VersionState
+from rolloutd.registry.server.tracker import Tracker
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
-from rolloutd.wire.messages import Heartbeat
+from rolloutd.wire.messages import REPLICA_ID_RE, Announce, Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
+
+# Seconds to minutes on a small fleet and model; up to an hour for a large one over a slow link.
+PUBLISH_TO_SERVING_BUCKETS = (.5, 1, 2.5, 5, 10, 20, 30, 60, 120, 300, 600, 1200, 1800, 3600)
 
 
 class Metrics:
@@ -43,6 +49,17 @@ class Metrics:
         self.versions = Gauge("rolloutd_registry_versions", "Versions holding bytes", ["state"], registry=r)
         self.leases = Gauge("rolloutd_registry_leases", "Live leases", registry=r)
         self.replicas = Gauge("rolloutd_registry_replicas", "Replicas in the directory", registry=r)
+        self.replica_states = Gauge("rolloutd_registry_replica_states", "Replicas in the directory by the state "
+                                    "they reported last", ["state"], registry=r)
+        self.replicas_behind = Gauge("rolloutd_registry_replicas_behind", "Replicas by how many versions "
+                                     "were published after the one they hold (start model: none loaded)",
+                                     ["behind"], registry=r)
+        self.publish_to_serving = Histogram("rolloutd_registry_publish_to_serving_seconds", "From a version's "
+                                            "publish to each replica's first SERVING report of it (replicas "
+                                            "that were in the directory at the publish)",
+                                            buckets=PUBLISH_TO_SERVING_BUCKETS, registry=r)
+        for bucket in BEHIND_BUCKETS:
+            self.replicas_behind.labels(bucket)
 
     def refresh(self, store: Store) -> None:
         latest = store.latest
@@ -51,17 +68,30 @@ class Metrics:
             self.versions.labels(state.value).set(sum(v.state is state for v in store.versions()))
         self.leases.set(store.lease_count())
         self.replicas.set(store.replica_count())
+        states, behind = Tally(), Tally()
+        newest = latest.number if latest else None
+        for c in store.replica_counts():
+            states[c["state"]] += c["count"]
+            behind[behind_bucket(c["version"], store.rollouts.lag(c["version"], newest, store.now())[0])] += c["count"]
+        self.replica_states.clear()  # a state no replica reports any more is dropped, not left at its last count
+        for state, n in states.items():
+            self.replica_states.labels(state).set(n)
+        for bucket in BEHIND_BUCKETS:
+            self.replicas_behind.labels(bucket).set(behind[bucket])
 
 
 class RegistryService:
     def __init__(self, settings: RegistrySettings, clock: Callable[[], float] = time.monotonic):
         self.settings = settings
         self.blobs = DiskStore(Path(settings.data_dir)) if settings.data_dir else MemoryStore()
+        self.tracker = Tracker(clock=clock, holder_ttl_s=settings.holder_ttl_s, assign_ttl_s=settings.assign_ttl_s,
+                               max_peers=settings.max_peers)
         self.store = Store(keep_versions=settings.keep_versions, clock=clock,
                            max_lease_ttl_s=settings.max_lease_ttl_s,
                            replica_forget_after_s=settings.replica_forget_after_s,
-                           reclaim=self.blobs.reclaim)
+                           reclaim=self._reclaim)
         self.metrics = Metrics()
+        self.store.rollouts.on_delay = self.metrics.publish_to_serving.observe
         self.token = settings.read_token()
         self._publish_lock: asyncio.Lock | None = None
         self._changed: asyncio.Event | None = None
@@ -81,6 +111,23 @@ class RegistryService:
         if self._changed is not None:
             self._changed.set()
             self._changed = None
+
+    def _reclaim(self, version: int) -> None:
+        self.blobs.reclaim(version)
+        self.tracker.forget_version(version)  # no puller is sent to a peer for bytes nobody may keep
+
+    def announce(self, node: str, body: bytes) -> dict:
+        """A node's peer listener and what it holds -> where it should take what it lacks."""
+        if not REPLICA_ID_RE.fullmatch(node):
+            raise errors.InvalidRequest(f"invalid node name {node[:140]!r}")
+        views = self.tracker.announce(node, errors.parse(Announce, body), self._manifest_of)
+        return {"instance": self.store.instance, "versions": views}
+
+    def _manifest_of(self, version: int) -> Manifest | None:
+        try:
+            return self.store.get(version).manifest
+        except (errors.VersionUnknown, errors.VersionRetired):
+            return None
 
     def heartbeat(self, replica_id: str, body: bytes) -> dict:
         """One replica's heartbeat (raw JSON body) -> the reply with latest and demand."""
@@ -148,6 +195,8 @@ class RegistryService:
         async with self._lock():
             if self.store.check_publishable(manifest):
                 return self.store.get(manifest.version), False
+            if manifest.source is not None:  # the bytes are in an object store: the manifest only
+                return self._publish_committed(manifest, await asyncio.to_thread(self.blobs.commit, manifest)), True
             self._check_staged(manifest)
             self._publishing.add(manifest.version)
             try:
@@ -163,9 +212,12 @@ class RegistryService:
                 blobs = await asyncio.to_thread(self.blobs.commit, manifest)
             finally:
                 self._publishing.discard(manifest.version)
-            version = self.store.publish(manifest, blobs)
-            self.metrics.publishes.inc()
-            return version, True
+            return self._publish_committed(manifest, blobs), True
+
+    def _publish_committed(self, manifest: Manifest, blobs: dict) -> Version:
+        version = self.store.publish(manifest, blobs)
+        self.metrics.publishes.inc()
+        return version
 
     def _check_staged(self, manifest: Manifest) -> None:
         sizes = self.blobs.staged_sizes(manifest.version)

@@ -28,6 +28,11 @@ class RegistrySettings(BaseModel):
     replica_forget_after_s: float = Field(3600.0, gt=0, description="drop a replica from the "
                                           "directory after this long without a heartbeat")
     keep_alive_s: float = Field(75.0, gt=0, description="idle keep-alive of client connections")
+    holder_ttl_s: float = Field(30.0, gt=0, description="peers: forget a node's chunks after this long "
+                                "without an announcement")
+    assign_ttl_s: float = Field(30.0, gt=0, description="peers: a chunk handed to a puller to take from the "
+                                "origin is handed to another if not announced within this long")
+    max_peers: int = Field(8, ge=1, le=64, description="peers: most holders named to a puller in one reply")
 
     def read_token(self) -> str | None:
         """The token from ``token_file`` (surrounding whitespace stripped); never logged."""

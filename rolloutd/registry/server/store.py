@@ -24,6 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rolloutd.registry.server.blobs import Blob
+from rolloutd.registry.server.rollouts import RolloutLog
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Manifest
 from rolloutd.wire.messages import REPLICA_ID_RE, Heartbeat
@@ -82,6 +83,8 @@ class Replica:
     heartbeat: Heartbeat
     first_seen: float
     last_seen: float
+    state_since: float  # when the registry first saw it in its current state
+    reached: int = 0    # newest version it was seen SERVING (each version is timed once)
 
 
 class Store:
@@ -105,6 +108,7 @@ class Store:
         self._replicas: dict[str, Replica] = {}
         self._latest: Version | None = None
         self.demand: int | None = None
+        self.rollouts = RolloutLog()  # publish-to-serving times and lag, for the fleet view
         self.listeners: list[Callable[[], None]] = []  # called after every change of "latest"
 
     def now(self) -> float:
@@ -148,6 +152,7 @@ class Store:
         version = Version(manifest, blobs, self.now())
         self._versions[manifest.version] = version
         self._highest = manifest.version
+        self.rollouts.published(manifest.version, version.published_at)
         log.info("publish version %d (%d files, %d bytes, digest %s)", manifest.version,
                  len(manifest.files), manifest.total_bytes, manifest.digest)
         live = [v for v in self.versions() if v.state is VersionState.LIVE]
@@ -285,9 +290,14 @@ class Store:
         rep = self._replicas.get(replica_id)
         if rep is None:
             log.info("register replica %s (node %s, server %s)", replica_id, hb.node, hb.server)
-            self._replicas[replica_id] = Replica(hb, now, now)
+            rep = self._replicas[replica_id] = Replica(hb, now, now, now)
         else:
+            if hb.state != rep.heartbeat.state:
+                rep.state_since = now
             rep.heartbeat, rep.last_seen = hb, now
+        if hb.state == "SERVING" and hb.version is not None and hb.version > rep.reached:
+            rep.reached = hb.version
+            self.rollouts.serving(hb.version, rep.first_seen, now)
         return self.heartbeat_reply()
 
     def heartbeat_reply(self) -> dict:
@@ -306,6 +316,10 @@ class Store:
         return [{"replica_id": rid, **rep.heartbeat.model_dump(mode="json"),
                  "age_s": round(now - rep.last_seen, 3)}
                 for rid, rep in sorted(self._replicas.items())]
+
+    def directory(self) -> dict[str, Replica]:
+        """The replica directory itself, for read-only views (the fleet page): no copy at any size."""
+        return self._replicas
 
     def replica_count(self) -> int:
         return len(self._replicas)

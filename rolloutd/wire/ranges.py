@@ -1,4 +1,6 @@
-"""HTTP byte ranges, as the registry serves them: one ``bytes=`` range, or 416."""
+"""HTTP byte ranges as the registry serves them, and every node's peer listener too: one
+``Range: bytes=a-b``, ``a-`` or ``-n`` inside the file; anything else is 416 with
+``Content-Range: bytes */SIZE``."""
 
 from __future__ import annotations
 

@@ -1,15 +1,24 @@
-"""Where a version's bytes come from, seen from a pull worker: one small interface.
+"""Where a pull's bytes come from: one small interface, three kinds of source.
 
-A :class:`Source` does one thing: fetch bytes ``[start, end)`` of one file of the version into
-the caller's :class:`Sink`, piece by piece. The registry's ``Range`` route is the source
-today; peers and object stores plug in beside it by implementing the same method (and a
-:class:`SourceSpec` kind that builds them), and the rest of the pull (leases, chunk digests,
-retries, the mirror) does not change.
+The daemon names a source with a :class:`SourceSpec`: the chunk plan
+(:mod:`~rolloutd.rollout.swarm`) hands one out with every chunk, and the pull worker that
+fetches the chunk opens it (:meth:`SourceSpec.open`) and keeps it for the next chunk from the
+same place. A :class:`Source` does one thing: fetch bytes ``[start, end)`` of one file of a
+version into the caller's :class:`Sink`, piece by piece. Every source is untrusted: the worker
+checks each chunk against the manifest whatever gave it.
 
-Runs inside the pull workers (``fetch_worker``): blocking, one source per thread, standard
-library only. A failure is a :class:`SourceError` whose ``kind`` says whether another attempt
-can help (``unavailable``: the network, a timeout, a 5xx) or what the registry answered
-(``http``: its status and JSON body, which the daemon turns back into the typed error).
+- ``registry``: the registry's ``GET /v1/versions/{v}/files/{name}`` with ``Range`` (the origin of
+  a version published to the registry);
+- ``peer``: another node's peer listener, which serves what its mirror holds with the same
+  route, ``Range`` semantics and a bearer token (:class:`HttpRangeSource` for both);
+- ``s3``: an S3 bucket, the origin of a version whose manifest names a ``source``
+  (:class:`ObjectSource`, obstore); credentials from the node's ``object_store`` settings.
+
+Runs inside the pull workers (``fetch_worker``): blocking, each source used by one thread. A
+failure is a :class:`SourceError` whose ``kind`` says whether another attempt can help
+(``unavailable``: the network, a timeout, a 5xx) or what the source answered (``http``: its
+status and JSON body, which the daemon turns back into the typed error). Whether another
+source may help is the daemon's call: a failed peer is dropped and its chunk fetched elsewhere.
 """
 
 from __future__ import annotations
@@ -58,8 +67,8 @@ class SourceError(Exception):
 
 
 class Source(Protocol):
-    def fetch(self, name: str, start: int, end: int, sink: Sink) -> None:
-        """Bytes [start, end) of file ``name`` into ``sink``, in order; raises
+    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink) -> None:
+        """Bytes [start, end) of file ``name`` of ``version`` into ``sink``, in order; raises
         :class:`SourceError`. Returns only once every byte was handed over."""
 
     def close(self) -> None: ...
@@ -67,35 +76,49 @@ class Source(Protocol):
 
 @dataclass(frozen=True)
 class SourceSpec:
-    """What a worker needs to build its sources; sent over the worker's stdin, never in its
-    arguments (the token)."""
+    """A source as the daemon names it and a worker opens it; sent over the worker's stdin with
+    each chunk, never in its arguments (the token)."""
 
-    kind: str                    # "registry"
-    url: str                     # the registry's base URL
-    version: int
+    kind: str                    # "registry", "peer" or "s3"
+    url: str                     # the registry's or the peer listener's base URL; s3: the version's source
     token: str | None = None
+    node: str | None = None      # a peer's node name
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 30.0  # longest silence while bytes come
+    store: str | None = None      # s3: the node's object_store settings as JSON (endpoint, region, credentials file)
+
+    @property
+    def is_peer(self) -> bool:
+        return self.kind == "peer"
+
+    @property
+    def label(self) -> str:
+        """For logs and status: "registry", "s3", "peer node-7"."""
+        return f"peer {self.node}" if self.is_peer else self.kind
 
     def as_json(self) -> dict:
-        return {"kind": self.kind, "url": self.url, "version": self.version, "token": self.token,
-                "connect_timeout_s": self.connect_timeout_s, "read_timeout_s": self.read_timeout_s}
+        return {"kind": self.kind, "url": self.url, "token": self.token, "node": self.node,
+                "connect_timeout_s": self.connect_timeout_s, "read_timeout_s": self.read_timeout_s,
+                "store": self.store}
 
     @classmethod
     def from_json(cls, data: dict) -> SourceSpec:
         return cls(**data)
 
     def open(self, piece_bytes: int, zero_copy: bool = True) -> Source:
-        if self.kind == "registry":
-            return RegistrySource(self, piece_bytes, zero_copy)
+        if self.kind in ("registry", "peer"):
+            return HttpRangeSource(self, piece_bytes, zero_copy)
+        if self.kind == "s3":
+            return ObjectSource(self, piece_bytes)
         raise ValueError(f"unknown source kind {self.kind!r}")
 
     def __repr__(self) -> str:  # never show the token
-        return f"SourceSpec({self.kind!r}, {self.url!r}, version={self.version})"
+        return f"SourceSpec({self.kind!r}, {self.url!r}" + (f", node={self.node!r})" if self.node else ")")
 
 
-class RegistrySource:
-    """``GET /v1/versions/{v}/files/{name}`` with ``Range`` over one kept-alive connection
+class HttpRangeSource:
+    """``GET /v1/versions/{v}/files/{name}`` with ``Range`` over one kept-alive connection, from
+    the registry or a peer
     (``http.client`` sends the request and parses the reply's head).
 
     The body goes into the sink's file with ``splice`` (socket -> pipe -> file: the bytes are
@@ -133,8 +156,8 @@ class RegistrySource:
             self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self._conn
 
-    def fetch(self, name: str, start: int, end: int, sink: Sink) -> None:
-        path = f"{self._base}/v1/versions/{self._spec.version}/files/{quote(name)}"
+    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink) -> None:
+        path = f"{self._base}/v1/versions/{version}/files/{quote(name)}"
         headers = {**self._headers, "range": f"bytes={start}-{end - 1}"}
         response = self._request(path, headers)
         try:
@@ -255,6 +278,51 @@ class RegistrySource:
             for fd in self._pipe:
                 os.close(fd)
             self._pipe = None
+
+
+class ObjectSource:
+    """A version's files in an S3 bucket: file ``name`` is the object ``<prefix>/<name>`` of the
+    spec's source, read with obstore (its client keeps connections; it retries by itself)."""
+
+    def __init__(self, spec: SourceSpec, piece_bytes: int):
+        from rolloutd.objstore import ObjectStoreSettings, parse_source
+
+        self._spec, self._piece_bytes = spec, piece_bytes
+        self._bucket_name, self._prefix = parse_source(spec.url)
+        self._settings = ObjectStoreSettings.model_validate_json(spec.store) if spec.store else ObjectStoreSettings()
+        self._store = None
+
+    def close(self) -> None:
+        self._store = None
+
+    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink) -> None:
+        import obstore
+
+        from rolloutd.objstore import ObjectStoreError, object_key, open_bucket
+
+        where = f"{self._spec.url}/{name}"
+        done = 0
+        try:
+            if self._store is None:
+                self._store = open_bucket(self._bucket_name, self._settings, timeout_s=self._spec.read_timeout_s)
+            result = obstore.get(self._store, object_key(self._prefix, name), options={"range": (start, end)})
+            for piece in result.stream(min_chunk_size=self._piece_bytes):
+                view = memoryview(piece)
+                sink.write(view)
+                done += len(view)
+        except SourceError:
+            raise
+        except FileNotFoundError:
+            raise SourceError("http", f"{where}: no such object", status=404,
+                              body={"error": {"code": "file_unknown", "message": f"{where}: no such object"}}) from None
+        except ObjectStoreError as e:  # the credentials file: no retry can help
+            raise SourceError("http", f"object store {self._spec.url}: {e}", status=401,
+                              body={"error": {"code": "unauthorized", "message": f"object store: {e}"}}) from None
+        except Exception as e:  # obstore's errors carry a debug dump: its first line is enough
+            first = (str(e).splitlines() or [type(e).__name__])[0][:300]
+            raise SourceError("unavailable", f"{where}: {type(e).__name__}: {first}") from None
+        if done != end - start:
+            raise SourceError("unavailable", f"{where}: got {done} of the {end - start} bytes asked for")
 
 
 class _NoSplice(Exception):

@@ -1,0 +1,228 @@
+"""Trainer egress and fleet time with the chunk swarm: N nodes, each its own host (network
+namespaces, ``tests/netns_fleet.py``), the trainer's link shaped with ``tc`` so its NIC is the
+bottleneck, one version of ``--size-mib``.
+
+Runs, one after the other, each on a fresh registry and fresh mirrors:
+
+1. ``alone``: one node pulls the version; the time from the publish returning to the version
+   being complete in its mirror is the reference.
+2. ``swarm``: N nodes (peers on) pull it together. Measured: bytes out of the trainer's link
+   per version size (``egress_ratio``; every packet counted, headers and heartbeats included)
+   and the registry's own count of file bytes sent (``registry_file_ratio``); the time until all
+   N mirrors hold it over the alone time (``all_nodes_time_ratio``).
+3. ``--no-peers`` adds the same N nodes without peers (today's behaviour), for the baseline.
+4. ``--s3``: the version published to a real S3 server (SeaweedFS) on a shaped host of its own;
+   the registry's link should carry about the manifest only.
+5. ``--faults``: N nodes, peers on, a FAKE peer (``tests/fake_peer.py``) claiming every chunk
+   and serving wrong bytes, one node killed once the pull is under way, and the registry killed
+   and restarted (on its data directory) mid-pull: every surviving node must end with the version.
+
+Every mirror is compared with the published files (sha256 of every file). The last line of
+stdout is one JSON object: ``nodes``, ``egress_ratio``, ``all_nodes_time_ratio`` and the rest.
+Needs root (namespaces, ``tc``). From the repository root::
+
+    .venv/bin/python bench/egress.py                       # 8 nodes, 512 MiB, 200 Mbit/s
+    .venv/bin/python bench/egress.py --s3 --faults --no-peers
+    .venv/bin/python bench/egress.py --nodes 3 --size-mib 32 --rate-mbit 100   # a short run
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.netns_fleet import Fleet  # noqa: E402
+
+MiB = 1 << 20
+
+
+def make_version(directory: Path, size_mib: int, files: int) -> dict[str, str]:
+    """``files`` files of random bytes, ``size_mib`` in all; their sha256 by name."""
+    directory.mkdir(parents=True, exist_ok=True)
+    sums = {}
+    per = size_mib * MiB // files
+    for i in range(files):
+        path = directory / f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        h = hashlib.sha256()
+        with open(path, "wb") as f:
+            for _ in range(per // MiB):
+                block = os.urandom(MiB)
+                h.update(block)
+                f.write(block)
+        sums[path.name] = h.hexdigest()
+    return sums
+
+
+def identical(fleet: Fleet, daemons, version: int, sums: dict[str, str]) -> list[str]:
+    """Nodes whose mirror copy differs from the published files (none: every byte the same)."""
+    bad = []
+    for d in daemons:
+        vdir = Path(d.cfg["mirror"]["dir"]) / str(version)
+        for name, want in sums.items():
+            h = hashlib.sha256()
+            try:
+                with open(vdir / name, "rb") as f:
+                    while block := f.read(8 * MiB):
+                        h.update(block)
+            except OSError:
+                bad.append(f"{d.cfg['node']['name']}: {name} missing")
+                continue
+            if h.hexdigest() != want:
+                bad.append(f"{d.cfg['node']['name']}: {name} differs")
+    return bad
+
+
+def wait_serving(daemons, timeout_s: float = 120) -> None:
+    for d in daemons:
+        d.wait(lambda st: st["registry"]["reachable"], timeout_s, "the registry reached")
+
+
+def reset_nodes(fleet: Fleet) -> None:
+    fleet.stop_nodes()
+    for i in range(fleet.n):
+        shutil.rmtree(fleet.dir / f"node{i}", ignore_errors=True)
+
+
+def run_once(fleet: Fleet, data: Path, sums, size: int, *, nodes: int, peers: bool, chunk: int,
+             to: str | None = None, timeout_s: float = 900) -> dict:
+    """Fresh registry and mirrors; ``nodes`` nodes; publish; wait until every mirror has it."""
+    reset_nodes(fleet)
+    fleet.stop_registry()
+    fleet.start_registry()
+    daemons = fleet.start_nodes(nodes, peers=peers, object_store=to is not None)
+    wait_serving(daemons)
+    trainer0 = fleet.tx_bytes("trainer")
+    store0 = fleet.tx_bytes("store") if to else 0
+    published = fleet.publish(1, data, chunk_bytes=chunk, to=to)
+    done = fleet.wait_mirrors(daemons, 1, timeout_s)
+    last = max(done.values()) - published
+    out = {"nodes": nodes, "peers": peers, "seconds": round(last, 2),
+           "first_s": round(min(done.values()) - published, 2),
+           "trainer_tx_ratio": round((fleet.tx_bytes("trainer") - trainer0) / size, 3),
+           "registry_file_ratio": round(fleet.served_bytes() / size, 3)}
+    if to:
+        out["store_tx_ratio"] = round((fleet.tx_bytes("store") - store0) / size, 3)
+    statuses = [d.status() for d in daemons]
+    sources = [st["pull_sources"] for st in statuses]
+    out["pull_s_max"] = max(st["pull"]["seconds"] for st in statuses)  # the pullers' own clocks
+    out["bytes_from_peers_ratio"] = round(sum(s["last_pull"].get("peers", 0) for s in sources) / size, 3)
+    out["not_identical"] = identical(fleet, daemons, 1, sums)
+    return out
+
+
+def run_faults(fleet: Fleet, data: Path, sums, size: int, *, nodes: int, chunk: int, timeout_s: float = 900) -> dict:
+    """Peers on; a fake peer with bad bytes; one node killed and the registry restarted mid-pull."""
+    reset_nodes(fleet)
+    fleet.stop_registry()
+    reg_data = fleet.dir / "registry-data"
+    shutil.rmtree(reg_data, ignore_errors=True)
+    fleet.start_registry(data_dir=reg_data)
+    daemons = fleet.start_nodes(nodes, peers=True)
+    wait_serving(daemons)
+    liar = fleet.spawn("trainer", [sys.executable, str(ROOT / "tests" / "fake_peer.py"), "--registry",
+                                   fleet.registry_url, "--token-file", str(fleet.token_file), "--node", "liar",
+                                   "--host", fleet.address("trainer"), "--port", "9399", "--version", "1"],
+                       fleet.dir / "fake_peer.log")
+    trainer0 = fleet.tx_bytes("trainer")
+    published = fleet.publish(1, data, chunk_bytes=chunk)
+    victim, survivors = daemons[-1], daemons[:-1]
+
+    def progress(d) -> float:
+        try:
+            p = d.status()["pull"]
+            return p["bytes_done"] / max(p["bytes_total"], 1) if p and p["version"] == 1 else 0.0
+        except Exception:
+            return 0.0
+    deadline = time.monotonic() + timeout_s
+    while max(progress(d) for d in daemons) < 0.3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    victim.kill_everything()  # a peer gone mid-pull, its chunks half handed out
+    killed_at = round(time.monotonic() - published, 2)
+    time.sleep(0.5)
+    fleet.stop_registry()  # the registry restarted mid-pull: a new instance, the tracker empty
+    fleet.start_registry(data_dir=reg_data)
+    restarted_at = round(time.monotonic() - published, 2)
+    done = fleet.wait_mirrors(survivors, 1, timeout_s)
+    liar.kill()
+    log = (fleet.dir / "fake_peer.log").read_text().strip().splitlines()
+    dropped = sum(d.log_text().count("drop peer liar") for d in survivors)
+    return {"nodes": nodes, "survivors": len(survivors), "seconds": round(max(done.values()) - published, 2),
+            "node_killed_at_s": killed_at, "registry_restarted_at_s": restarted_at,
+            "trainer_tx_ratio": round((fleet.tx_bytes("trainer") - trainer0) / size, 3),
+            "fake_peer": log[-1] if log else "", "fake_peer_dropped_by": dropped,
+            "not_identical": identical(fleet, survivors, 1, sums)}
+
+
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--size-mib", type=int, default=512)
+    p.add_argument("--files", type=int, default=4)
+    p.add_argument("--chunk-mib", type=int, default=8, help="the manifest's chunk size (the swarm's unit)")
+    p.add_argument("--rate-mbit", type=float, default=200.0, help="the trainer's (and the store's) link")
+    p.add_argument("--s3", action="store_true", help="also with the version in a real S3 server")
+    p.add_argument("--faults", action="store_true", help="also the fault run")
+    p.add_argument("--no-peers", action="store_true", help="also N nodes without peers (the baseline)")
+    p.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
+    args = p.parse_args()
+    if os.geteuid() != 0:
+        print("bench/egress.py: needs root (network namespaces, tc)", file=sys.stderr)
+        return 2
+    scratch = Path(args.dir or tempfile.mkdtemp(prefix="rolloutd-egress-"))
+    chunk = args.chunk_mib * MiB
+    result: dict = {"nodes": args.nodes, "size_mib": args.size_mib, "chunk_mib": args.chunk_mib,
+                    "rate_mbit": args.rate_mbit, "load_before": load()}
+    try:
+        sums = make_version(scratch / "version", args.size_mib, args.files)
+        size = args.size_mib * MiB
+        with Fleet(scratch / "fleet", args.nodes, rate_mbit=args.rate_mbit).setup(store=args.s3) as fleet:
+            alone = run_once(fleet, scratch / "version", sums, size, nodes=1, peers=True, chunk=chunk)
+            print("alone:", json.dumps(alone), flush=True)
+            swarm = run_once(fleet, scratch / "version", sums, size, nodes=args.nodes, peers=True, chunk=chunk)
+            print("swarm:", json.dumps(swarm), flush=True)
+            result.update(alone_s=alone["seconds"], all_nodes_s=swarm["seconds"],
+                          all_nodes_time_ratio=round(swarm["seconds"] / alone["seconds"], 3),
+                          egress_ratio=swarm["trainer_tx_ratio"], registry_file_ratio=swarm["registry_file_ratio"],
+                          alone=alone, swarm=swarm)
+            if args.no_peers:
+                base = run_once(fleet, scratch / "version", sums, size, nodes=args.nodes, peers=False, chunk=chunk)
+                print("no peers:", json.dumps(base), flush=True)
+                result["no_peers"] = base
+            if args.s3:
+                fleet.start_s3()
+                s3 = run_once(fleet, scratch / "version", sums, size, nodes=args.nodes, peers=True, chunk=chunk,
+                              to=f"s3://{fleet.s3.bucket}/egress")
+                print("s3:", json.dumps(s3), flush=True)
+                result["s3"] = s3
+            if args.faults:
+                faults = run_faults(fleet, scratch / "version", sums, size, nodes=args.nodes, chunk=chunk)
+                print("faults:", json.dumps(faults), flush=True)
+                result["faults"] = faults
+    finally:
+        if args.dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    result["load_after"] = load()
+    result["ok"] = (result["egress_ratio"] <= 1.5 and result["all_nodes_time_ratio"] <= 2.0
+                    and not swarm["not_identical"] and not result.get("s3", {}).get("not_identical")
+                    and not result.get("faults", {}).get("not_identical"))
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+

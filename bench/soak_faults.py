@@ -1,0 +1,316 @@
+"""The soak's faults (bench/soak.py): what it breaks, how, and when.
+
+Every kind, in a random order each round (round-robin: each kind once per round), one every
+``spacing_s``; a kind that cannot happen now (no server with a live engine to kill) lets the
+next one of the round go first:
+
+- ``kill_group``: ``kill -9`` of a server's whole process group;
+- ``kill_engine``: ``kill -9`` of a serving server's engine core alone;
+- ``kill_engine_mid_load``: the same while the server is UPDATING: its engine core is stopped
+  (SIGSTOP), a version published, and once the daemon shows the server UPDATING (a request of
+  the update held by the stopped engine), killed;
+- ``registry_restart``: the standalone registry killed, down a few seconds, started again empty
+  (a new instance), the trainer's newest two versions republished;
+- ``corrupt_chunk``: the fake path flips a byte of the next Range reply (the puller must catch
+  it by its digest);
+- ``slow_pull``: the fake path delays every Range reply by 1 s for 15 s;
+- ``reload``: one server's entry changed in the config file (an environment variable), then
+  SIGHUP: that server restarts;
+- ``bad_version``: a version lacking one tensor, without ``partial``: every server must refuse it.
+
+Processes are signalled only when they carry the soak's tag in their environment: a pid read
+from ``/status`` a moment ago could belong to someone else by now.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+from aiohttp import web
+
+from bench.soak_check import MISSING, Trainer
+from tests.conftest import wait_healthy
+from tests.daemon_harness import DaemonProcess
+from tests.registry_proxy import RegistryProxy
+from tests.vllm_server import ROOT, group_pids
+
+KINDS = ("kill_group", "kill_engine", "kill_engine_mid_load", "registry_restart", "corrupt_chunk", "slow_pull",
+         "reload", "bad_version")
+SLOW_DELAY_S, SLOW_FOR_S = 1.0, 15.0
+
+
+class FakeFaultyPath(RegistryProxy):
+    """A fake network path from the daemon to the registry (``tests/registry_proxy.py``), which
+    can also flip a byte of the next Range reply (``corrupt_next``). Its ``byte_delay_s``
+    throttles every byte transfer."""
+
+    def __init__(self, upstream_port: int):
+        super().__init__(upstream_port)
+        self.corrupt_armed = False
+        self.corrupted: list[str] = []
+
+    def corrupt_next(self) -> None:
+        self.corrupt_armed = True
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        response = await super()._handle(request)
+        if (self.corrupt_armed and request.method == "GET" and "/files/" in request.path
+                and response.status == 206 and response.body):
+            self.corrupt_armed = False
+            body = bytearray(response.body)
+            body[len(body) // 2] ^= 0xFF
+            response.body = bytes(body)
+            self.corrupted.append(f"{request.path} {request.headers.get('range')}")
+        return response
+
+
+class RegistryProcess:
+    """``rolloutd registry`` on a fixed port, bytes in memory: a crash loses every version."""
+
+    def __init__(self, port: int, work: Path):
+        self.port, self.work = port, work
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> RegistryProcess:
+        self.starts += 1
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        with open(self.work / f"registry-{self.starts}.log", "wb") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "registry", "--port", str(self.port)],
+                                         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        wait_healthy(self.url, self.proc, timeout_s=120)
+        return self
+
+    def instance(self) -> str:
+        return httpx.get(self.url + "/v1/versions/latest", timeout=10).json()["instance"]
+
+    def crash(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+def tagged(pid: int, tag: str) -> bool:
+    """The process carries the soak's tag: it is one of ours, not a reused pid."""
+    try:
+        return f"ROLLOUTD_TEST_TAG={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False
+
+
+def engine_core(pgid: int) -> int | None:
+    for pid in group_pids(pgid):
+        try:
+            if "EngineCore" in Path(f"/proc/{pid}/comm").read_text() + Path(f"/proc/{pid}/cmdline").read_text():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+class Chaos:
+    def __init__(self, *, daemon: DaemonProcess, path: FakeFaultyPath, registry: RegistryProcess, trainer: Trainer,
+                 rng: random.Random, spacing_s: float):
+        self.daemon, self.path, self.registry, self.trainer = daemon, path, registry, trainer
+        self.rng, self.spacing_s = rng, spacing_s
+        self.fired: Counter = Counter()
+        self.missed: Counter = Counter()  # tried, but what makes it that fault did not happen
+        self.errors: list[str] = []
+        self.log: list[dict] = []
+        self.uncaught: list[str] = []  # corrupted replies the puller did not notice
+        self.rounds = 0
+        self._reloads = 0
+
+    async def run(self, until: float, first_round_by: float) -> None:
+        """Rounds until ``until``; the first round is completed even after it (every kind happens
+        at least once; on a slow host servers take minutes to come back), until ``first_round_by``."""
+        next_at = time.monotonic() + self.spacing_s / 2
+        while time.monotonic() < until:
+            pending = self.rng.sample(KINDS, len(KINDS))
+            self.rounds += 1
+            end = first_round_by if self.rounds == 1 else until
+            while pending and time.monotonic() < end:
+                await asyncio.sleep(max(0.0, min(next_at, end) - time.monotonic()))
+                if time.monotonic() >= end:
+                    return
+                kind = await self._one_of(pending)
+                if kind is None:
+                    await asyncio.sleep(2)  # none can happen now (servers restarting): look again soon
+                    continue
+                pending.remove(kind)
+                next_at = time.monotonic() + self.spacing_s
+
+    async def _one_of(self, pending: list[str]) -> str | None:
+        """Inject the first kind of ``pending`` that can happen now; the kind injected, or None."""
+        for kind in pending:
+            try:
+                detail = await getattr(self, kind)()
+            except Exception as e:  # noqa: BLE001 - a fault that broke is reported, the soak goes on
+                self.errors.append(f"{kind}: {e!r}")
+                print(f"soak: fault {kind} failed: {e!r}", flush=True)
+                continue
+            if detail is None:
+                continue
+            self.fired[kind] += 1
+            self.log.append({"at_unix": round(time.time(), 1), "kind": kind, "detail": detail})
+            print(f"soak: fault {kind}: {detail}", flush=True)
+            return kind
+        return None
+
+    # -- the faults: each returns what it did, or None when it cannot happen now -----------------
+    async def kill_group(self) -> str | None:
+        s = self._pick(await self._servers(lambda s: s["pid"] is not None))
+        if s is None or not tagged(s["pid"], self.daemon.tag):
+            return None
+        os.killpg(s["pid"], signal.SIGKILL)
+        return f"{s['name']}: SIGKILL to group {s['pid']} ({s['state']} v{s['version']})"
+
+    async def kill_engine(self) -> str | None:
+        s, core = await self._serving_engine()
+        if core is None:
+            return None
+        os.kill(core, signal.SIGKILL)
+        return f"{s['name']}: SIGKILL to engine core {core} (SERVING v{s['version']})"
+
+    async def kill_engine_mid_load(self) -> str | None:
+        s, core = await self._serving_engine()
+        if core is None:
+            return None
+        os.kill(core, signal.SIGSTOP)  # the update's first request to the engine waits on it
+        try:
+            version = await asyncio.to_thread(self.trainer.publish_next)
+            seen = await self._until(lambda st: self._state(st, s["name"]) == "UPDATING", 90)
+            if seen:
+                await asyncio.sleep(0.5)  # a request of the update is in flight, held by the stopped engine
+        finally:
+            os.kill(core, signal.SIGKILL)
+        if not seen:
+            self.missed["kill_engine_mid_load"] += 1
+            print(f"soak: {s['name']} never UPDATING to v{version} with its engine stopped; killed it anyway",
+                  flush=True)
+            return None
+        return f"{s['name']}: SIGKILL to engine core {core} while UPDATING to v{version}"
+
+    async def registry_restart(self) -> str | None:
+        down_s = self.rng.uniform(1, 5)
+
+        def restart() -> tuple[str, list[int]]:
+            with self.trainer.lock:  # no publication reaches the new registry before the republished ones
+                before = self.registry.instance()
+                self.registry.crash()
+                time.sleep(down_s)
+                self.registry.start()
+                return before, self.trainer.republish(2)
+        before, again = await asyncio.to_thread(restart)
+        return f"instance {before} -> {self.registry.instance()}, down {down_s:.1f} s, republished {again}"
+
+    async def corrupt_chunk(self) -> str | None:
+        done, since = len(self.path.corrupted), self.daemon.log.stat().st_size
+        self.path.corrupt_next()
+        if not await self._until_true(lambda: len(self.path.corrupted) > done, 60):
+            self.path.corrupt_armed = False
+            self.missed["corrupt_chunk"] += 1
+            return None
+        what = self.path.corrupted[-1]
+        m = re.match(r"/v1/versions/(\d+)/files/(\S+) bytes=(\d+)-", what)
+        retry = f"retry version {m.group(1)} file {m.group(2)} chunk "
+        if await self._until_true(lambda: retry in self._log_since(since), 30):
+            return f"flipped a byte of {what}; the puller caught it and fetched the chunk again"
+        self.uncaught.append(what)
+        return f"flipped a byte of {what}; NOT caught (no '{retry}...' in the daemon's log)"
+
+    async def slow_pull(self) -> str | None:
+        before = self.path.byte_requests
+        self.path.byte_delay_s = SLOW_DELAY_S
+        try:
+            await asyncio.sleep(SLOW_FOR_S)
+            await self._until_true(lambda: self.path.byte_requests > before, 45)  # at least one pull slowed
+        finally:
+            self.path.byte_delay_s = 0.0
+        slowed = self.path.byte_requests - before
+        if not slowed:
+            self.missed["slow_pull"] += 1
+            return None
+        return f"{slowed} Range replies delayed by {SLOW_DELAY_S:g} s"
+
+    async def reload(self) -> str | None:
+        self._reloads += 1
+        cfg = copy.deepcopy(self.daemon.cfg)
+        entry = self.rng.choice(cfg["servers"])
+        entry["env"] = {**entry.get("env", {}), "SOAK_RELOAD": str(self._reloads)}
+        since = self.daemon.log.stat().st_size
+        self.daemon.write(cfg)
+        self.daemon.signal(signal.SIGHUP)
+        if not await self._until_true(lambda: "reload: servers" in self._log_since(since), 60):
+            self.missed["reload"] += 1
+            return None
+        line = next(ln for ln in self._log_since(since).splitlines() if "reload: servers" in ln)
+        return f"{entry['name']}'s env changed, SIGHUP: {line.split('reload: ', 1)[1][:160]}"
+
+    async def bad_version(self) -> str | None:
+        if not await self._servers(lambda s: s["state"] == "SERVING"):
+            return None  # with no server serving, the next version would replace it before any tried it
+        version = await asyncio.to_thread(self.trainer.publish_bad)
+        return f"v{version} lacks {MISSING}"
+
+    # -- helpers -----------------------------------------------------------------------------------
+    async def _status(self) -> dict | None:
+        try:
+            async with httpx.AsyncClient(timeout=10) as http:
+                return (await http.get(self.daemon.url + "/status")).json()
+        except (httpx.HTTPError, ValueError):
+            return None
+
+    async def _servers(self, which: Callable[[dict], bool]) -> list[dict]:
+        st = await self._status()
+        return [s for s in (st or {}).get("servers", []) if which(s)]
+
+    def _pick(self, servers: list[dict]) -> dict | None:
+        return self.rng.choice(servers) if servers else None
+
+    async def _serving_engine(self) -> tuple[dict | None, int | None]:
+        s = self._pick(await self._servers(lambda s: s["state"] == "SERVING" and s["pid"] is not None))
+        if s is None or not tagged(s["pid"], self.daemon.tag):
+            return s, None
+        core = await asyncio.to_thread(engine_core, s["pid"])
+        return s, core if core is not None and tagged(core, self.daemon.tag) else None
+
+    @staticmethod
+    def _state(st: dict | None, name: str) -> str | None:
+        return next((s["state"] for s in (st or {}).get("servers", []) if s["name"] == name), None)
+
+    async def _until(self, predicate: Callable[[dict | None], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate(await self._status()):
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    @staticmethod
+    async def _until_true(predicate: Callable[[], bool], timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if predicate():
+                return True
+            await asyncio.sleep(0.2)
+        return predicate()
+
+    def _log_since(self, offset: int) -> str:
+        with open(self.daemon.log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")

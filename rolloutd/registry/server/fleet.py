@@ -1,0 +1,166 @@
+"""The fleet as an operator sees it: the document behind ``GET /v1/fleet``, which the page
+``/ui`` and ``rolloutd fleet`` show.
+
+Built in two steps so that it stays cheap at 10,000 replicas. A summary pass goes over every
+replica once and keeps a light entry per replica (node, state, version, heartbeat age, problems)
+and the fleet's counts; it is cached for ``CACHE_S``, so any number of open pages polling every
+few seconds cost about one pass a second. Then, per request, the entries are filtered and
+grouped by node, and full rows are built only for the nodes of the requested page.
+
+A replica has a *problem* when its state is BACKOFF or FATAL (``state``), its last gate failed
+(``gate``), or the registry has not heard from it for ``stale_s`` (``silent``). Its last error
+is shown as it reported it: it stays after the server recovered, so it is not a problem by itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
+from rolloutd.registry.server.store import Replica, Store
+
+FAILING_STATES = frozenset({"BACKOFF", "FATAL"})  # the daemon's ServerState names for a failed server
+CACHE_S = 1.0
+MAX_PER_PAGE = 1000  # nodes per page
+
+
+@dataclass(frozen=True)
+class FleetQuery:
+    page: int = 1            # 1-based, of nodes
+    per_page: int = 50       # nodes per page
+    node: str = ""           # only nodes whose name contains this (case-insensitive)
+    state: str = ""          # only replicas in this state
+    problems: bool = False   # only replicas with a problem
+    stale_s: float = 15.0    # silent this long: a problem
+
+
+class _Entry(NamedTuple):
+    node: str          # first: entries sort by (node, replica id) as plain tuples
+    replica_id: str
+    state: str
+    version: int | None
+    problems: tuple[str, ...]
+
+
+@dataclass
+class _Pass:
+    at: float
+    stale_s: float
+    entries: list[_Entry]   # sorted by (node, replica id)
+    groups: list[tuple[str, list[_Entry]]]  # the entries by node, for a page without filters
+    summary: dict
+    held: Counter           # replicas per loaded version, any state
+    serving: Counter        # replicas SERVING each version
+
+
+class FleetView:
+    def __init__(self, store: Store, cache_s: float = CACHE_S):
+        self.store, self.cache_s = store, cache_s
+        self._last: _Pass | None = None
+
+    def document(self, q: FleetQuery) -> dict:
+        store, now = self.store, self.store.now()
+        p = self._summary_pass(now, q.stale_s)
+        latest = store.latest
+        return {
+            "instance": store.instance,
+            "latest": None if latest is None else
+            {"version": latest.number, "published_age_s": round(now - latest.published_at, 3)},
+            "demand": store.demand,
+            "stale_s": q.stale_s,
+            "summary": p.summary,
+            "versions": [{**v.summary(), "published_age_s": round(now - v.published_at, 3),
+                          "held_by": p.held[v.number], "serving": p.serving[v.number]}
+                         for v in store.versions()],
+            "rollouts": store.rollouts.stats(now),
+            "nodes": self._page(p, q, now),
+        }
+
+    # -- the pass over every replica -------------------------------------------------------------
+    def _summary_pass(self, now: float, stale_s: float) -> _Pass:
+        last = self._last
+        if last is not None and last.stale_s == stale_s and 0 <= now - last.at < self.cache_s:
+            return last
+        store = self.store
+        newest = store.latest.number if store.latest else None
+        buckets: dict[int | None, str] = {}  # per distinct version, not per replica
+        entries = []
+        for rid, rep in store.directory().items():
+            hb = rep.heartbeat
+            ok = hb.state not in FAILING_STATES and (hb.gate is None or hb.gate.ok) and now - rep.last_seen <= stale_s
+            entries.append(_Entry(hb.node, rid, hb.state, hb.version, () if ok else _problems(rep, now, stale_s)))
+            if hb.version not in buckets:
+                buckets[hb.version] = behind_bucket(hb.version, store.rollouts.lag(hb.version, newest, now)[0])
+        entries.sort()
+        held = Counter(e.version for e in entries)
+        serving = Counter(e.version for e in entries if e.state == "SERVING")
+        behind = Counter()
+        for version, n in held.items():
+            behind[buckets[version]] += n
+        with_problems = [e.problems for e in entries if e.problems]
+        summary = {"replicas": len(entries), "nodes": len({e.node for e in entries}),
+                   "by_state": dict(sorted(Counter(e.state for e in entries).items())),
+                   "with_problems": len(with_problems), "silent": sum("silent" in p for p in with_problems),
+                   "behind": {k: behind[k] for k in BEHIND_BUCKETS}}
+        self._last = _Pass(now, stale_s, entries, _grouped(entries), summary, held, serving)
+        return self._last
+
+    # -- one page of nodes -------------------------------------------------------------------------
+    def _page(self, p: _Pass, q: FleetQuery, now: float) -> dict:
+        groups = p.groups
+        if q.node or q.state or q.problems:
+            needle = q.node.lower()
+            groups = _grouped(e for e in p.entries if not ((needle and needle not in e.node.lower())
+                              or (q.state and e.state != q.state) or (q.problems and not e.problems)))
+        pages = max(1, math.ceil(len(groups) / q.per_page))
+        chosen = groups[(q.page - 1) * q.per_page:q.page * q.per_page]
+        directory = self.store.directory()
+        items = [self._node(name, [(e, directory.get(e.replica_id)) for e in members], now, q.stale_s)
+                 for name, members in chosen]
+        replicas = len(p.entries) if groups is p.groups else sum(len(m) for _, m in groups)
+        return {"total": len(groups), "replicas": replicas, "page": q.page,
+                "per_page": q.per_page, "pages": pages, "items": items}
+
+    def _node(self, name: str, members: list[tuple[_Entry, Replica | None]], now: float, stale_s: float) -> dict:
+        rows = [self._row(e, rep, now, stale_s) for e, rep in members if rep is not None]  # gone since the pass
+        return {"node": name, "states": dict(Counter(r["state"] for r in rows)),
+                "with_problems": sum(bool(r["problems"]) for r in rows),
+                "max_age_s": max((r["age_s"] for r in rows), default=None), "replicas": rows}
+
+    def _row(self, e: _Entry, rep: Replica, now: float, stale_s: float) -> dict:
+        hb, store = rep.heartbeat, self.store
+        newest = store.latest.number if store.latest else None
+        lag, lag_s = store.rollouts.lag(hb.version, newest, now)
+        return {"replica_id": e.replica_id, "server": hb.server, "state": hb.state,
+                "state_age_s": round(now - rep.state_since, 3), "version": hb.version, "target": hb.target,
+                "lag": lag, "lag_s": lag_s, "incarnation": hb.incarnation, "endpoint": hb.endpoint,
+                "age_s": round(now - rep.last_seen, 3), "paused_s": hb.timings.get("paused"),
+                "pull_s": hb.timings.get("pull"), "timings": hb.timings,
+                "gate": None if hb.gate is None else hb.gate.model_dump(mode="json"),
+                "error": hb.last_error, "problems": list(_problems(rep, now, stale_s))}
+
+
+def _grouped(entries) -> list[tuple[str, list[_Entry]]]:
+    """Sorted entries as (node, its entries), in order."""
+    groups: list[tuple[str, list[_Entry]]] = []
+    for e in entries:
+        if groups and groups[-1][0] == e.node:
+            groups[-1][1].append(e)
+        else:
+            groups.append((e.node, [e]))
+    return groups
+
+
+def _problems(rep: Replica, now: float, stale_s: float) -> tuple[str, ...]:
+    hb = rep.heartbeat
+    found = ()
+    if hb.state in FAILING_STATES:
+        found += ("state",)
+    if hb.gate is not None and not hb.gate.ok:
+        found += ("gate",)
+    if now - rep.last_seen > stale_s:
+        found += ("silent",)
+    return found

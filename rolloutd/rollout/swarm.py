@@ -1,0 +1,361 @@
+"""The node's side of the chunk swarm: where each chunk of a pull comes from, what this node
+holds for its peers, and the announcements that tie both to the registry's tracker.
+
+- :class:`Ledger`: what this node can serve its peers: complete versions (the mirror) and the
+  checked chunks of the pull in progress (their partial directory). The peer listener reads it,
+  from its own thread; the puller writes it.
+- :class:`ChunkPlan`: one pull's chunks. Workers ask :meth:`ChunkPlan.next` for a chunk and a
+  source, then say :meth:`~ChunkPlan.done` or :meth:`~ChunkPlan.failed`. Order of preference:
+  a peer that holds the chunk (the one this puller asks least, at random among equals); the
+  origin (registry or object store) for chunks the tracker gave this node; else wait for the
+  swarm to change. A pull that found nothing to do for ``origin_wait_s`` takes a chunk from
+  the origin all the same: the registry is the last source, never a missing one. A peer that
+  fails (gone, silent for its read timeout, slower than ``peer_chunk_timeout_s`` for a chunk,
+  or serving bytes that fail the digest) is dropped for the rest of the pull and the chunk is
+  fetched elsewhere; peer failures do not count against ``max_chunk_retries``. Dropped peers are
+  named in every announcement of the pull, so the tracker does not count what they claim to
+  hold. A pull with nothing to fetch and nothing in flight for ``4 × origin_wait_s`` takes one
+  chunk from the origin whatever the tracker says.
+- :class:`Swarm`: the node's sources and its announcer loop: ``PUT /v1/holders/{node}`` every
+  ``announce_every_s`` while pulling (and soon after a chunk lands), every
+  ``announce_idle_s`` at rest; each reply updates the plan of the pull in progress.
+
+Without peers (``peers.enabled: false``) the plan hands out every chunk from the origin, in
+file order, and nothing is announced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rolloutd.objstore import ObjectStoreSettings
+from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.sources import SourceSpec
+from rolloutd.wire import errors
+from rolloutd.wire.chunkmap import chunk_index, from_hex, full, to_hex
+from rolloutd.wire.manifest import FileEntry, Manifest
+from rolloutd.wire.messages import Announce, AnnounceReply, HeldVersion, SwarmView
+
+log = logging.getLogger("rolloutd.rollout.swarm")
+
+ANNOUNCE_MIN_GAP_S = 0.2  # a landed chunk is announced at most this soon after the last announcement
+STALL_FACTOR = 4  # nothing to fetch and nothing in flight for this many origin_wait_s: one chunk from the origin
+
+
+@dataclass(frozen=True)
+class SwarmSettings:
+    enabled: bool = False
+    url: str | None = None            # this node's peer listener, as other nodes reach it
+    token: str | None = None          # what peers present, and what this node presents to them
+    announce_every_s: float = 0.5
+    announce_idle_s: float = 10.0
+    peer_timeout_s: float = 10.0      # longest silence from a peer
+    peer_chunk_timeout_s: float = 60.0
+    origin_wait_s: float = 5.0
+
+
+# -- what this node holds -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PartialView:
+    manifest: Manifest
+    dir: Path
+    bits: int
+
+
+class Ledger:
+    """Complete versions come from the mirror; the pull in progress from :meth:`begin`/:meth:`add`."""
+
+    def __init__(self, mirror: Mirror):
+        self.mirror = mirror
+        self._lock = threading.Lock()
+        self._partial: PartialView | None = None
+
+    def begin(self, manifest: Manifest, directory: Path) -> None:
+        with self._lock:
+            self._partial = PartialView(manifest, directory, 0)
+
+    def add(self, bit: int) -> None:
+        with self._lock:
+            p = self._partial
+            if p is not None:
+                self._partial = PartialView(p.manifest, p.dir, p.bits | 1 << bit)
+
+    def end(self) -> None:
+        with self._lock:
+            self._partial = None
+
+    def partial(self, version: int) -> PartialView | None:
+        p = self._partial  # one read: the view is immutable
+        return p if p is not None and p.manifest.version == version else None
+
+    def held(self) -> dict[str, HeldVersion]:
+        out: dict[str, HeldVersion] = {}
+        for version in self.mirror.versions()[-8:]:
+            manifest = self.mirror.manifest(version)
+            if manifest is not None:
+                out[str(version)] = HeldVersion(digest=manifest.digest)
+        p = self._partial
+        if p is not None and str(p.manifest.version) not in out:
+            out[str(p.manifest.version)] = HeldVersion(digest=p.manifest.digest, chunks=to_hex(p.bits),
+                                                       pulling=True)
+        return out
+
+
+# -- one pull's chunks ----------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Pick:
+    bit: int
+    entry: FileEntry
+    index: int
+    source: SourceSpec
+
+
+class ChunkPlan:
+    def __init__(self, manifest: Manifest, origin: SourceSpec, *, peers: bool = False,
+                 make_peer: Callable[[str, str], SourceSpec] | None = None, origin_wait_s: float = 5.0,
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+        self.manifest, self.origin = manifest, origin
+        self.chunks = chunk_index(manifest)
+        self.count = len(self.chunks)
+        self.peers_on, self._make_peer = peers, make_peer
+        self.origin_wait_s, self._clock = origin_wait_s, clock
+        self._rng = rng or random.Random()
+        self.done_bits = 0
+        self._inflight = 0
+        self._given = 0 if peers else full(self.count)  # chunks to take from the origin
+        self._holders: dict[str, tuple[SourceSpec, int]] = {}  # node -> (source, chunk map)
+        self._dropped: set[str] = set()
+        self._asking: dict[str, int] = {}  # node -> chunks in flight from it
+        self._changed = asyncio.Event()
+        self._idle_since: float | None = None
+        self.tracker_ok_at: float | None = None  # the last tracker reply
+        self.bytes_from: dict[str, int] = {}  # "origin" / "peers" -> bytes checked
+
+    @property
+    def complete(self) -> bool:
+        return self.done_bits == full(self.count)
+
+    def update(self, view: SwarmView) -> None:
+        """A tracker reply: the holders worth asking, and the chunks to take from the origin."""
+        self.tracker_ok_at = self._clock()
+        try:
+            self._given = from_hex(view.origin, self.count)  # the tracker's word: it takes chunks back
+        except ValueError:
+            log.warning("ignore a tracker reply: its origin map is not hex")
+        for peer in view.peers:
+            if peer.node in self._dropped or self._make_peer is None:
+                continue
+            try:
+                bits = from_hex(peer.chunks, self.count)
+            except ValueError:
+                continue
+            known = self._holders.get(peer.node)
+            same = known is not None and known[0].url == peer.url.rstrip("/")
+            source = known[0] if same else self._make_peer(peer.node, peer.url)
+            self._holders[peer.node] = (source, bits)
+        self._changed.set()
+
+    async def next(self) -> Pick | None:
+        """The next chunk to fetch and where from; None once every chunk is done or in flight."""
+        while True:
+            left = full(self.count) & ~self.done_bits & ~self._inflight
+            if not left:
+                return None
+            pick = self._from_peer(left) or self._from_origin(left & self._given)
+            if pick is None and self._tracker_silent():
+                # Nothing to do for a while and no word from the tracker: the origin is the last
+                # source, never a missing one (a registry without the tracker, or unreachable).
+                log.info("take the rest of version %d from the %s: no tracker reply for %.0f s",
+                         self.manifest.version, self.origin.label, self.origin_wait_s)
+                self._given |= left
+                pick = self._from_origin(left)
+            elif pick is None and self._stalled():
+                # The tracker answers but gives nothing this puller can use, and nothing is in
+                # flight: whatever the reason (a holder only this node cannot reach), one chunk
+                # from the origin, so that no view of the swarm can stop a pull.
+                pick = self._from_origin(left)
+                log.info("take chunk %d of version %d from the %s: nothing to fetch for %.0f s", pick.bit,
+                         self.manifest.version, self.origin.label, STALL_FACTOR * self.origin_wait_s)
+            if pick is not None:
+                self._idle_since = None
+                self._inflight |= 1 << pick.bit
+                if pick.source.is_peer:
+                    self._asking[pick.source.node] = self._asking.get(pick.source.node, 0) + 1
+                return pick
+            if self._idle_since is None:
+                self._idle_since = self._clock()
+            self._changed.clear()
+            wait = self.origin_wait_s - (self._clock() - self._idle_since)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(max(0.01, wait)):
+                    await self._changed.wait()
+
+    @property
+    def dropped(self) -> list[str]:
+        """Peers this pull gave up on: told to the tracker at every announcement, so that it keeps
+        their chunks from counting as held while any puller cannot use them."""
+        return sorted(self._dropped)[:64]
+
+    def _tracker_silent(self) -> bool:
+        now = self._clock()
+        idle = self._idle_since is not None and now - self._idle_since >= self.origin_wait_s
+        return idle and (self.tracker_ok_at is None or now - self.tracker_ok_at >= self.origin_wait_s)
+
+    def _stalled(self) -> bool:
+        idle = self._idle_since is not None and self._clock() - self._idle_since >= STALL_FACTOR * self.origin_wait_s
+        return idle and not self._inflight
+
+    def _from_peer(self, left: int) -> Pick | None:
+        best: list[tuple[int, float, str, int]] = []
+        for node, (_, bits) in self._holders.items():
+            have = bits & left
+            if have:
+                best.append((self._asking.get(node, 0), self._rng.random(), node, have))
+        if not best:
+            return None
+        _, _, node, have = min(best)
+        # Rarest first would need every holder's map; a random chunk of the chosen peer spreads
+        # the pullers' requests over the version as well.
+        bit = self._random_bit(have)
+        return self._pick(bit, self._holders[node][0])
+
+    def _from_origin(self, candidates: int) -> Pick | None:
+        if not candidates:
+            return None
+        low = candidates & -candidates
+        return self._pick(low.bit_length() - 1, self.origin)
+
+    def _random_bit(self, bits: int) -> int:
+        count = bits.bit_count()
+        nth = self._rng.randrange(count)
+        for _ in range(nth):
+            bits &= bits - 1
+        return (bits & -bits).bit_length() - 1
+
+    def _pick(self, bit: int, source: SourceSpec) -> Pick:
+        entry, index = self.chunks[bit]
+        return Pick(bit, entry, index, source)
+
+    def done(self, pick: Pick, nbytes: int) -> None:
+        self._release(pick)
+        self.done_bits |= 1 << pick.bit
+        kind = "peers" if pick.source.is_peer else "origin"
+        self.bytes_from[kind] = self.bytes_from.get(kind, 0) + nbytes
+        self._changed.set()
+
+    def failed(self, pick: Pick, why: str) -> None:
+        """The chunk goes back to the pool; a peer that failed is not asked again in this pull."""
+        self._release(pick)
+        if pick.source.is_peer:
+            node = pick.source.node
+            self._dropped.add(node)
+            self._holders.pop(node, None)
+            log.warning("drop peer %s for version %d: %s", node, self.manifest.version, why[:300])
+        self._changed.set()
+
+    def _release(self, pick: Pick) -> None:
+        self._inflight &= ~(1 << pick.bit)
+        if pick.source.is_peer:
+            node = pick.source.node
+            self._asking[node] = max(0, self._asking.get(node, 0) - 1)
+
+
+# -- the node's sources and its announcer --------------------------------------------------------------
+
+class Swarm:
+    def __init__(self, settings: SwarmSettings, client: RegistryClient, mirror: Mirror, *, node: str,
+                 object_store: ObjectStoreSettings | None = None, read_timeout_s: float = 30.0):
+        self.settings, self.client, self.node = settings, client, node
+        self.ledger = Ledger(mirror)
+        self.object_store = object_store or ObjectStoreSettings()
+        self.read_timeout_s = read_timeout_s
+        self._plan: ChunkPlan | None = None
+        self._dirty = asyncio.Event()
+        self._last_announce = 0.0
+
+    @property
+    def registry(self) -> SourceSpec:
+        c = self.client
+        return SourceSpec("registry", c.url, c.token, connect_timeout_s=c.timeouts.connect_s,
+                          read_timeout_s=c.timeouts.read_s)
+
+    def origin(self, manifest: Manifest) -> SourceSpec:
+        """The registry, or the object store the manifest names."""
+        if manifest.source is None:
+            return self.registry
+        return SourceSpec("s3", manifest.source, read_timeout_s=self.read_timeout_s,
+                          store=self.object_store.model_dump_json())
+
+    def plan(self, manifest: Manifest, directory: Path) -> ChunkPlan:
+        """The plan of a pull into ``directory`` (its partial directory), announced from now on."""
+        on = self.settings.enabled
+        plan = ChunkPlan(manifest, self.origin(manifest), peers=on, make_peer=self._peer if on else None,
+                         origin_wait_s=self.settings.origin_wait_s)
+        self._plan = plan
+        if on:
+            self.ledger.begin(manifest, directory)
+            self._dirty.set()
+        return plan
+
+    def landed(self, pick: Pick) -> None:
+        """A chunk of the plan's pull is written and checked: peers may have it."""
+        if self.settings.enabled:
+            self.ledger.add(pick.bit)
+            self._dirty.set()
+
+    def finish(self, plan: ChunkPlan) -> None:
+        if self._plan is plan:
+            self._plan = None
+            self.ledger.end()
+            self._dirty.set()
+
+    def _peer(self, node: str, url: str) -> SourceSpec:
+        timeout = self.settings.peer_timeout_s
+        return SourceSpec("peer", url.rstrip("/"), self.settings.token, node=node,
+                          connect_timeout_s=min(5.0, timeout), read_timeout_s=timeout)
+
+    # -- announcements ---------------------------------------------------------------------------
+    async def run_announcer(self) -> None:
+        """Until cancelled (then the registry is told this node holds nothing, best effort)."""
+        if not self.settings.enabled:
+            await asyncio.Event().wait()
+        try:
+            while True:
+                every = self.settings.announce_every_s if self._plan else self.settings.announce_idle_s
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(every):
+                        await self._dirty.wait()
+                gap = self._last_announce + ANNOUNCE_MIN_GAP_S - time.monotonic()
+                if gap > 0:
+                    await asyncio.sleep(gap)
+                self._dirty.clear()
+                await self.announce()
+        finally:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2):
+                    await self.client.forget_holder(self.node)
+
+    async def announce(self) -> AnnounceReply | None:
+        self._last_announce = time.monotonic()
+        plan = self._plan
+        failed = plan.dropped if plan is not None else []
+        body = Announce(url=self.settings.url, versions=self.ledger.held(), failed=failed)
+        try:
+            reply = await self.client.announce(self.node, body)
+        except errors.RegistryError as e:
+            log.debug("announce: %s", e)
+            return None
+        if plan is not None and (view := reply.versions.get(str(plan.manifest.version))) is not None:
+            plan.update(view)
+        return reply

@@ -1,0 +1,312 @@
+"""The process-group way of holding servers (no delegated cgroup: the demo, a daemon started by
+hand or by a test), and what a server leaves behind in either way.
+
+- :class:`ProcessGroups` and :class:`GroupScope` (the interface is containment.py): each server
+  in its own session, so its process group is its leader's pid; members found with psutil
+  (zombies count as gone). Process group ids 0 and 1 and the daemon's own group are never
+  signalled. A process that leaves its session (``setsid``) leaves the group too and is not
+  found: only a delegated cgroup (cgroups.py) holds those.
+- :class:`ChildRecords` keeps one JSON record per live child under the state directory, so
+  that a daemon started after a crash can stop the process groups the crashed one left behind
+  (:meth:`ChildRecords.reap_leftovers`; lines start with ``clean``). A recorded group is only
+  signalled while it provably is the one recorded: a recycled pid is never signalled.
+- Once a server's processes are gone, the shared-memory segments they left in ``/dev/shm``
+  (vLLM's ``psm_*``: its resource tracker dies with them) are removed
+  (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways.
+
+One child process (spawn, output, stop, reap) is child.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import fnmatch
+import json
+import logging
+import os
+import stat
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from rolloutd.supervise.containment import Containment, Scope, stop_leftover
+
+if TYPE_CHECKING:
+    from rolloutd.supervise.child import Child
+
+log = logging.getLogger("rolloutd.supervise.leftovers")
+
+
+# -- process groups ----------------------------------------------------------------------------------
+def _live(pid: int) -> psutil.Process | None:
+    try:
+        proc = psutil.Process(pid)
+        return None if proc.status() == psutil.STATUS_ZOMBIE else proc
+    except psutil.Error:  # gone, or hidden from us
+        return None
+
+
+def started_s(pid: int) -> float | None:
+    """When a live process started, in seconds since boot (None if it is gone): with the pid, it
+    names one process for the machine's uptime. The kernel counts it from boot; psutil adds the
+    boot time, which follows changes of the wall clock, so the boot time is taken off again."""
+    proc = _live(pid)
+    try:
+        return None if proc is None else round(proc.create_time() - psutil.boot_time(), 2)
+    except psutil.Error:
+        return None
+
+
+def group_members(pgid: int) -> dict[int, float]:
+    """Live (not zombie) processes of process group ``pgid``: pid -> :func:`started_s`."""
+    found = {}
+    for pid in psutil.pids():
+        try:
+            if os.getpgid(pid) != pgid:
+                continue
+        except OSError:  # gone meanwhile
+            continue
+        if (start := started_s(pid)) is not None:
+            found[pid] = start
+    return found
+
+
+def may_signal(pgid: int | None) -> bool:
+    return pgid is not None and pgid > 1 and pgid != os.getpgrp()
+
+
+def killpg(pgid: int, sig: int) -> None:
+    if not may_signal(pgid):
+        raise ValueError(f"refusing to signal process group {pgid}")
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, sig)
+
+
+class GroupScope(Scope):
+    """One server's process group: its leader's session."""
+
+    def __init__(self, pgid: int | None = None):
+        self.pgid = pgid
+
+    def __str__(self) -> str:
+        return f"process group {self.pgid}"
+
+    def place(self, pid: int) -> None:
+        self.pgid = pid  # spawned in a new session: its process group id is its own pid
+
+    def pids(self) -> list[int]:
+        return sorted(group_members(self.pgid)) if self.pgid is not None else []
+
+    def signal(self, sig: int) -> None:
+        if may_signal(self.pgid):
+            killpg(self.pgid, sig)
+
+    def release(self) -> None:
+        pass  # a process group is nothing to give back
+
+
+class ProcessGroups(Containment):
+    """Servers in process groups; with ``records``, what a crashed daemon left is found again."""
+
+    def __init__(self, records: ChildRecords | None = None, reason: str = ""):
+        self.records, self.reason = records, reason
+
+    def __str__(self) -> str:
+        return "each server in its own process group" + (f" ({self.reason})" if self.reason else "")
+
+    def scope(self, name: str) -> GroupScope:
+        return GroupScope()
+
+    async def start(self, grace_s: float, kill_wait_s: float) -> list[str]:
+        return await self.records.reap_leftovers(grace_s, kill_wait_s) if self.records is not None else []
+
+    def record(self, child: Child) -> None:
+        if self.records is None:
+            return
+        try:
+            self.records.add(child)
+        except OSError as e:  # the record is a safety net for after a crash; the child runs on
+            log.warning("spawn %s: cannot write its record: %s", child, e)
+
+    def forget(self, child: Child) -> None:
+        if self.records is not None:
+            self.records.remove(child.name, pid=child.pid)  # never the record of a newer child of that name
+
+
+# -- shared memory left by a group -------------------------------------------------------------------
+SHM_DIR = Path("/dev/shm")
+# What vLLM's processes create there: Python's multiprocessing.shared_memory segments ("psm_<hex>":
+# vLLM's message queues and object storage; ~160 MiB each with the test flags), and vLLM's own
+# mmap regions (KV offload, encoder cache transfer). Python's resource tracker would unlink the
+# first kind when its owners exit, but it is in the group and dies with it under SIGKILL.
+SHM_PATTERNS = ("psm_*", "vllm_offload_*.mmap", "vllm_ec_*.mmap")
+
+
+def shm_names() -> set[str]:
+    try:
+        return set(os.listdir(SHM_DIR))
+    except OSError:
+        return set()
+
+
+def shm_in_use() -> set[str]:
+    """Names under ``/dev/shm`` that a live process has open or mapped, as far as ``/proc`` shows
+    (a process it hides is covered by the lease in :func:`remove_shm_leftovers`)."""
+    prefix, used = f"{SHM_DIR}/", set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile, or hidden from us
+            with open(f"{entry.path}/maps", errors="replace") as maps:
+                used.update(_shm_name(line[line.index(prefix):], prefix) for line in maps if prefix in line)
+            for fd in os.scandir(f"{entry.path}/fd"):
+                with contextlib.suppress(OSError):
+                    if (target := os.readlink(fd.path)).startswith(prefix):
+                        used.add(_shm_name(target, prefix))
+    return used
+
+
+def _shm_name(path: str, prefix: str) -> str:
+    return path.strip().removeprefix(prefix).removesuffix(" (deleted)")
+
+
+def _unlink_if_unused(path: Path) -> bool:
+    """Unlink ``path`` under a write lease: the kernel grants one only while no other open file
+    (a mapping holds its file open) refers to it, and holds back any open meanwhile."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+    except OSError:  # in use (EAGAIN), or leases unsupported: not provably unused
+        os.close(fd)
+        return False
+    try:
+        path.unlink()
+        return True
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        os.close(fd)
+
+
+def remove_shm_leftovers(before: set[str]) -> list[str]:
+    """Remove the segments a stopped group left: in ``/dev/shm``, named as vLLM names them, owned by
+    the daemon's user, not there before the group was spawned (``before``), open or mapped by no
+    live process (``/proc``, then a write lease): one another live process uses is never removed."""
+    me, found = os.geteuid(), []
+    for name in sorted(shm_names() - before):
+        path = SHM_DIR / name
+        with contextlib.suppress(OSError):
+            st = path.lstat()
+            if st.st_uid == me and stat.S_ISREG(st.st_mode) and any(fnmatch.fnmatchcase(name, p)
+                                                                    for p in SHM_PATTERNS):
+                found.append(name)
+    if not found:
+        return []
+    used = shm_in_use()
+    return [name for name in found if name not in used and _unlink_if_unused(SHM_DIR / name)]
+
+
+# -- records of children, for the next daemon -----------------------------------------------------------
+class ChildRecords:
+    """``<directory>/<name>.json``: ``{"name", "pid", "pgid", "start_time", "argv"}`` for every
+    child spawned and not yet reaped (``start_time``: :func:`started_s` of its leader), written
+    atomically (temporary file, then rename)."""
+
+    def __init__(self, directory: Path):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+
+    def _path(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"{name!r} cannot name a child record")
+        return self.dir / f"{name}.json"
+
+    def add(self, child: Child) -> None:
+        path = self._path(child.name)
+        record = {"name": child.name, "pid": child.pid, "pgid": child.pgid, "start_time": started_s(child.pid),
+                  "argv": child.argv}
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(record) + "\n")
+        # No fsync: after a power loss, no process of the record survives either.
+        os.replace(tmp, path)
+
+    def remove(self, name: str, *, pid: int | None = None) -> None:
+        """Delete ``name``'s record; with ``pid``, only while the record is that process's."""
+        path = self._path(name)
+        if pid is not None:
+            try:
+                if json.loads(path.read_text()).get("pid") != pid:
+                    return
+            except (OSError, ValueError, AttributeError):
+                pass  # missing or unreadable: nothing of a newer child to keep
+        path.unlink(missing_ok=True)
+
+    async def reap_leftovers(self, grace_s: float, kill_wait_s: float = 10.0) -> list[str]:
+        """Stop every recorded group that is still alive and still the recorded one (all at once,
+        so the whole takes one grace period); delete every record. One line per group stopped."""
+        paths = sorted(self.dir.glob("*.json"))
+        found = await asyncio.gather(*(self._reap_one(p, grace_s, kill_wait_s) for p in paths))
+        return [d for d in found if d is not None]
+
+    async def _reap_one(self, path: Path, grace_s: float, kill_wait_s: float) -> str | None:
+        try:
+            record = _read_record(path)
+        except ValueError as e:
+            log.warning("clean: removing corrupt child record %s: %s", path, e)
+            path.unlink(missing_ok=True)
+            return None
+        try:
+            pids = _leftover_pids(record)
+            if not pids:
+                return None
+            return await _stop_leftover(record, len(pids), grace_s, kill_wait_s)
+        finally:
+            path.unlink(missing_ok=True)
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(record, dict):
+        raise ValueError("not an object")
+    for key, kinds in (("pid", int), ("pgid", int), ("start_time", (int, float))):
+        if not isinstance(record.get(key), kinds) or isinstance(record[key], bool) or record[key] <= 0:
+            raise ValueError(f"{key} is {record.get(key)!r}")
+    if not may_signal(record["pgid"]):
+        raise ValueError(f"process group {record['pgid']} may not be signalled")
+    record["name"] = str(record.get("name") or path.stem)
+    return record
+
+
+def _leftover_pids(record: dict) -> list[int]:
+    """The recorded group's live processes, if it is provably the recorded group; else none.
+
+    While any process is in group ``pgid`` the kernel does not reuse that number as a pid, so the
+    group is the recorded one when its leader has the recorded start time, or when the leader
+    is gone and the members started no earlier than it did."""
+    members = group_members(record["pgid"])
+    leader_start = members.get(record["pid"])
+    if leader_start is not None:
+        ours = leader_start == record["start_time"]
+    else:
+        ours = bool(members) and all(t >= record["start_time"] for t in members.values())
+    if members and not ours:
+        log.info("clean %s: process group %d is not the recorded one (pid reused); left alone",
+                 record["name"], record["pgid"])
+    return sorted(members) if ours else []
+
+
+async def _stop_leftover(record: dict, count: int, grace_s: float, kill_wait_s: float) -> str:
+    head = (f"{record['name']}: process group {record['pgid']} ({count} process{'es' if count != 1 else ''}) "
+            "left by an earlier run")
+    return await stop_leftover(GroupScope(record["pgid"]), head, grace_s, kill_wait_s)

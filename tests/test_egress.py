@@ -1,0 +1,68 @@
+"""The short run of bench/egress.py: a few nodes, each its own host (network namespaces), the
+trainer's link shaped with tc, the fake vLLM. Nodes pulling one version together take about
+one copy from the trainer, all of them in about the time one takes alone, every mirror
+byte-identical to the published files; with the version in a real S3 server the registry
+sends none of its bytes; and with a fake peer serving bad bytes, a node killed and the registry
+restarted mid-pull, every surviving node still ends with the version, byte for byte."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from .netns_fleet import Fleet
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import egress  # noqa: E402
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+MiB = 1 << 20
+SIZE_MIB, NODES = 48, 3
+
+
+@pytest.fixture(scope="module")
+def version(tmp_path_factory):
+    d = tmp_path_factory.mktemp("version")
+    return d, egress.make_version(d, SIZE_MIB, 3)
+
+
+@pytest.fixture
+def fleet(tmp_path):
+    if os.geteuid() != 0:
+        pytest.fail("the many-nodes harness needs root (network namespaces, tc)")
+    with Fleet(tmp_path / "fleet", NODES, rate_mbit=100).setup(store=True) as f:
+        yield f
+
+
+def test_the_trainer_sends_one_copy_and_the_fleet_takes_about_the_time_of_one(fleet, version):
+    data, sums = version
+    size = SIZE_MIB * MiB
+    alone = egress.run_once(fleet, data, sums, size, nodes=1, peers=True, chunk=2 * MiB)
+    swarm = egress.run_once(fleet, data, sums, size, nodes=NODES, peers=True, chunk=2 * MiB)
+    assert alone["not_identical"] == swarm["not_identical"] == []
+    assert alone["trainer_tx_ratio"] >= 1.0  # the measure counts what it should
+    assert swarm["registry_file_ratio"] <= 1.5 and swarm["trainer_tx_ratio"] <= 1.5, swarm
+    assert swarm["bytes_from_peers_ratio"] >= NODES - 1 - 0.5, swarm
+    assert swarm["seconds"] <= 2 * alone["seconds"] + 2.0, (alone, swarm)  # + slack for a loaded machine
+
+
+def test_from_an_object_store_the_registry_sends_no_version_bytes(fleet, version):
+    data, sums = version
+    fleet.start_s3()
+    out = egress.run_once(fleet, data, sums, SIZE_MIB * MiB, nodes=NODES, peers=True, chunk=2 * MiB,
+                          to=f"s3://{fleet.s3.bucket}/ci")
+    assert out["not_identical"] == []
+    assert out["registry_file_ratio"] == 0
+    assert out["trainer_tx_ratio"] < 0.05, out  # heartbeats, announcements, manifests: not the bytes
+    assert out["store_tx_ratio"] <= 1.5, out
+
+
+def test_bad_peer_killed_node_and_restarted_registry_still_end_complete(fleet, version):
+    data, sums = version
+    out = egress.run_faults(fleet, data, sums, SIZE_MIB * MiB, nodes=NODES, chunk=2 * MiB)
+    assert out["not_identical"] == [], out
+    assert out["survivors"] == NODES - 1

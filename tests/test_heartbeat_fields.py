@@ -1,0 +1,77 @@
+"""What a heartbeat carries for the fleet view (the server's last error, the node's last pull), and
+a registry from before those fields: the node leaves them out after the first refusal and its
+heartbeats go on (a real registry over HTTP, whose heartbeat model lacks the newer fields)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from pydantic import create_model
+
+from rolloutd.registry import EmbeddedRegistry
+from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout.heartbeat import Heartbeater
+from rolloutd.rollout.puller import PullProgress, PullState
+from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, Heartbeat
+
+GATE = {"ok": False, "canary": True, "max_abs_dlogprob": 0.5, "tolerance": 0.05, "tokens": 3}
+
+
+class FakeServer:
+    """The supervisor's side a heartbeat reads (a fake: only ``snapshot`` and the failure counter)."""
+
+    name = "gpu0"
+
+    def __init__(self, last_error: str | None):
+        self.last_error = last_error
+        self.metrics = SimpleNamespace(heartbeat_failures=SimpleNamespace(labels=lambda **kw: SimpleNamespace(
+            inc=lambda: None)))
+
+    def snapshot(self) -> dict:
+        return {"state": "SERVING", "endpoint": "http://node-a:9001", "version": 2, "target": 2, "incarnation": 1,
+                "last_error": self.last_error,
+                "last_update": {"phases_s": {"paused": 0.5}, "gate": GATE}}
+
+
+def heartbeater(url: str, last_error: str | None) -> tuple[Heartbeater, RegistryClient, list]:
+    progress = PullProgress(target=2, clock=iter([10.0, 13.25]).__next__)
+    progress.state, progress.ended_at = PullState.DONE, progress.clock()
+    replies = []
+    updater = SimpleNamespace(registry=SimpleNamespace(instance=None), puller=SimpleNamespace(progress=progress),
+                              note_reply=replies.append, note_unreachable=lambda why: None)
+    cfg = SimpleNamespace(node_name="node-a", heartbeat=SimpleNamespace(interval_s=1.0, timeout_s=5.0))
+    client = RegistryClient(url)
+    return Heartbeater(FakeServer(last_error), lambda: cfg, client, updater), client, replies
+
+
+async def test_a_heartbeat_carries_the_last_error_clipped_and_the_last_pull():
+    with EmbeddedRegistry(port=0) as reg:
+        hb, client, _ = heartbeater(reg.url, "x" * 2000)
+        try:
+            assert await hb.beat()
+        finally:
+            await client.close()
+        rep = reg.service.store.directory()["node-a.gpu0"].heartbeat
+    assert len(rep.last_error) == MAX_ERROR_CHARS and rep.last_error.endswith("…")
+    assert rep.timings == {"paused": 0.5, "pull": 3.25} and rep.gate.ok is False
+
+
+@pytest.mark.parametrize("last_error", ["vllm serve exited with status 1", None])
+async def test_a_registry_from_before_the_fields_gets_heartbeats_without_them(monkeypatch, caplog, last_error):
+    old = create_model("Heartbeat", __config__=Heartbeat.model_config, **{
+        name: (f.annotation, f) for name, f in Heartbeat.model_fields.items() if name not in OPTIONAL_HEARTBEAT_FIELDS})
+    monkeypatch.setattr("rolloutd.registry.server.service.Heartbeat", old)
+    caplog.set_level(logging.WARNING, "rolloutd.rollout.heartbeat")
+    with EmbeddedRegistry(port=0) as reg:
+        hb, client, replies = heartbeater(reg.url, last_error)
+        try:
+            assert await hb.beat() and await hb.beat()
+        finally:
+            await client.close()
+        assert "node-a.gpu0" in reg.service.store.directory()
+    refused = ["gate"] + (["last_error"] if last_error else [])
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == \
+        [f"heartbeat node-a.gpu0: the registry does not take {' and '.join(refused)}"]
+    assert len(replies) == 2 and hb._refused == set(refused)
