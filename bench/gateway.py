@@ -44,8 +44,10 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -238,11 +240,26 @@ def start_nginx(work: Path, upstream: Path, port: int, core: int) -> subprocess.
 FILLER = "model.layers.0.self_attn.rotary_emb.inv_freq"  # vLLM's loaders drop it: bulk that loads as nothing
 
 
-class Completions:
-    """One kept-alive connection; ``once()`` times a one-token completion, in ms."""
+class _UnixConnection(http.client.HTTPConnection):
+    """http.client over a UNIX socket (vLLM's, as the daemon starts it)."""
 
-    def __init__(self, port: int, model: str):
-        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    def __init__(self, path: Path, timeout: float):
+        super().__init__("localhost", timeout=timeout)
+        self.path = str(path)
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+class Completions:
+    """One kept-alive connection (to a port, or a UNIX socket); ``once()`` times a one-token
+    completion, in ms."""
+
+    def __init__(self, where: int | Path, model: str):
+        self.conn = (_UnixConnection(where, 60) if isinstance(where, Path)
+                     else http.client.HTTPConnection("127.0.0.1", where, timeout=60))
         self.body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
 
     def once(self) -> float:
@@ -284,6 +301,12 @@ class PullWatch(threading.Thread):
 
     def covers(self, t0: float, t1: float) -> bool:
         return any(a <= t0 and (b is None or t1 <= b) for a, b in self.windows)
+
+
+def loop_lag_max(admin: str) -> float:
+    """``rolloutd_loop_lag_max_seconds`` of the daemon: its loop's longest lateness so far."""
+    text = httpx.get(admin + "/metrics", timeout=5).text
+    return float(re.search(r"^rolloutd_loop_lag_max_seconds (\S+)$", text, re.M)[1])
 
 
 def status(admin: str) -> dict:
@@ -340,7 +363,7 @@ def during_pull(args: argparse.Namespace) -> int:
         model = tinymodel.build(work / "model", seed=0)
         filler = work / "filler"
         save_shards({FILLER: np.zeros(int(args.pull_gib * (1 << 30)) // 4, np.float32)}, filler)
-        reg_port, admin_port, vllm_port, gw_port = free_port(), free_port(), free_port(), free_port()
+        reg_port, admin_port, gw_port = free_port(), free_port(), free_port()
         reg_log = open(work / "registry.log", "wb")
         env = {**os.environ, "PYTHONPATH": str(args.ref_repo or ROOT)}
         procs.append(subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "rolloutd.cli", "registry",
@@ -364,7 +387,7 @@ def during_pull(args: argparse.Namespace) -> int:
                         "args": ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
                                  "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)],
                         "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}},
-               "servers": [{"name": "s0", "model": str(model), "port": vllm_port, "public_port": gw_port}]}
+               "servers": [{"name": "s0", "model": str(model), "public_port": gw_port}]}
         (work / "rolloutd.yaml").write_text(yaml.safe_dump(cfg))
         daemon_log = open(work / "rolloutd.log", "wb")
         procs.append(subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(work / "rolloutd.yaml")],
@@ -377,11 +400,13 @@ def during_pull(args: argparse.Namespace) -> int:
         # workers and the registry where the scheduler puts them, as on a node.
         subprocess.run(["taskset", "-a", "-p", "-c", "0", str(vllm_pid)], check=True, capture_output=True)
         os.sched_setaffinity(0, {1 % os.cpu_count()})
-        direct, gateway = Completions(vllm_port, str(model)), Completions(gw_port, str(model))
+        direct = Completions(work / "state" / "sockets" / "s0.sock", str(model))  # vLLM's own socket
+        gateway = Completions(gw_port, str(model))
         for _ in range(20):
             direct.once(), gateway.once()
         count = iter(range(args.idle_pairs))
         idle = pairs(direct, gateway, lambda: next(count, None) is None)
+        lag_before = loop_lag_max(admin)
         watch = PullWatch(work / "mirror")
         watch.start()
         during: list[tuple] = []
@@ -405,6 +430,7 @@ def during_pull(args: argparse.Namespace) -> int:
             done.wait(900)
         watch.stop.set()
         watch.join(5)
+        lag_after = loop_lag_max(admin)
     finally:
         for proc in reversed(procs):
             proc.send_signal(signal.SIGTERM)
@@ -421,7 +447,10 @@ def during_pull(args: argparse.Namespace) -> int:
               "idle": added(idle), "during_pull": added(during),
               "pull_seconds": [round(b - a, 2) for a, b in watch.windows if b is not None],
               "goal": {"added_p50_ms_max": 1.0, "added_p99_ms_max": 5.0},
-              "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+              "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+              # the daemon's own probe: the longest its loop woke late, before the pulls and
+              # after them (a rise is a stall during a pull or the update after it)
+              "loop_lag_max_ms": {"before_pulls": round(lag_before * 1e3, 2), "after": round(lag_after * 1e3, 2)}}
     dp = result["during_pull"]
     result.update(added_p50_ms=dp["added_p50_ms"], added_p99_ms=dp["added_p99_ms"],
                   idle_added_p50_ms=result["idle"]["added_p50_ms"], idle_added_p99_ms=result["idle"]["added_p99_ms"])
@@ -432,6 +461,8 @@ def during_pull(args: argparse.Namespace) -> int:
         a = result[name]
         print(f"{name:12} {a['pairs']:5d} pairs: direct p50 {a['direct_p50_ms']:.2f} ms, gateway p50 "
               f"{a['gateway_p50_ms']:.2f} ms; added p50 {a['added_p50_ms']:+.3f} ms, p99 {a['added_p99_ms']:+.3f} ms")
+    print(f"daemon loop lag, longest: {result['loop_lag_max_ms']['before_pulls']} ms before the pulls, "
+          f"{result['loop_lag_max_ms']['after']} ms after them and their updates")
     print(f"pulls took {result['pull_seconds']} s; goal during the pull: <= 1 ms p50 "
           f"({dp['added_p50_ms'] / 1.0:.2f}x of it), <= 5 ms p99 ({dp['added_p99_ms'] / 5.0:.2f}x of it)")
     print(json.dumps({k: result[k] for k in ("added_p50_ms", "added_p99_ms", "idle_added_p50_ms",
