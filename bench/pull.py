@@ -4,8 +4,10 @@ The puller leases a version, fetches every chunk with parallel ``Range`` request
 chunk's digest, writes into a preallocated partial directory and renames it into place. The
 same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the same run, by:
 
-- ``puller``: ``pullonce.py`` (rolloutd's ``Puller`` on uvloop) from ``rolloutd registry``
-  (bytes held in memory) into a fresh mirror directory;
+- ``puller``: ``pullonce.py`` (rolloutd's ``Puller`` on uvloop, ``--workers`` pull worker
+  processes) from ``rolloutd registry`` (bytes held in memory) into a fresh mirror directory;
+- ``puller-copy``: the same with the body read into the workers' memory and written, instead
+  of spliced from the socket into the file (the A/B of the one-copy path);
 - ``curl``: one ``curl`` for all files, one after the other over one connection, from nginx
   (sendfile on) serving the same files from tmpfs;
 - ``curl-parallel``: the same with ``--parallel --parallel-max <files>`` (one connection per file);
@@ -21,6 +23,7 @@ manifest's chunk digests (the first repeat for all, every repeat for the puller)
 
     .venv/bin/python bench/pull.py            # 2 GiB in 8 files, 3 repeats, about 2 minutes
     .venv/bin/python bench/pull.py --sweep    # first one pull per streams x request size
+    .venv/bin/python bench/pull.py --workers-sweep 1,2   # the rate with 1 worker on 1 core, 2 on 2
     .venv/bin/python bench/pull.py --profile  # and py-spy the puller over one more pull
     .venv/bin/python bench/pull.py --quick    # 256 MiB, one repeat: a smoke test
 """
@@ -74,7 +77,7 @@ sys.path.insert(0, str(REPO))
 
 from rolloutd.wire.manifest import Manifest, verify_file  # noqa: E402
 
-CONTENDERS = ("puller", "puller-ref", "curl", "curl-parallel", "aria2c", "cp")
+CONTENDERS = ("puller", "puller-copy", "puller-ref", "curl", "curl-parallel", "aria2c", "cp")
 DOWNLOADERS = ("curl", "curl-parallel", "aria2c")  # the "best of" the puller is compared with
 MIN_RATE_BPS = 20e6  # a transfer slower than this is broken: it sets every subprocess timeout
 SWEEP = [(s, r) for s in (2, 4, 8, 16) for r in (4, 16, 64)]  # (streams, request MiB)
@@ -100,6 +103,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "puller-ref"),
                    help=f"comma list of {', '.join(CONTENDERS)}")
     p.add_argument("--streams", type=int, default=4, help="puller: concurrent chunk streams (the Puller default)")
+    p.add_argument("--workers", type=int, default=1, help="puller: pull worker processes (on the load CPU)")
+    p.add_argument("--workers-sweep", default=None, help="comma list of worker counts: one more puller run each, "
+                   "N workers allowed N CPUs (the load CPU first, then the others: on 2 cores, 2 workers "
+                   "share the registry's core)")
     p.add_argument("--request-mib", type=int, default=16, help="puller: largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="puller: largest piece read from a response at once")
     p.add_argument("--chunk-mib", type=int, default=64, help="digest chunk size of the published version")
@@ -126,6 +133,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.size_mib, args.repeats = 256, 1
     args.contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    args.workers_sweep = [int(w) for w in args.workers_sweep.split(",")] if args.workers_sweep else []
     if args.ref_repo and "puller-ref" not in args.contenders:
         args.contenders.insert(1, "puller-ref")
     if "puller-ref" in args.contenders and not args.ref_repo:
@@ -199,11 +207,13 @@ def publish(url: str, src: Path, args: argparse.Namespace) -> tuple[Manifest, fl
 
 # -- contenders ---------------------------------------------------------------------------------------
 
-def run_timed(argv: list[str], args: argparse.Namespace) -> tuple[subprocess.CompletedProcess, float, float]:
-    """Run a client pinned to the load CPU: its output, wall seconds and CPU seconds."""
+def run_timed(argv: list[str], args: argparse.Namespace, cpus: str | None = None
+              ) -> tuple[subprocess.CompletedProcess, float, float]:
+    """Run a client pinned to the load CPU (or ``cpus``): its output, wall seconds and CPU seconds
+    (its children's included)."""
     timeout = transfer_timeout_s(args.size)
     t0, c0 = time.perf_counter(), os.times()
-    out = subprocess.run(pinned(args.load_cpu, argv), capture_output=True, text=True, timeout=timeout)
+    out = subprocess.run(pinned(cpus or args.load_cpu, argv), capture_output=True, text=True, timeout=timeout)
     wall, c1 = time.perf_counter() - t0, os.times()
     if out.returncode != 0:
         raise RuntimeError(f"{Path(argv[0]).name} failed ({out.returncode}): {(out.stderr or out.stdout)[-1000:]}")
@@ -211,17 +221,21 @@ def run_timed(argv: list[str], args: argparse.Namespace) -> tuple[subprocess.Com
 
 
 def pull_argv(urls: dict, dest: Path, args: argparse.Namespace, streams: int, request_mib: int,
-              repo: Path | None = None) -> list[str]:
+              repo: Path | None = None, workers: int | None = None, copy: bool = False) -> list[str]:
     return [sys.executable, str(BENCH / "pullonce.py"), urls["registry"], "--mirror", str(dest),
             "--version", "1", "--streams", str(streams), "--request-mib", str(request_mib),
-            "--piece-kib", str(args.piece_kib), "--loop", args.loop,
-            "--timeout-s", f"{transfer_timeout_s(args.size):.0f}", *(["--repo", str(repo)] if repo else [])]
+            "--piece-kib", str(args.piece_kib), "--loop", args.loop, "--workers", str(workers or args.workers),
+            "--timeout-s", f"{transfer_timeout_s(args.size):.0f}", *(["--repo", str(repo)] if repo else []),
+            *(["--copy"] if copy else [])]
 
 
 def puller(urls: dict, names: list[str], dest: Path, args: argparse.Namespace,
-           streams: int | None = None, request_mib: int | None = None, repo: Path | None = None) -> dict:
-    argv = pull_argv(urls, dest, args, streams or args.streams, request_mib or args.request_mib, repo)
-    out, _, _ = run_timed(argv, args)
+           streams: int | None = None, request_mib: int | None = None, repo: Path | None = None,
+           workers: int | None = None, copy: bool = False) -> dict:
+    workers = workers or args.workers
+    argv = pull_argv(urls, dest, args, max(streams or args.streams, workers), request_mib or args.request_mib,
+                     repo, workers, copy)
+    out, _, _ = run_timed(argv, args, cpus=sweep_cpus(workers, args) if workers > 1 else None)
     r = json.loads(out.stdout)  # its own time and CPU: the pull, not the interpreter's start
     if r["bytes"] != args.size:
         raise RuntimeError(f"puller fetched {r['bytes']} bytes, expected {args.size}")
@@ -262,12 +276,20 @@ def cp(urls: dict, names: list[str], dest: Path, args: argparse.Namespace) -> di
     return {"seconds": wall, "client_cpu_s": cpu, "files_dir": str(dest)}
 
 
-RUN = {"puller": puller, "puller-ref": lambda *a: puller(*a, repo=a[3].ref_repo), "curl": curl,
+def sweep_cpus(workers: int, args: argparse.Namespace) -> str:
+    """The CPUs N workers may use: the load CPU first, then the others in order."""
+    cpus = [args.load_cpu] + [c for c in range(os.cpu_count()) if c != args.load_cpu]  # this script is pinned
+    return ",".join(str(c) for c in cpus[:workers])
+
+
+RUN = {"puller": puller, "puller-copy": lambda *a, **kw: puller(*a, copy=True, **kw),
+       "puller-ref": lambda *a: puller(*a, repo=a[3].ref_repo), "curl": curl,
        "curl-parallel": lambda *a: curl(*a, parallel=True), "aria2c": aria2c, "cp": cp}
 
 
 def label(name: str, args: argparse.Namespace) -> str:
-    return {"puller": f"puller {args.streams} streams x {args.request_mib} MiB requests ({args.loop})",
+    return {"puller": f"puller {args.workers} worker(s), {args.streams} streams x {args.request_mib} MiB requests",
+            "puller-copy": "the same, bodies through the workers' memory (not spliced)",
             "puller-ref": f"the same, rolloutd from {args.ref_repo}",
             "curl": "curl, files one after another",
             "curl-parallel": f"curl --parallel-max {args.files}",
@@ -330,6 +352,22 @@ def warm_up(src: Path, work: Path, args: argparse.Namespace) -> None:
     dest = work / "dest"
     run_timed(["cp", "-r", str(src), str(dest)], args)
     shutil.rmtree(dest)
+
+
+def workers_sweep(urls: dict, names: list[str], work: Path, args: argparse.Namespace, manifest: Manifest,
+                  pids: dict) -> list[dict]:
+    """One puller run per worker count, ``--repeats`` times, interleaved; N workers on N CPUs."""
+    rows: dict[int, list[dict]] = {w: [] for w in args.workers_sweep}
+    for rep in range(args.repeats):
+        for w in args.workers_sweep:
+            run = one_run("puller", urls, names, work, args, manifest, pids, verify=rep == 0, workers=w,
+                          streams=max(args.streams, 2 * w))
+            rows[w].append(run)
+            print(f"  workers sweep [{rep + 1}/{args.repeats}]: {w} worker(s) on CPUs {sweep_cpus(w, args)}  "
+                  f"{run['gb_per_s']:6.2f} GB/s  client {run['client_cpu_s_per_gb']:.2f} s/GB", flush=True)
+    return [{"workers": w, "cpus": sweep_cpus(w, args), "gb_per_s": stats([r["gb_per_s"] for r in rs]),
+             "client_cpu_s_per_gb": statistics.median(r["client_cpu_s_per_gb"] for r in rs)}
+            for w, rs in rows.items()]
 
 
 def sweep(urls: dict, names: list[str], work: Path, args: argparse.Namespace, manifest: Manifest,
@@ -424,6 +462,10 @@ def summarize(runs: dict) -> dict:
         ratios["puller_to_cp"] = round(med["puller"] / med["cp"], 3)
     if "puller" in med and "puller-ref" in med:
         ratios["puller_to_puller_ref"] = round(med["puller"] / med["puller-ref"], 3)
+    if "puller" in med and "puller-copy" in med:
+        ratios["puller_to_puller_copy"] = round(med["puller"] / med["puller-copy"], 3)
+    if "puller" in out and "cp" in out:
+        ratios["client_cpu_to_cp"] = round(out["puller"]["client_cpu_s_per_gb"] / out["cp"]["client_cpu_s_per_gb"], 3)
     return {"contenders": out, "ratios": ratios}
 
 
@@ -445,6 +487,15 @@ def markdown(report: dict) -> str:
         lines.append(f"puller / cp: **{r['puller_to_cp']:.2f}**")
     if "puller_to_puller_ref" in r:
         lines.append(f"puller / puller-ref: **{r['puller_to_puller_ref']:.2f}**")
+    if "puller_to_puller_copy" in r:
+        lines.append(f"puller (spliced) / puller-copy: **{r['puller_to_puller_copy']:.2f}**")
+    if "client_cpu_to_cp" in r:
+        lines.append(f"puller client CPU per GB / cp's: **{r['client_cpu_to_cp']:.2f}**")
+    if report.get("workers_sweep"):
+        lines += ["", "Workers sweep (median of the repeats): workers on CPUs -> GB/s (client s/GB)", ""]
+        lines += [f"- {row['workers']} on {row['cpus']}: {row['gb_per_s']['median']:.2f} "
+                  f"({row['gb_per_s']['min']:.2f}-{row['gb_per_s']['max']:.2f}) ({row['client_cpu_s_per_gb']:.2f})"
+                  for row in report["workers_sweep"]]
     if report.get("sweep"):
         lines += ["", "Sweep (one pull each): streams x request MiB -> GB/s (client s/GB)", ""]
         lines += [f"- {row['streams']} x {row['request_mib']} MiB: {row['gb_per_s']:.2f} "
@@ -492,6 +543,8 @@ def run_all(work: Path, args: argparse.Namespace) -> dict:
         warm_up(src, work, args)
         if args.sweep:
             report["sweep"] = sweep(urls, names, work, args, manifest, pids)
+        if args.workers_sweep:
+            report["workers_sweep"] = workers_sweep(urls, names, work, args, manifest, pids)
         report["runs"] = measure(urls, names, work, args, manifest, pids)
         report["summary"] = summarize(report["runs"])
         if args.profile:

@@ -1,10 +1,11 @@
 """Pull one version into a mirror directory with rolloutd's puller, as the daemon does.
 
 Prints one JSON object: bytes, seconds (the pull itself: lease to commit, without the
-interpreter's start), GB/s, this process's CPU seconds over the pull, retries, the version's
-path and digest. Used by ``pull.py``::
+interpreter's start), GB/s, the CPU seconds of the pull (this process and its pull workers,
+which are reaped before the pull returns), retries, the version's path and digest. Used by
+``pull.py``::
 
-    python bench/pullonce.py http://127.0.0.1:8700 --mirror /dev/shm/m --version 1 --streams 8
+    python bench/pullonce.py http://127.0.0.1:8700 --mirror /dev/shm/m --version 1 --workers 2 --streams 4
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
-import time
 from pathlib import Path
 
 # The repo's rolloutd (not the venv's installed copy), or another checkout's with --repo DIR
@@ -30,7 +31,11 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("url", help="registry URL")
     p.add_argument("--mirror", type=Path, required=True, help="mirror directory")
     p.add_argument("--version", default="latest")
-    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--streams", type=int, default=4, help="concurrent transfers, over all workers")
+    p.add_argument("--workers", type=int, default=1, help="pull worker processes")
+    p.add_argument("--priority", choices=("idle", "low", "normal"), default="normal",
+                   help="CPU priority of the pull workers")
+    p.add_argument("--copy", action="store_true", help="bytes through the workers' memory, not spliced")
     p.add_argument("--request-mib", type=int, default=16, help="largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="largest piece read from a response at once")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
@@ -45,13 +50,27 @@ async def pull(args: argparse.Namespace) -> dict:
     async with RegistryClient(args.url, timeouts=Timeouts(read_s=60.0), max_connections=args.streams + 2) as client:
         puller = Puller(client, Mirror(args.mirror, max_bytes=1 << 50), holder="bench-node",
                         streams=args.streams, request_bytes=args.request_mib << 20,
-                        piece_bytes=args.piece_kib << 10)
-        cpu0 = time.process_time()
+                        piece_bytes=args.piece_kib << 10, **workers(args))
+        cpu0 = _cpu()
         result = await asyncio.wait_for(puller.pull(args.version), args.timeout_s)
-        cpu = time.process_time() - cpu0
+        cpu = _cpu() - cpu0
     return {"bytes": result.bytes, "seconds": round(result.seconds, 4),
             "gb_per_s": round(result.bytes / result.seconds / 1e9, 4), "client_cpu_s": round(cpu, 3),
             "retries": result.retries, "path": str(result.path), "digest": result.digest}
+
+
+def workers(args: argparse.Namespace) -> dict:
+    """Worker settings, for builds of the puller that have them (``--repo``: an older one may not)."""
+    import inspect
+    params = inspect.signature(Puller).parameters
+    args.zero_copy = not args.copy
+    return {k: getattr(args, k) for k in ("workers", "priority", "zero_copy") if k in params}
+
+
+def _cpu() -> float:
+    """CPU seconds of this process and of its children reaped so far (the pull workers)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def main() -> None:

@@ -269,7 +269,18 @@ class Mirror(_Section):
 
 
 class Pull(_Section):
-    streams: int = Field(4, ge=1, le=64, description="concurrent transfers of one pull")
+    workers: int | None = Field(None, ge=1, le=256, description="processes that move a pull's bytes (network "
+                                "reads, digests, writes into the mirror), beside the daemon so that pull work "
+                                "never delays the gateway, heartbeats or the admin API; null: one per core, "
+                                "at most 16")
+    streams: int | None = Field(None, ge=1, le=1024, description="concurrent transfers of one pull, spread over "
+                                "the workers (at least one each); null: two per worker")
+    cpu_priority: Literal["idle", "low", "normal"] = Field("low", description="CPU priority of the pull "
+                                                            "workers: low (nice 10: generation and the gateway "
+                                                            "come first when the CPU is contended, and the pull "
+                                                            "still moves), idle (SCHED_IDLE: only CPU time no "
+                                                            "other process wants; on a node whose CPUs are all "
+                                                            "busy a pull may not finish), normal (the daemon's)")
     request_bytes: ByteSize = Field(ByteSize(16 * MiB), ge=64 * KiB, description="largest byte range asked "
                                     "for in one request")
     max_chunk_retries: int = Field(3, ge=0, le=100, description="times one chunk is fetched again after a "
@@ -278,6 +289,12 @@ class Pull(_Section):
                                "bytes on the registry while pulling (renewed well before it ends)")
     read_timeout_s: Seconds = Field(30.0, description="longest silence while receiving bytes")
     timeout_s: Seconds = Field(3600.0, description="longest time for a whole pull")
+
+    def worker_count(self) -> int:
+        return self.workers or max(1, min(os.cpu_count() or 1, 16))
+
+    def stream_count(self) -> int:
+        return max(self.streams or 2 * self.worker_count(), 1)
 
 
 class Peers(_Section):

@@ -51,7 +51,7 @@ STATUS = {
     "target": {"version": 12, "digest": "xxh3:00ff00ff"},
     "pull": {"target": "latest", "version": 12, "state": "pulling", "bytes_done": 1 << 30,
              "bytes_total": 4 << 30, "rate_bytes_per_s": 512.0 * (1 << 20), "eta_s": 6.0, "retries": 1,
-             "seconds": 2.0, "error": None},
+             "workers": [4400, 4401], "worker_restarts": 1, "seconds": 2.0, "error": None},
     "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
                      "url": "http://10.0.0.7:9300", "served_bytes": 9 << 30, "served_requests": 1152},
     "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "versions": [10, 11]},
@@ -411,7 +411,8 @@ def test_status_table():
     assert lines[1] == ("registry http://trainer:8700: reachable, instance r-5e1f, latest v12, demand v11, "
                         "answered 1.2s ago")
     assert lines[2] == "target v12 (digest xxh3:00ff00ff)"
-    assert lines[3] == "pull v12: pulling, 1.0 GiB of 4.0 GiB (25%), 512.0 MiB/s, ETA 6.0s, 1 retries"
+    assert lines[3] == ("pull v12: pulling, 1.0 GiB of 4.0 GiB (25%), 512.0 MiB/s, ETA 6.0s, 2 workers, 1 retries, "
+                        "1 worker restarts")
     assert lines[4] == "mirror /dev/shm/rolloutd: 8.0 GiB of 32.0 GiB, versions v10, v11"
     header, gpu0, gpu1 = lines[6:9]
     assert cells(header) == ["NAME", "STATE", "PID", "PORT", "GPUS", "VERSION", "TARGET", "RESTARTS", "UPDATED",
@@ -443,10 +444,10 @@ def test_status_table_before_anything_happened():
 
 @pytest.mark.parametrize(("pull", "expected"), [
     ({"state": "done", "bytes_done": 2 << 30, "bytes_total": 2 << 30, "seconds": 4.0,
-      "rate_bytes_per_s": 512.0 * (1 << 20), "retries": 0, "error": None},
+      "rate_bytes_per_s": 512.0 * (1 << 20), "retries": 0, "workers": [], "worker_restarts": 0, "error": None},
      "pull v12: done, 2.0 GiB of 2.0 GiB in 4.0 s (512.0 MiB/s)"),
     ({"state": "failed", "bytes_done": 1024, "bytes_total": 4096, "seconds": 1.5, "rate_bytes_per_s": 0.0,
-      "retries": 3, "error": "chunk 0 of model.safetensors: bad digest"},
+      "retries": 3, "workers": [], "worker_restarts": 0, "error": "chunk 0 of model.safetensors: bad digest"},
      "pull v12: failed, 1.0 KiB of 4.0 KiB in 1.5 s, 3 retries: chunk 0 of model.safetensors: bad digest"),
 ])
 def test_status_pull_line(pull, expected):

@@ -3,6 +3,7 @@ key path and the line), ``rolloutd check-config`` as a process, and random mutat
 example that must only ever raise ``ConfigError`` in the ``FILE:LINE: path: message`` form."""
 
 import copy
+import os
 import re
 import subprocess
 import sys
@@ -101,7 +102,9 @@ def test_defaults():
     assert (cfg.admin.host, cfg.admin.port, cfg.admin.token_file) == ("127.0.0.1", 9100, None)
     assert cfg.state_dir == Path("/var/lib/rolloutd")
     assert cfg.mirror.dir == Path("/dev/shm/rolloutd") and cfg.mirror.max_bytes == 32 * GiB
-    assert (cfg.pull.streams, cfg.pull.request_bytes, cfg.pull.max_chunk_retries) == (4, 16 * MiB, 3)
+    assert (cfg.pull.streams, cfg.pull.request_bytes, cfg.pull.max_chunk_retries) == (None, 16 * MiB, 3)
+    assert (cfg.pull.workers, cfg.pull.cpu_priority) == (None, "low")
+    assert cfg.pull.worker_count() == min(os.cpu_count(), 16) and cfg.pull.stream_count() == 2 * cfg.pull.worker_count()
     assert (cfg.pull.lease_ttl_s, cfg.pull.read_timeout_s, cfg.pull.timeout_s) == (60, 30, 3600)
     u = cfg.update
     assert (u.pause_mode, u.min_version_lag, u.max_update_delay_s, u.strategy, u.max_unavailable) == (

@@ -196,10 +196,13 @@ def test_mirror_full_names_the_figures(tmp_path):
 def test_begin_fails_cleanly_when_the_filesystem_is_full(tmp_path, monkeypatch):
     mirror = Mirror(tmp_path / "m", max_bytes=1 << 30)
 
-    def full(fd, offset, length):
-        raise OSError(28, "No space left on device")
-    monkeypatch.setattr(os, "posix_fallocate", full)
-    with pytest.raises(OSError, match="No space"):
+    real = os.statvfs
+
+    def full(path):
+        st = real(path)
+        return os.statvfs_result((st.f_bsize, st.f_frsize, st.f_blocks, 0, 0, *st[5:]))
+    monkeypatch.setattr(os, "statvfs", full)
+    with pytest.raises(OSError, match=r"has 0 B free, version 1 needs 14\.6 KiB"):
         mirror.begin(make_manifest(1, payload(1)))
     assert os.listdir(mirror.dir) == []
 

@@ -4,9 +4,12 @@ the faults a healthy registry never shows (corrupt bytes, stalls at a chosen req
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
+import signal
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -128,10 +131,11 @@ def nothing_left(mirror: Mirror, registry) -> None:
 
 # -- pulls that work ----------------------------------------------------------------------------------------
 
-async def test_pull_is_byte_identical_and_complete(registry, proxy, client, mirror):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["spliced", "copied"])
+async def test_pull_is_byte_identical_and_complete(registry, proxy, client, mirror, zero_copy):
     manifest, files = publish(registry, 1)
     assert len(files) >= 3 and sum(len(f.chunks) for f in manifest.files) >= 40
-    puller = make_puller(client, mirror, streams=1, request_bytes=1 << 30)
+    puller = make_puller(client, mirror, streams=1, request_bytes=1 << 30, zero_copy=zero_copy)
     result = await puller.pull(1)
     assert (result.version, result.path, result.digest) == (1, mirror.path(1), manifest.digest)
     assert result.bytes == manifest.total_bytes and result.retries == 0 and not result.reused
@@ -150,12 +154,16 @@ async def test_several_streams_with_requests_smaller_than_a_chunk(registry, prox
     manifest, files = publish(registry, 2)
     puller = make_puller(client, mirror, streams=6, request_bytes=20_000)
     in_flight, most = 0, 0
+    all_in = asyncio.Event()
 
     async def count(_n: int) -> None:
         nonlocal in_flight, most
         in_flight += 1
         most = max(most, in_flight)
-        await asyncio.sleep(0.002)  # let the other streams get their requests in
+        if most == 6:
+            all_in.set()
+        with contextlib.suppress(TimeoutError):  # hold the first requests until the other streams' came
+            await asyncio.wait_for(all_in.wait(), 5)
         in_flight -= 1
     proxy.on_bytes = count
     result = await puller.pull("latest")
@@ -168,6 +176,59 @@ async def test_several_streams_with_requests_smaller_than_a_chunk(registry, prox
     assert len(spans) == sum(-(-(e - s) // 20_000) for f in manifest.files
                              for s, e in (manifest.chunk_span(f, i) for i in range(len(f.chunks))))
     assert len(spans) > 3 * chunks
+
+
+def gone(pid: int) -> bool:
+    """The process exited and was reaped (or is a zombie of a parent that died)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def scheduling(pid: int) -> tuple[int, int]:
+    """(policy, niceness) of a process: SCHED_IDLE is 5."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[38]), int(fields[16])
+
+
+async def test_pull_work_runs_in_worker_processes_that_are_reaped(registry, proxy, client, mirror):
+    manifest, files = publish(registry, 1)
+    puller = make_puller(client, mirror, workers=2, streams=4, priority="idle")
+    seen: dict[int, tuple[int, int]] = {}
+
+    async def look(n: int) -> None:
+        if n == 10:
+            seen.update({pid: scheduling(pid) for pid in puller.progress.worker_pids})
+    proxy.on_bytes = look
+    result = await puller.pull(1)
+    assert result.bytes == manifest.total_bytes
+    assert_pulled(mirror, 1, files, manifest)
+    assert len(seen) == 2 and os.getpid() not in seen  # two processes of their own
+    assert set(seen.values()) == {(os.SCHED_IDLE, 19)}   # behind generation when the CPU is contended
+    assert puller.progress.worker_pids == [] and all(gone(pid) for pid in seen)
+    assert puller.progress.as_dict()["worker_restarts"] == 0
+
+
+async def test_a_worker_killed_mid_pull_is_restarted_and_its_chunks_fetched_again(registry, proxy, client, mirror,
+                                                                                   caplog):
+    manifest, files = publish(registry, 1)
+    restarts = []
+    puller = make_puller(client, mirror, workers=2, streams=2, on_worker_restart=lambda: restarts.append(1))
+    killed = []
+
+    async def kill(n: int) -> None:
+        if n == 12:
+            killed.append(puller.progress.worker_pids[0])
+            os.kill(killed[0], signal.SIGKILL)
+    proxy.on_bytes = kill
+    with caplog.at_level(logging.WARNING):
+        result = await puller.pull(1)
+    assert_pulled(mirror, 1, files, manifest)
+    assert result.bytes == manifest.total_bytes  # the lost chunk's bytes are not counted twice
+    assert restarts == [1] and puller.progress.worker_restarts == 1 and result.retries >= 1
+    assert f"pid {killed[0]} exited (killed by SIGKILL - out of memory?)" in caplog.text
+    assert "WorkerCrashed: pull worker" in caplog.text
 
 
 async def test_a_version_already_in_the_mirror_is_not_pulled_again(registry, proxy, client, mirror):
@@ -199,12 +260,13 @@ async def test_progress_is_readable_while_pulling(registry, proxy, client, mirro
 
 # -- corruption -----------------------------------------------------------------------------------------------
 
-async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, mirror, caplog):
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["spliced", "copied"])
+async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, mirror, caplog, zero_copy):
     manifest, files = publish(registry, 1)
     entry = manifest.files[1]
     proxy.flip(entry.name, 2 * CHUNK)
     with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
-        result = await make_puller(client, mirror).pull(1)
+        result = await make_puller(client, mirror, zero_copy=zero_copy).pull(1)
     assert proxy.flipped == 1 and result.retries == 1
     assert result.bytes == manifest.total_bytes  # the bad attempt's bytes are not counted twice
     assert_pulled(mirror, 1, files, manifest)
@@ -228,7 +290,7 @@ async def test_a_chunk_corrupted_every_time_fails_the_pull_and_leaves_nothing(re
     proxy.flip(entry.name, 3 * CHUNK, times=None)
     puller = make_puller(client, mirror, max_chunk_retries=2)
     with pytest.raises(PullError, match=rf"version 1 file {entry.name} chunk 3: failed 3 times; last: "
-                                        r"_ChunkCorrupt: digest [0-9a-f]{32} does not match") as err:
+                                        r"ChunkCorrupt: digest [0-9a-f]{32} does not match") as err:
         await puller.pull(1)
     assert proxy.flipped == 3
     assert puller.progress.state is PullState.FAILED and puller.progress.error == str(err.value)
@@ -315,6 +377,8 @@ async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, pr
     task = asyncio.create_task(puller.pull(1))
     await asyncio.wait_for(reached.wait(), 10)
     assert (mirror.dir / ".1.partial").is_dir() and registry.service.store.lease_count() == 1
+    workers = puller.progress.worker_pids
+    assert workers
     with pytest.raises(RuntimeError, match="one at a time"):
         await puller.pull(1)
     task.cancel()
@@ -322,6 +386,7 @@ async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, pr
         await task
     assert puller.progress.state is PullState.CANCELLED
     nothing_left(mirror, registry)
+    assert all(gone(pid) for pid in workers)  # reaped before the partial directory went
     unstall.set()
 
 

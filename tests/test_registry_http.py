@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 import socket
 import threading
 import time
@@ -283,6 +285,44 @@ def test_range_206_and_416(any_registry):
         assert r.headers["content-range"] == f"bytes */{size}"
     head = http.head("/v1/versions/1/files/model.safetensors", headers={"range": "bytes=0-9"})
     assert head.status_code == 206 and head.headers["content-length"] == "10" and head.content == b""
+    # a disk store's bytes are sent by the kernel (sendfile), a memory store's from memory
+    sent = sendfile_responses(http)
+    assert sent == (5 if registry.settings.data_dir else 0), sent
+
+
+def sendfile_responses(http: httpx.Client) -> int:
+    text = http.get("/metrics").text
+    return int(float(re.search(r"^rolloutd_registry_sendfile_responses_total (\S+)$", text, re.M).group(1)))
+
+
+def test_sendfile_bytes_on_one_connection_a_client_that_leaves_and_a_reclaimed_version(tmp_path, clock):
+    """Many ranges on one kept-alive connection, each whole; a client that disconnects halfway
+    leaves the registry serving; a version reclaimed mid-transfer still reaches its reader."""
+    with EmbeddedRegistry(port=0, clock=clock, data_dir=tmp_path / "data") as registry:
+        data = os.urandom(6 << 20)
+        (tmp_path / "src").mkdir()
+        (tmp_path / "src" / "model.safetensors").write_bytes(data)
+        registry.publish_dir(1, tmp_path / "src")
+        url = "/v1/versions/1/files/model.safetensors"
+        with httpx.Client(base_url=registry.url) as http:
+            for start in range(0, len(data), 1 << 20):
+                r = http.get(url, headers={"range": f"bytes={start}-{start + (1 << 20) - 1}"})
+                assert r.status_code == 206 and r.content == data[start:start + (1 << 20)]
+            with socket.create_connection(("127.0.0.1", registry.port)) as s:  # reads the head, then leaves
+                s.sendall(f"GET {url} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+                assert s.recv(100).startswith(b"HTTP/1.1 200")
+            lease = http.post("/v1/leases", json={"holder": "n", "version": 1, "ttl_s": 30}).json()
+            with http.stream("GET", url) as r:
+                pieces = r.iter_bytes()
+                got = bytearray(next(pieces))
+                assert http.delete("/v1/versions/1").status_code == 200  # retired: its bytes go once
+                http.delete(f"/v1/leases/{lease['lease_id']}")             # the last lease ends
+                assert http.get("/v1/versions/1").status_code == 410
+                assert not (tmp_path / "data" / "versions" / "1").exists()
+                for piece in pieces:
+                    got += piece
+            assert bytes(got) == data
+            assert sendfile_responses(http) >= 8
 
 
 def raw_get(port: int, target: str) -> bytes:

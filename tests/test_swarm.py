@@ -54,7 +54,6 @@ class Node:
             self.announcer.cancel()
             await asyncio.gather(self.announcer, return_exceptions=True)
         self.server.stop()
-        await self.swarm.close()
         await self.client.close()
 
     def check(self, version: int) -> None:
@@ -237,12 +236,15 @@ async def test_a_dropped_peer_stays_out_of_the_count_for_the_whole_pull(tmp_path
 async def test_every_announcement_of_a_pull_names_the_peers_it_dropped(tmp_path):
     """Named once, a dropped peer would count as a holder again once the tracker's suspicion
     lapsed, and chunks only it claims would never be handed out of the origin."""
+    from rolloutd.registry.client import Timeouts
     from rolloutd.wire.manifest import Manifest
     from rolloutd.wire.messages import AnnounceReply, SwarmView
 
     sent = []
 
     class RecordingClient:  # a FAKE registry client: records what would be announced
+        url, token, timeouts = "http://127.0.0.1:9", None, Timeouts()
+
         async def announce(self, node, body):
             sent.append(body.failed)
             return AnnounceReply(instance="x", versions={})
@@ -259,4 +261,3 @@ async def test_every_announcement_of_a_pull_names_the_peers_it_dropped(tmp_path)
     await swarm.announce()
     await swarm.announce()
     assert sent == [["liar"], ["liar"]]
-    await swarm.close()

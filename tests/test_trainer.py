@@ -15,7 +15,9 @@ import pytest
 from safetensors import safe_open
 
 from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
+from rolloutd.registry.handle import PublishState
 from rolloutd.registry.publish import layer_key, save_shards, shard_plan
+from rolloutd.registry.shards import Cancelled
 from rolloutd.wire import errors
 
 from .conftest import registry_log, run_cli
@@ -278,14 +280,63 @@ def test_embedded_publish_shows_progress_and_a_failure_leaves_nothing(tmp_path):
         sd = {f"model.layers.{i}.w": np.zeros(1000, np.float32) for i in range(4)}
         reg.publish(1, sd, shard_bytes=4000, progress=lambda done, total: seen.append((done, total)))
         assert len(seen) == 4 and seen[-1] == (16000, 16000)
-        # the first shard is staged, the second cannot be serialized
+        # a tensor safetensors cannot hold fails before any work
         bad = {"model.layers.0.w": np.zeros(10, np.float32), "model.layers.1.w": np.array([None], object)}
-        staged = []
-        real_stage = reg.service.blobs.stage_bytes
-        reg.service.blobs.stage_bytes = lambda *a: (staged.append(a[1]), real_stage(*a))
-        with pytest.raises(Exception, match='Unknown dtype "object"'):
+        with pytest.raises(ValueError, match="tensor model.layers.1.w has dtype object, which safetensors "
+                                             "cannot hold"):
             reg.publish(2, bad, shard_bytes=10)
-        assert staged == ["model-00001-of-00002.safetensors"]
+        # the first shard is staged, the second cannot be: nothing of the version is left
+        staged = []
+        real_stage = reg.service.blobs.stage_view
+
+        def stage(version, name, size):
+            staged.append(name)
+            if len(staged) == 2:
+                raise OSError(28, "No space left on device")
+            return real_stage(version, name, size)
+        reg.service.blobs.stage_view = stage
+        with pytest.raises(OSError, match="No space left"):
+            reg.publish(2, sd, shard_bytes=4000)
+        assert staged == ["model-00001-of-00004.safetensors", "model-00002-of-00004.safetensors"]
         assert not any((tmp_path / "data" / "staging").iterdir())
         assert reg.latest()["version"] == 1
 
+
+@pytest.mark.parametrize("data_dir", [False, True], ids=["memory", "disk"])
+def test_publish_async_returns_a_handle_and_the_step_may_change_the_tensors(tmp_path, data_dir):
+    import torch
+    sd = torch_state_dict(3)
+    original = {k: v.clone() for k, v in sd.items()}
+    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data" if data_dir else None) as reg:
+        handle = reg.publish_async(1, sd, shard_bytes=40_000, chunk_bytes=4096)
+        for t in sd.values():  # the next training step, at once: the snapshot is what gets published
+            t.add_(1)
+        m = handle.wait(60)
+        p = handle.progress
+        assert (p.state, p.version, p.bytes_done, p.error) == (PublishState.DONE, 1, p.bytes_total, None)
+        assert p.bytes_total == sum(t.numel() * t.element_size() for t in original.values())
+        got = read_version(reg.url, m)
+        for k in original:
+            assert torch.equal(got[k], original[k]), k
+        assert handle.cancel() is False  # done: it stays published
+        # publishing without a snapshot: the caller leaves the tensors alone until it is done
+        m2 = reg.publish_async(2, sd, snapshot=False, shard_bytes=40_000, chunk_bytes=4096).wait(60)
+        assert m2.digest != m.digest and reg.latest()["version"] == 2
+
+
+def test_publish_async_runs_in_order_and_a_cancelled_one_leaves_nothing(tmp_path):
+    import numpy as np
+    sd = {f"model.layers.{i}.w": np.full(1000, i, np.float32) for i in range(4)}
+    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data") as reg:
+        with reg._turn.mine():  # an earlier publish still running: these wait their turn
+            first = reg.publish_async(1, sd, shard_bytes=4000)
+            dropped = reg.publish_async(2, sd, shard_bytes=4000)
+            third = reg.publish_async(3, sd, shard_bytes=4000)
+            assert first.progress.state is PublishState.QUEUED
+            dropped.cancel(timeout_s=0)  # asked while queued; it ends when its turn comes
+        assert first.wait(60).version == 1 and third.wait(60).version == 3
+        with pytest.raises(Cancelled):
+            dropped.wait(60)
+        assert dropped.progress.state is PublishState.CANCELLED and dropped.progress.bytes_done == 0
+        assert [v["version"] for v in reg.versions()] == [1, 3]
+        assert not any((tmp_path / "data" / "staging").iterdir())

@@ -83,6 +83,9 @@ class PullStatus(_Model):
     rate_bytes_per_s: float = Field(description="recent rate while pulling; the average once ended")
     eta_s: float | None = Field(description="seconds left at the recent rate (null: unknown)")
     retries: int = Field(description="chunk transfers tried again")
+    workers: list[int] = Field(description="pids of the pull worker processes moving its bytes (empty when "
+                               "none run)")
+    worker_restarts: int = Field(description="pull workers that exited mid-pull and were started again")
     seconds: float = Field(description="time spent so far, or in all once ended")
     error: str | None = Field(description="why it failed, if it did")
 

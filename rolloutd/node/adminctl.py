@@ -226,12 +226,16 @@ def _pull_line(p: dict | None) -> str:
         pct = 100 * done / total if total else 0
         eta = f"ETA {_age(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown"
         line += f" ({pct:.0f}%), {size(p['rate_bytes_per_s'])}/s, {eta}"
+        if p.get("workers"):
+            line += f", {len(p['workers'])} workers"
     else:
         line += f" in {p['seconds']:.1f} s"
         if state == "done" and p["seconds"] > 0:
             line += f" ({size(p['rate_bytes_per_s'])}/s)"
     if p["retries"]:
         line += f", {p['retries']} retries"
+    if p.get("worker_restarts"):
+        line += f", {p['worker_restarts']} worker restarts"
     if p["error"]:
         line += f": {p['error']}"
     return line

@@ -168,7 +168,6 @@ class Daemon:
         finally:
             if self.peer_server is not None:
                 self.peer_server.stop()
-            await self.swarm.close()
             await self.client.close()
             self._unhandle_signals()
         log.info("stop rolloutd: every server stopped")

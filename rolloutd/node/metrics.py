@@ -40,6 +40,9 @@ class Metrics:
                                       buckets=PULL_BUCKETS, registry=r)
         self.pulls = Counter("rolloutd_pulls", "Pulls by result (reused: the mirror already held the version)",
                              ["result"], registry=r)
+        self.pull_worker_restarts = Counter("rolloutd_pull_worker_restarts", "Pull worker processes that exited "
+                                            "mid-pull and were started again (their chunks are fetched again)",
+                                            registry=r)
         self.pause_seconds = Histogram("rolloutd_pause_seconds", "Time a server was paused for one update "
                                        "(pause to resume)", ["server"], buckets=PAUSE_BUCKETS, registry=r)
         self.update_phase_seconds = Histogram("rolloutd_update_phase_seconds", "Duration of each phase of an "

@@ -56,12 +56,18 @@ class RegistryClient:
                  max_connections: int = 32):
         self.url = url.rstrip("/")
         self.timeouts = timeouts
+        self._token = token
         self._headers = {"authorization": f"Bearer {token}"} if token else {}
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
 
     def __repr__(self) -> str:  # never show the token
         return f"RegistryClient({self.url!r})"
+
+    @property
+    def token(self) -> str | None:
+        """The bearer token, for the pull workers that fetch bytes from the same registry."""
+        return self._token
 
     async def __aenter__(self) -> RegistryClient:
         return self

@@ -2,15 +2,16 @@
 
 ``RegistryHTTP`` talks to any registry over HTTP (a non-Python trainer can do the same with
 the documented routes). ``EmbeddedRegistry`` runs the registry inside the trainer's process
-and publishes by writing straight into its store, without a round trip over HTTP.
-torch is imported only by :func:`save_shards`, when a state dict holds torch tensors.
+and publishes by writing each tensor straight into its store (:mod:`~rolloutd.registry.shards`:
+one copy, hashed as it lands), without a round trip over HTTP; ``publish_async`` does it on a
+thread of its own and returns a :class:`~rolloutd.registry.handle.PublishHandle` at once.
+torch is imported only when a state dict holds torch tensors.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -20,6 +21,22 @@ from typing import Any
 import httpx
 
 from rolloutd.objstore import ObjectStoreSettings, publish_files, version_source
+from rolloutd.registry.handle import PublishHandle, PublishState, Turns
+from rolloutd.registry.shards import (  # noqa: F401 -- the trainer's names for them
+    DEFAULT_SHARD_BYTES,
+    Cancelled,
+    MappedFile,
+    Shard,
+    checkpoint_tensors,
+    drop_aliases,
+    layer_key,
+    nbytes,
+    plan_shards,
+    save_shards,
+    serialize_shards,
+    shard_plan,
+    write_shard,
+)
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import (
     DEFAULT_CHUNK_BYTES,
@@ -28,150 +45,13 @@ from rolloutd.wire.manifest import (
     FileEntry,
     Manifest,
     build_manifest,
-    hash_chunks,
     safetensors_files,
 )
 
 log = logging.getLogger("rolloutd.publish")
 
-DEFAULT_SHARD_BYTES = 5 << 30  # Hugging Face's usual shard size
 UPLOAD_PIECE_BYTES = 4 << 20
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
-
-
-# -- state dicts to safetensors files, in layer order ---------------------------------------------
-
-_LAYER_RE = re.compile(r"\.(?:layers|h|blocks|layer)\.(\d+)\.")
-
-
-def layer_key(name: str) -> tuple[int, int, str]:
-    """Sort key that puts embeddings first, then layers by index, then everything else."""
-    m = _LAYER_RE.search(name)
-    if m:
-        return (1, int(m.group(1)), name)
-    return (0, 0, name) if "embed" in name else (2, 0, name)
-
-
-def shard_plan(sizes: Mapping[str, int], shard_bytes: int) -> list[list[str]]:
-    """Group tensor names, in layer order, into shards of at most ``shard_bytes`` (a bigger
-    tensor gets a shard of its own)."""
-    shards: list[list[str]] = [[]]
-    used = 0
-    for name in sorted(sizes, key=layer_key):
-        if shards[-1] and used + sizes[name] > shard_bytes:
-            shards.append([])
-            used = 0
-        shards[-1].append(name)
-        used += sizes[name]
-    return shards
-
-
-def shard_names(count: int) -> list[str]:
-    if count == 1:
-        return ["model.safetensors"]
-    return [f"model-{i:05d}-of-{count:05d}.safetensors" for i in range(1, count + 1)]
-
-
-def _nbytes(t: Any) -> int:
-    return t.numel() * t.element_size() if hasattr(t, "element_size") else t.nbytes
-
-
-def _is_torch(t: Any) -> bool:
-    return type(t).__module__.startswith("torch")
-
-
-def _serialize(tensors: dict[str, Any]) -> bytes:
-    first = next(iter(tensors.values()))
-    if _is_torch(first):
-        from safetensors.torch import save  # the only place the trainer side touches torch
-        return save(_own_storage(tensors))
-    from safetensors.numpy import save as np_save
-    return np_save({k: _np_contiguous(v) for k, v in tensors.items()})
-
-
-def _own_storage(tensors: dict[str, Any]) -> dict[str, Any]:
-    """Detached CPU tensors that safetensors can write: non-contiguous ones made contiguous, and
-    views sharing storage with an earlier tensor (q/k/v sliced from one fused weight) copied,
-    since safetensors refuses tensors that share memory."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen:
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return out
-
-
-def _np_contiguous(a: Any) -> Any:
-    import numpy as np
-    return np.ascontiguousarray(a)
-
-
-def _alias_key(t: Any) -> tuple | None:
-    """What makes two torch tensors one tensor under two names (tied embeddings)."""
-    if not _is_torch(t) or t.device.type == "meta":
-        return None
-    return (t.device.type, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()),
-            t.dtype)
-
-
-def drop_aliases(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    """The state dict with each tensor once: a model with tied embeddings lists one tensor as
-    ``model.embed_tokens.weight`` and ``lm_head.weight``; the name first in layer order stays,
-    as in Hugging Face's own checkpoints (the plugin loads it under both names)."""
-    first: dict[tuple, str] = {}
-    out = {}
-    for name in sorted(state_dict, key=layer_key):
-        key = _alias_key(state_dict[name])
-        if key is not None and key in first:
-            log.debug("publish: %s is %s (tied): written once", name, first[key])
-            continue
-        if key is not None:
-            first[key] = name
-        out[name] = state_dict[name]
-    return out
-
-
-def checkpoint_tensors(source: Any) -> Mapping[str, Any]:
-    """The tensors to publish, by checkpoint name. A mapping is taken as it is. A model (anything
-    with ``state_dict()``) gives its state dict in the layout its checkpoints have: transformers
-    >= 5 keeps some weights fused in memory (a mixture-of-experts layer's experts as one
-    tensor, ``mlp.experts.gate_up_proj``) that ``save_pretrained`` splits back into the
-    per-expert tensors that checkpoints, and vLLM's loaders, know."""
-    if isinstance(source, Mapping):
-        return source
-    state_dict = dict(source.state_dict())
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # not a transformers model, or a transformers without in-memory layouts
-        return state_dict
-    return revert_weight_conversion(source, state_dict)
-
-
-def serialize_shards(state_dict: Mapping[str, Any] | Any, shard_bytes: int = DEFAULT_SHARD_BYTES
-                     ) -> Iterator[tuple[str, bytes]]:
-    """(file name, safetensors bytes) per shard; torch tensors (any dtype, strides or device;
-    tied ones written once) or numpy arrays, or a model (:func:`checkpoint_tensors`)."""
-    state_dict = drop_aliases(checkpoint_tensors(state_dict))
-    if not state_dict:
-        raise ValueError("state_dict is empty")
-    plan = shard_plan({k: _nbytes(v) for k, v in state_dict.items()}, shard_bytes)
-    for fname, names in zip(shard_names(len(plan)), plan, strict=True):
-        yield fname, _serialize({n: state_dict[n] for n in names})
-
-
-def save_shards(state_dict: Mapping[str, Any], directory: Path,
-                shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for fname, data in serialize_shards(state_dict, shard_bytes):
-        (directory / fname).write_bytes(data)
-        paths.append(directory / fname)
-    return paths
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------
@@ -255,13 +135,19 @@ class RegistryHTTP:
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
                 store: ObjectStoreSettings | None = None) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
-        model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`).
-        ``to`` and ``store``: as for :meth:`publish_dir`."""
+        model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`). The
+        shards are written to a temporary directory (each tensor copied once, hashed as it
+        lands), then uploaded. ``to`` and ``store``: as for :meth:`publish_dir`."""
         with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
-            save_shards(state_dict, Path(tmp), shard_bytes)
-            return RegistryHTTP.publish_dir(self, version, Path(tmp), chunk_bytes=chunk_bytes,
-                                            metadata=metadata, progress=progress, canary=canary,
-                                            partial=partial, to=to, store=store)
+            entries = []
+            for shard in plan_shards(state_dict, shard_bytes):
+                with MappedFile(Path(tmp) / shard.name, shard.size) as dest:
+                    entries.append(FileEntry(name=shard.name, size=shard.size,
+                                             chunks=write_shard(shard, dest, chunk_bytes)))
+            source = version_source(to, version) if to is not None else None
+            manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries, metadata=metadata or {},
+                                canary=canary, partial=partial or None, source=source).sealed()
+            return self._upload(manifest, [Path(tmp) / e.name for e in entries], progress, store)
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
@@ -283,13 +169,20 @@ class RegistryHTTP:
         source = version_source(to, version) if to is not None else None
         manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
                                   partial=partial, source=source)
+        return self._upload(manifest, files, progress, store)
+
+    def _upload(self, manifest: Manifest, files: list[Path], progress: Progress | None,
+                store: ObjectStoreSettings | None = None) -> Manifest:
+        """Upload each file (to the object store when the manifest names one), then publish the
+        manifest (a no-op when the registry has it)."""
         try:
-            if self.manifest(version).digest == manifest.digest:
+            if self.manifest(manifest.version).digest == manifest.digest:
                 return manifest
         except (errors.VersionUnknown, errors.VersionRetired):
             pass
-        if source is not None:
+        if manifest.source is not None:
             return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress)
+        version = manifest.version
         total, done = manifest.total_bytes, 0
         for p in files:
             def body(p=p) -> Iterator[bytes]:
@@ -342,6 +235,8 @@ class EmbeddedRegistry(RegistryHTTP):
         from rolloutd.registry.server.settings import RegistrySettings
 
         self.settings = RegistrySettings(host=host, port=port, **settings)
+        self._turn = Turns()  # one publish at a time: versions commit in the order asked
+        self._pending: set[PublishHandle] = set()  # asynchronous publishes, cancelled by stop()
         self.service = RegistryService(self.settings, **({"clock": clock} if clock else {}))
         self._thread = ServerThread(create_app(self.service), host, port,
                                     before_shutdown=[self.service.close],
@@ -360,6 +255,8 @@ class EmbeddedRegistry(RegistryHTTP):
         return self
 
     def stop(self) -> None:
+        for handle in list(self._pending):  # a publish under way is dropped, not left half staged
+            handle.cancel(timeout_s=30)
         self.close()
         self._thread.stop()
 
@@ -374,26 +271,70 @@ class EmbeddedRegistry(RegistryHTTP):
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
                 store: ObjectStoreSettings | None = None) -> Manifest:
-        """Serialize, hash and stage shard by shard in the caller's thread (one shard in
-        memory at a time), then publish on the registry's loop. With ``to``, the files go to
-        the object store (:meth:`RegistryHTTP.publish_dir`)."""
+        """Write each tensor straight into the registry's store (one copy, in the caller's
+        thread, hashed as it lands), then commit on the registry's loop. With ``to``, the files
+        go to the object store (:meth:`RegistryHTTP.publish_dir`)."""
         if to is not None:
             return super().publish(version, state_dict, shard_bytes=shard_bytes, chunk_bytes=chunk_bytes,
                                    metadata=metadata, progress=progress, canary=canary, partial=partial,
                                    to=to, store=store)
-        state_dict = drop_aliases(checkpoint_tensors(state_dict))
-        total = sum(_nbytes(t) for t in state_dict.values())  # tensor bytes; headers come on top
+        shards = plan_shards(state_dict, shard_bytes)
+        with self._turn.mine():
+            return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
+                                        progress=progress, canary=canary, partial=partial)
+
+    def publish_async(self, version: int, state_dict: Mapping[str, Any], *, snapshot: bool = True,
+                      shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                      metadata: dict[str, str] | None = None, canary: Canary | None = None,
+                      partial: bool = False) -> PublishHandle:
+        """Publish on a thread of its own; returns a :class:`PublishHandle` at once (``wait``,
+        ``cancel``, ``progress``). ``snapshot`` (the default): the tensors are copied to host
+        memory first, in the caller's thread (for tensors on an accelerator this is the
+        device-to-host copy the publish needs anyway), so the training step may change them as
+        soon as this returns. ``snapshot=False``: no copy; the caller must leave the tensors
+        unchanged until the handle is done."""
+        tensors = drop_aliases(checkpoint_tensors(state_dict))
+        if snapshot:
+            tensors = {name: _host_copy(t) for name, t in tensors.items()}
+        shards = plan_shards(tensors, shard_bytes)
+        total = sum(nbytes(p.tensor) for shard in shards for p in shard.tensors)
+
+        def run(handle: PublishHandle) -> Manifest:
+            return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
+                                        canary=canary, partial=partial, handle=handle)
+        self._pending = {h for h in self._pending if not h.done()}
+        handle = PublishHandle(version, total, run, self._turn)
+        self._pending.add(handle)
+        return handle
+
+    def _publish_shards(self, version: int, shards: list[Shard], *, chunk_bytes: int,
+                        metadata: dict[str, str] | None, canary: Canary | None, partial: bool,
+                        progress: Progress | None = None, handle: PublishHandle | None = None) -> Manifest:
+        total = sum(nbytes(p.tensor) for shard in shards for p in shard.tensors)  # headers come on top
+        done = 0
+
+        def on_bytes(n: int) -> None:
+            if handle is not None:
+                handle.add(n)
         entries: list[FileEntry] = []
         with self._staging(version):
-            for name, data in serialize_shards(state_dict, shard_bytes):
-                entries.append(FileEntry(name=name, size=len(data),
-                                         chunks=hash_chunks(data, chunk_bytes, "xxh3-128")))
-                self.service.blobs.stage_bytes(version, name, data)
+            for shard in shards:
+                staged = self.service.blobs.stage_view(version, shard.name, shard.size)
+                try:
+                    chunks = write_shard(shard, staged.view, chunk_bytes, on_bytes=on_bytes,
+                                         cancelled=handle.cancelled if handle else None)
+                    staged.finish()
+                except BaseException:
+                    staged.abort()
+                    raise
+                entries.append(FileEntry(name=shard.name, size=shard.size, chunks=chunks))
+                done += sum(nbytes(p.tensor) for p in shard.tensors)
                 if progress:
-                    progress(min(total, sum(e.size for e in entries)), total)
+                    progress(min(total, done), total)
             manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
-                                metadata=metadata or {}, canary=canary,
-                                partial=partial or None).sealed()
+                                metadata=metadata or {}, canary=canary, partial=partial or None).sealed()
+            if handle is not None:
+                handle.set_state(PublishState.COMMITTING)  # refused once a cancel came
             self._commit(manifest)  # hashed from these very bytes
         return manifest
 
@@ -405,7 +346,7 @@ class EmbeddedRegistry(RegistryHTTP):
             return super().publish_dir(version, path, chunk_bytes=chunk_bytes, metadata=metadata,
                                        progress=progress, canary=canary, partial=partial, to=to, store=store)
         files = safetensors_files(path)
-        with self._staging(version):
+        with self._turn.mine(), self._staging(version):
             manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
                                   partial=partial)
             done = 0
@@ -447,3 +388,14 @@ class EmbeddedRegistry(RegistryHTTP):
             await service.publish(manifest, verify=verify)
 
         self._thread.call(publish_staged())
+
+
+def _host_copy(t: Any) -> Any:
+    """A copy in host memory, contiguous, that the caller's later changes do not reach."""
+    if type(t).__module__.startswith("torch"):
+        import torch
+        out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        out.copy_(t.detach())  # from an accelerator: the device-to-host copy
+        return out
+    import numpy as np
+    return np.array(t, copy=True, order="C")

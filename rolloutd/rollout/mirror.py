@@ -4,7 +4,7 @@ Layout (contract, design §5)::
 
     <dir>/<version>/                 the version's files and manifest.json; exists only when complete
     <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)
-    <dir>/.<version>.partial/        a pull in progress: files preallocated at full size
+    <dir>/.<version>.partial/        a pull in progress: files at full size (allocated as they are written)
     <dir>/.<version>.<rand>.trash/   a version being removed (renamed away first)
 
 A pull writes into the hidden ``.partial`` directory; :meth:`Mirror.commit` fsyncs every file,
@@ -17,7 +17,7 @@ One owner for every change: each mutation (``begin``, ``commit``, ``discard``, `
 ``gc``, ``ensure_room``, ``clean_partials``) holds the mirror's lock from its first look to its
 last rename, whatever thread calls it, so none sees another half done: gc decides on one
 listing no commit can change under it, and a version is removed once (removing one that is not
-there does nothing). Mutations block (fsync, fallocate, deleting gigabytes): call them from a
+there does nothing). Mutations block (fsync, deleting gigabytes): call them from a
 thread, never on the event loop; :meth:`Mirror.collect_soon` runs gc on the mirror's own worker
 thread for callers that cannot wait. Reading takes no lock: renames are atomic, so a reader sees
 a version whole or not at all.
@@ -27,6 +27,7 @@ The mirror does no I/O over the network and never imports torch.
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import logging
 import os
@@ -158,9 +159,16 @@ class Mirror:
     # -- writing (each holds the lock) -------------------------------------------------------------
     @_mutation
     def begin(self, manifest: Manifest) -> Partial:
-        """Create ``.<v>.partial`` with every file preallocated at full size (a leftover
-        partial of the same version is removed first)."""
+        """Create ``.<v>.partial`` with every file at full size (a leftover partial of the same
+        version is removed first). A filesystem without room for the version fails here, with
+        the figures, and not halfway through a pull. The pages are allocated by whoever writes
+        them (the pull workers allocate a chunk's range before they fill it): allocating
+        gigabytes here would be the daemon's own CPU time, beside its event loop."""
         manifest = manifest.sealed()
+        free = _free_bytes(self.dir)
+        if free < manifest.total_bytes:
+            raise OSError(errno.ENOSPC, f"{self.dir} has {size(free)} free, version {manifest.version} needs "
+                          f"{size(manifest.total_bytes)}")
         pdir = self.dir / f".{manifest.version}.partial"
         _remove_tree(pdir)
         pdir.mkdir()
@@ -169,11 +177,7 @@ class Mirror:
             for entry in manifest.files:
                 fd = os.open(pdir / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
-                    if entry.size:
-                        # Allocate now: a full tmpfs fails here, with a clear error, and not
-                        # halfway through a pull; and one call allocates faster than the writes
-                        # would, page by page (bench/pull.py).
-                        os.posix_fallocate(fd, 0, entry.size)
+                    os.ftruncate(fd, entry.size)
                 finally:
                     os.close(fd)
         except BaseException:
@@ -323,6 +327,12 @@ def _mismatch(vdir: Path, version: int, manifest: Manifest) -> str | None:
         if actual != entry.size:
             return f"file {entry.name} has {actual} bytes, the manifest says {entry.size}"
     return None
+
+
+def _free_bytes(path: Path) -> int:
+    """Bytes an unprivileged writer may still put on the filesystem holding ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _tree_bytes(root: Path) -> int:

@@ -9,8 +9,12 @@ Contract:
   ``request_bytes``), checks every chunk against the manifest as it completes, and commits
   the directory into place. It returns a :class:`PullResult`, or raises :class:`PullError`
   naming what failed.
-- A chunk that arrives corrupt or whose transfer fails is fetched again, up to
-  ``max_chunk_retries`` times per chunk; then the pull fails.
+- Where each chunk comes from is the pull's :class:`~rolloutd.rollout.swarm.ChunkPlan`: the
+  version's origin (the registry, or the object store its manifest names) and, with peers on,
+  other nodes. A chunk from the origin that arrives corrupt or whose transfer fails is fetched
+  again, up to ``max_chunk_retries`` times per chunk; then the pull fails. A peer that fails
+  (an error, bad bytes, slower than ``peer_chunk_timeout_s`` for a chunk) is dropped for the
+  rest of the pull and its chunk fetched elsewhere, without counting against that limit.
 - The lease is renewed every ``renew_every_s`` while pulling. A lease that expired anyway is
   taken again on the same version if the registry still has it (a retired version keeps its
   bytes only while leased: if they are gone, the pull fails).
@@ -19,14 +23,17 @@ Contract:
 - ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
   One pull at a time per ``Puller``.
 
-Where each chunk comes from is the pull's :class:`~rolloutd.rollout.swarm.ChunkPlan`: the version's
-origin (the registry, or the object store its manifest names) and, with peers on, other nodes
-(``rolloutd/rollout/sources.py``); a failed peer is dropped and the chunk fetched elsewhere,
-without counting against ``max_chunk_retries``. Bytes come in pieces of ``piece_bytes``: requests start
+Who does what: this object, on the daemon's loop, takes the lease, reads the manifest, makes
+room, has the mirror create the partial directory, asks the plan where each chunk comes from
+and hands it, with that source, to a pull worker
+(:mod:`~rolloutd.rollout.fetch_pool`: ``workers`` child processes with ``streams`` transfers
+in all), retries what failed, renews the lease and has the mirror commit. The workers only
+move bytes: network reads, digests and writes into the partial directory's files, so no pull
+work ever runs on the daemon's event loop or under its interpreter lock. The mirror stays the
+one owner of its directories, in this process: the workers never create, rename or remove
+anything, so gc, ``ensure_room`` and commits decide on one view under one lock. Requests start
 on chunk boundaries, so every write but a file's last covers whole pages (tmpfs zero-fills the
-rest of a page a write covers only partly). The event loop is never blocked for long: one
-piece's hash and write take about a millisecond; allocating and committing the partial
-directory run in a thread. No torch here.
+rest of a page a write covers only partly). No torch here.
 """
 
 from __future__ import annotations
@@ -34,21 +41,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hashlib
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import xxhash
 from pydantic import ValidationError
 
 from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout.fetch_pool import ChunkCorrupt, ChunkJob, FetchPool, WorkerCrashed
 from rolloutd.rollout.mirror import Mirror, Partial
-from rolloutd.rollout.sources import ByteSource, SourceError
 from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
@@ -59,7 +63,7 @@ log = logging.getLogger("rolloutd.rollout.puller")
 MiB = 1 << 20
 RATE_WINDOW_S = 5.0      # progress rate: bytes over this recent window
 RATE_SAMPLE_S = 0.1      # at most one rate sample this often
-PIECE_BYTES = 1 * MiB     # the body is read, hashed and written in pieces of this size
+PIECE_BYTES = 1 * MiB     # a worker reads, hashes and writes a body in pieces of this size
 RELEASE_TIMEOUT_S = 5.0  # a release is best effort: never hold a failing pull for long
 
 # A version that is gone, a file it lacks, a bad token: fetching again cannot help.
@@ -97,6 +101,8 @@ class PullProgress:
     bytes_total: int = 0
     bytes_done: int = 0         # bytes written for chunks not (yet) failed
     retries: int = 0
+    worker_pids: list[int] = field(default_factory=list)  # the pull workers while they run
+    worker_restarts: int = 0
     state: PullState = PullState.LEASING
     error: str | None = None
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
@@ -142,6 +148,7 @@ class PullProgress:
                 "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
                 "rate_bytes_per_s": round(self.rate_bytes_per_s, 1),
                 "eta_s": None if eta is None else round(eta, 2), "retries": self.retries,
+                "workers": list(self.worker_pids), "worker_restarts": self.worker_restarts,
                 "seconds": round(self.seconds, 3), "error": self.error}
 
 
@@ -156,37 +163,22 @@ class PullResult:
     reused: bool = False
 
 
-class _ChunkSink:
-    """Where a chunk's bytes go as they arrive: hashed, then written at their offset."""
-
-    def __init__(self, fd: int, offset: int, hash_name: str, progress: PullProgress):
-        self.fd, self.offset, self.progress = fd, offset, progress
-        self.hasher = xxhash.xxh3_128() if hash_name == "xxh3-128" else hashlib.sha256()
-
-    def __call__(self, piece: bytes) -> None:
-        self.hasher.update(piece)
-        done = 0
-        while done < len(piece):  # a regular file takes it all at once, unless it is full
-            done += os.pwrite(self.fd, piece[done:], self.offset + done)
-        self.offset += done
-        self.progress.add(done)
-
-
-class _ChunkCorrupt(Exception):
-    """A chunk's bytes do not match the manifest digest (or came short)."""
-
-
 class Puller:
     def __init__(self, client: RegistryClient, mirror: Mirror, *, holder: str, streams: int = 4,
-                 request_bytes: int = 16 * MiB, max_chunk_retries: int = 3, lease_ttl_s: float = 60.0,
-                 renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES, retry_delay_s: float = 0.1,
-                 in_use: Callable[[], set[int]] = set, clock: Callable[[], float] = time.monotonic,
-                 swarm: Swarm | None = None):
-        if streams < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
-            raise ValueError("streams and request_bytes must be positive, max_chunk_retries >= 0, "
+                 workers: int = 1, priority: str = "normal", request_bytes: int = 16 * MiB, max_chunk_retries: int = 3,
+                 lease_ttl_s: float = 60.0, renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES,
+                 retry_delay_s: float = 0.1, in_use: Callable[[], set[int]] = set,
+                 on_worker_restart: Callable[[], None] | None = None, zero_copy: bool = True,
+                 clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None):
+        if streams < 1 or workers < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
+            raise ValueError("streams, workers and request_bytes must be positive, max_chunk_retries >= 0, "
                              "lease_ttl_s > 0")
         self.client, self.mirror, self.holder = client, mirror, holder
         self.streams, self.request_bytes = streams, request_bytes
+        self.workers = min(workers, streams)  # a worker without a stream would do nothing
+        self.priority = priority  # the workers' CPU priority: idle, low or normal
+        self.on_worker_restart = on_worker_restart
+        self.zero_copy = zero_copy  # False: bytes through the workers' memory (only to compare, in bench/)
         self.max_chunk_retries = max_chunk_retries
         self.lease_ttl_s = lease_ttl_s
         self.renew_every_s = renew_every_s if renew_every_s is not None else lease_ttl_s / 3
@@ -231,8 +223,10 @@ class Puller:
             await asyncio.to_thread(self.mirror.ensure_room, manifest.total_bytes, self.in_use())
             partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
             self._set_state(PullState.PULLING)
-            log.info("pull version %d: %d files, %d bytes, %d streams of %d-byte requests", manifest.version,
-                     len(manifest.files), manifest.total_bytes, self.streams, self.request_bytes)
+            workers, streams = self._plan(sum(len(f.chunks) for f in manifest.files))
+            log.info("pull version %d: %d files, %d bytes, %d workers, %d streams of %d-byte requests",
+                     manifest.version, len(manifest.files), manifest.total_bytes, workers, streams,
+                     self.request_bytes)
             await self._fetch_all(manifest, partial)
             self._set_state(PullState.COMMITTING)
             await _settle(asyncio.to_thread(self.mirror.commit, partial))
@@ -301,57 +295,71 @@ class Puller:
 
     # -- chunks -----------------------------------------------------------------------------------
     async def _fetch_all(self, manifest: Manifest, partial: Partial) -> None:
-        """``streams`` workers take chunks from the pull's plan (:class:`ChunkPlan`: in file order
-        from the origin alone, or from peers and the origin as the tracker says); the lease is
-        renewed meanwhile. The first failure cancels the rest."""
+        """``streams`` tasks take chunks from the pull's plan (:class:`ChunkPlan`: in file order
+        from the origin alone, or from peers and the origin as the tracker says) and hand each
+        to a worker; the lease is renewed meanwhile. The first failure cancels the rest."""
         plan = self.last_plan = self.swarm.plan(manifest, partial.dir)
+        workers, streams = self._plan(plan.count)
+        if not streams:
+            return  # only empty files: they exist at their size already
         failures: dict[int, int] = {}  # chunk -> failed attempts from the origin
+        pool = FetchPool(workers=workers, streams=streams, piece_bytes=self.piece_bytes,
+                         request_bytes=self.request_bytes, priority=self.priority, zero_copy=self.zero_copy,
+                         on_restart=self._worker_restarted)
         try:
             async with asyncio.TaskGroup() as tg:
                 keeper = tg.create_task(self._keep_lease(manifest.version))
-                async with asyncio.TaskGroup() as workers:
-                    for _ in range(min(self.streams, plan.count)):
-                        workers.create_task(self._worker(plan, manifest, partial, failures))
+                async with pool, asyncio.TaskGroup() as tasks:
+                    self.progress.worker_pids = pool.pids
+                    for _ in range(streams):
+                        tasks.create_task(self._stream(plan, manifest, partial, pool, failures))
                 keeper.cancel()
         except BaseExceptionGroup as group:
             raise _first(group) from None
+        finally:
+            self.progress.worker_pids = []  # reaped: the pool's exit waits for every one
 
-    async def _worker(self, plan: ChunkPlan, manifest: Manifest, partial: Partial, failures: dict[int, int]) -> None:
-        while (pick := await plan.next()) is not None:  # each chunk goes to one worker at a time
-            fd = partial.open(pick.entry.name)
-            try:
-                await self._fetch_chunk(manifest, plan, pick, fd, failures)
-            finally:
-                os.close(fd)
+    def _plan(self, chunks: int) -> tuple[int, int]:
+        """(workers, streams) for a version of ``chunks`` chunks: a small one needs fewer, and
+        each costs a start."""
+        streams = min(self.streams, chunks)
+        return min(self.workers, streams), streams
 
-    async def _fetch_chunk(self, manifest: Manifest, plan: ChunkPlan, pick: Pick, fd: int,
-                           failures: dict[int, int]) -> None:
+    def _worker_restarted(self, pids: list[int]) -> None:
+        self.progress.worker_restarts += 1
+        self.progress.worker_pids = pids
+        if self.on_worker_restart is not None:
+            self.on_worker_restart()
+
+    async def _stream(self, plan: ChunkPlan, manifest: Manifest, partial: Partial, pool: FetchPool,
+                      failures: dict[int, int]) -> None:
+        while (pick := await plan.next()) is not None:  # each chunk goes to one stream at a time
+            await self._fetch_chunk(manifest, plan, pick, partial, pool, failures)
+
+    async def _fetch_chunk(self, manifest: Manifest, plan: ChunkPlan, pick: Pick, partial: Partial,
+                           pool: FetchPool, failures: dict[int, int]) -> None:
         """One attempt at one chunk from the source the plan chose. A failure puts the chunk back
         in the plan: a failed peer is dropped and the chunk fetched elsewhere; a failed origin
         transfer counts against ``max_chunk_retries``."""
         entry, index, source = pick.entry, pick.index, pick.source
         where = f"version {manifest.version} file {entry.name} chunk {index}"
+        start, end = manifest.chunk_span(entry, index)
+        job = ChunkJob(source, manifest.version, entry.name, partial.path(entry.name), start, end, manifest.hash,
+                       entry.chunks[index], timeout_s=self.peer_chunk_timeout_s if source.is_peer else None)
         try:
-            try:
-                if source.is_peer:  # a slow peer is as good as gone: the chunk goes elsewhere
-                    async with asyncio.timeout(self.peer_chunk_timeout_s):
-                        await self._transfer(manifest, entry, index, fd, source)
-                else:
-                    await self._transfer(manifest, entry, index, fd, source)
-            except TimeoutError:
-                raise SourceError(f"{source.label}: chunk not done in {self.peer_chunk_timeout_s:g} s") from None
-        except _FATAL as e:
-            plan.failed(pick, _describe(e))
-            raise PullError(f"{where}: {_describe(e)}") from None
-        except OSError as e:  # the client turns network errors into RegistryUnavailable
+            await self._attempt(pool, job)
+        except OSError as e:  # the mirror's file: no other source helps
             plan.failed(pick, _describe(e))
             raise PullError(f"{where}: cannot write to the mirror: {e}") from None
-        except (_ChunkCorrupt, errors.RegistryError) as e:
+        except (ChunkCorrupt, WorkerCrashed, errors.RegistryError) as e:
             last = _describe(e)
-            if source.is_peer:
+            if source.is_peer:  # whatever a peer answered, another source may do better
                 self.progress.retries += 1
                 plan.failed(pick, f"{where}: {last}")
                 return
+            if isinstance(e, _FATAL):
+                plan.failed(pick, last)
+                raise PullError(f"{where}: {last}") from None
             attempt = failures[pick.bit] = failures.get(pick.bit, 0) + 1
             if attempt > self.max_chunk_retries:
                 plan.failed(pick, last)
@@ -361,30 +369,22 @@ class Puller:
             await asyncio.sleep(min(2.0, self.retry_delay_s * 2 ** (attempt - 1)))
             plan.failed(pick, last)
             return
-        start, end = manifest.chunk_span(entry, index)
         plan.done(pick, end - start)
         self.swarm.landed(pick)
 
-    async def _transfer(self, manifest: Manifest, entry: FileEntry, index: int, fd: int, source: ByteSource) -> None:
-        """One attempt: the chunk's bytes in requests of at most ``request_bytes``, each piece
-        hashed and written at its offset as it arrives. A failed attempt takes back the bytes
-        it had added to the progress."""
-        start, end = manifest.chunk_span(entry, index)
-        sink = _ChunkSink(fd, start, manifest.hash, self.progress)
+    async def _attempt(self, pool: FetchPool, job: ChunkJob) -> None:
+        """One attempt at a chunk. A failed attempt takes back the bytes it had added to the
+        progress: they will be written again."""
+        added = 0
+
+        def progress(n: int) -> None:
+            nonlocal added
+            added += n
+            self.progress.add(n)
         try:
-            for req_start in range(start, end, self.request_bytes):
-                req_end = min(end, req_start + self.request_bytes)
-                pieces = source.stream(manifest.version, entry.name, req_start, req_end,
-                                       piece_bytes=self.piece_bytes)
-                async with contextlib.aclosing(pieces):  # a failed write must close the response too
-                    async for piece in pieces:
-                        sink(piece)
-                if sink.offset != req_end:
-                    raise _ChunkCorrupt(f"got {sink.offset - req_start} bytes of {req_end - req_start}")
-            if (got := sink.hasher.hexdigest()) != entry.chunks[index]:
-                raise _ChunkCorrupt(f"digest {got} does not match the manifest's {entry.chunks[index]}")
+            await pool.fetch(job, progress)
         except BaseException:
-            self.progress.bytes_done -= sink.offset - start
+            self.progress.bytes_done -= added
             raise
 
     # -- the lease --------------------------------------------------------------------------------
@@ -434,6 +434,12 @@ class Puller:
             pass
         except Exception as e:
             log.warning("cannot release lease %s on version %d: %s", lease.lease_id, lease.version, _describe(e))
+
+
+def _chunks(manifest: Manifest) -> Iterator[tuple[FileEntry, int]]:
+    for entry in manifest.files:
+        for index in range(len(entry.chunks)):
+            yield entry, index
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

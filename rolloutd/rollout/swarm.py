@@ -36,12 +36,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import aiohttp
-
 from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.sources import ByteSource, ObjectSource, PeerSource, RegistrySource
+from rolloutd.rollout.sources import SourceSpec
 from rolloutd.wire import errors
 from rolloutd.wire.chunkmap import chunk_index, from_hex, full, to_hex
 from rolloutd.wire.manifest import FileEntry, Manifest
@@ -120,12 +118,12 @@ class Pick:
     bit: int
     entry: FileEntry
     index: int
-    source: ByteSource
+    source: SourceSpec
 
 
 class ChunkPlan:
-    def __init__(self, manifest: Manifest, origin: ByteSource, *, peers: bool = False,
-                 make_peer: Callable[[str, str], PeerSource] | None = None, origin_wait_s: float = 5.0,
+    def __init__(self, manifest: Manifest, origin: SourceSpec, *, peers: bool = False,
+                 make_peer: Callable[[str, str], SourceSpec] | None = None, origin_wait_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
         self.manifest, self.origin = manifest, origin
         self.chunks = chunk_index(manifest)
@@ -136,7 +134,7 @@ class ChunkPlan:
         self.done_bits = 0
         self._inflight = 0
         self._given = 0 if peers else full(self.count)  # chunks to take from the origin
-        self._holders: dict[str, tuple[PeerSource, int]] = {}  # node -> (source, chunk map)
+        self._holders: dict[str, tuple[SourceSpec, int]] = {}  # node -> (source, chunk map)
         self._dropped: set[str] = set()
         self._asking: dict[str, int] = {}  # node -> chunks in flight from it
         self._changed = asyncio.Event()
@@ -245,7 +243,7 @@ class ChunkPlan:
             bits &= bits - 1
         return (bits & -bits).bit_length() - 1
 
-    def _pick(self, bit: int, source: ByteSource) -> Pick:
+    def _pick(self, bit: int, source: SourceSpec) -> Pick:
         entry, index = self.chunks[bit]
         return Pick(bit, entry, index, source)
 
@@ -280,23 +278,24 @@ class Swarm:
                  object_store: ObjectStoreSettings | None = None, read_timeout_s: float = 30.0):
         self.settings, self.client, self.node = settings, client, node
         self.ledger = Ledger(mirror)
-        self.registry = RegistrySource(client)
         self.object_store = object_store or ObjectStoreSettings()
         self.read_timeout_s = read_timeout_s
-        self._objects: dict[str, ObjectSource] = {}
         self._plan: ChunkPlan | None = None
-        self._session: aiohttp.ClientSession | None = None
         self._dirty = asyncio.Event()
         self._last_announce = 0.0
 
-    def origin(self, manifest: Manifest) -> ByteSource:
+    @property
+    def registry(self) -> SourceSpec:
+        c = self.client
+        return SourceSpec("registry", c.url, c.token, connect_timeout_s=c.timeouts.connect_s,
+                          read_timeout_s=c.timeouts.read_s)
+
+    def origin(self, manifest: Manifest) -> SourceSpec:
         """The registry, or the object store the manifest names."""
         if manifest.source is None:
             return self.registry
-        if manifest.source not in self._objects:
-            self._objects[manifest.source] = ObjectSource(manifest.source, self.object_store,
-                                                          read_timeout_s=self.read_timeout_s)
-        return self._objects[manifest.source]
+        return SourceSpec("s3", manifest.source, read_timeout_s=self.read_timeout_s,
+                          store=self.object_store.model_dump_json())
 
     def plan(self, manifest: Manifest, directory: Path) -> ChunkPlan:
         """The plan of a pull into ``directory`` (its partial directory), announced from now on."""
@@ -321,15 +320,10 @@ class Swarm:
             self.ledger.end()
             self._dirty.set()
 
-    def _peer(self, node: str, url: str) -> PeerSource:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=64))
-        return PeerSource(node, url, self._session, token=self.settings.token,
-                          read_timeout_s=self.settings.peer_timeout_s)
-
-    async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+    def _peer(self, node: str, url: str) -> SourceSpec:
+        timeout = self.settings.peer_timeout_s
+        return SourceSpec("peer", url.rstrip("/"), self.settings.token, node=node,
+                          connect_timeout_s=min(5.0, timeout), read_timeout_s=timeout)
 
     # -- announcements ---------------------------------------------------------------------------
     async def run_announcer(self) -> None:

@@ -118,10 +118,12 @@ class Updater:
         self._in_use, self._clock = in_use, clock
         cfg = conf()
         self.registry = RegistryView(cfg.registry.url)
-        self.puller = Puller(client, mirror, holder=cfg.node_name, streams=cfg.pull.streams,
+        self.puller = Puller(client, mirror, holder=cfg.node_name, streams=cfg.pull.stream_count(),
+                             workers=cfg.pull.worker_count(), priority=cfg.pull.cpu_priority,
                              request_bytes=int(cfg.pull.request_bytes),
                              max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
-                             in_use=in_use, swarm=swarm)
+                             in_use=in_use, on_worker_restart=metrics.pull_worker_restarts.inc,
+                             swarm=swarm)
         self.target: Target | None = None
         self.settled = asyncio.Event()   # the first decision was made (a target, or nothing to load)
         self._changed = asyncio.Condition()

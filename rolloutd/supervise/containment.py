@@ -61,10 +61,11 @@ class Scope(ABC):
 
     async def wait_empty(self, timeout_s: float, *, hurry: asyncio.Event | None = None) -> bool:
         """Wait until no live process is left; False if some outlived ``timeout_s`` (or ``hurry``
-        was set meanwhile)."""
+        was set meanwhile). Each look runs in a thread: a process group's is a scan of /proc,
+        which must not hold up the loop that relays every token."""
         deadline = time.monotonic() + timeout_s
         pause = _POLL_S[0]
-        while not self.empty():
+        while not await asyncio.to_thread(self.empty):
             left = deadline - time.monotonic()
             if left <= 0 or (hurry is not None and hurry.is_set()):
                 return False

@@ -236,15 +236,16 @@ async def _counted(blob: Blob, start: int, end: int, service: RegistryService) -
 
 async def _receive_upload(request: Request, service: RegistryService, version: int, name: str) -> int:
     """Stream the body into a staged file; a cut-off or refused body leaves nothing behind."""
-    up = service.blobs.upload(version, name)
+    declared = request.headers.get("content-length")
+    up = service.blobs.upload(version, name, int(declared) if declared is not None else None)
     buf = bytearray()
     try:
         async for piece in request.stream():
             buf += piece
             if len(buf) >= UPLOAD_WRITE_BYTES:
-                data, buf = bytes(buf), bytearray()
+                data, buf = buf, bytearray()  # handed over whole: no copy
                 await asyncio.to_thread(up.write, data)
-        await asyncio.to_thread(up.write, bytes(buf))
+        await asyncio.to_thread(up.write, buf)
         await asyncio.to_thread(up.sync)
         size = service.finish_upload(version, name, up)
     except ClientDisconnect:

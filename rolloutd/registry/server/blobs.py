@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import secrets
 import shutil
@@ -61,6 +62,17 @@ class Upload(Protocol):
     def abort(self) -> None: ...
 
 
+class Staged(Protocol):
+    """A file of a staged version written in place (the trainer's own process publishing):
+    ``view`` is the whole file, writable; ``finish`` makes the bytes durable and puts the file
+    in place, or raises :class:`StagingDropped`; ``abort`` throws it away."""
+
+    view: memoryview
+
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+
+
 class StagingDropped(Exception):
     """The version's staged files were dropped while a file was arriving for it."""
 
@@ -89,7 +101,7 @@ async def stream_range(blob: Blob, start: int, end: int, piece: int = READ_BYTES
 
 @dataclass
 class MemoryBlob:
-    data: bytes | bytearray
+    data: bytes | bytearray | mmap.mmap
 
     @property
     def size(self) -> int:
@@ -112,13 +124,30 @@ class _MemoryReader:
         pass  # slices may still be queued for sending: they keep the bytes alive
 
 
+def _anonymous(size: int) -> mmap.mmap | bytearray:
+    """Memory for a file of ``size`` bytes: mapped pages the kernel zero-fills on first write
+    (no pass over them now), never moved as a growing buffer would be."""
+    return mmap.mmap(-1, size) if size else bytearray()
+
+
 class _MemoryUpload:
-    def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str):
-        self._staging, self._version, self._name, self._buf = staging, version, name, bytearray()
+    """An upload into memory: with its size known, written in place into memory of that size
+    (a buffer grown as bytes come would be copied whole, under the interpreter lock, each time
+    it moves: seconds for a large file, while the registry's loop waits)."""
+
+    def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str, size: int | None):
+        self._staging, self._version, self._name = staging, version, name
         self._slot = staging.setdefault(version, {})
+        self._buf, self._size, self._at = (bytearray(), None, 0) if size is None else (_anonymous(size), size, 0)
 
     def write(self, data: bytes) -> None:
-        self._buf += data
+        if self._size is None:
+            self._buf += data
+        elif self._at + len(data) > self._size:
+            raise StagingDropped(f"{self._name}: more bytes than the {self._size} declared")
+        else:
+            self._buf[self._at:self._at + len(data)] = data
+        self._at += len(data)
 
     def sync(self) -> None:
         pass
@@ -126,10 +155,30 @@ class _MemoryUpload:
     def finish(self) -> int:
         if self._staging.get(self._version) is not self._slot:
             raise StagingDropped(f"the staged files of version {self._version} were dropped meanwhile")
+        if self._size is not None and self._at != self._size:
+            raise StagingDropped(f"{self._name}: {self._at} bytes of the {self._size} declared")
         self._slot[self._name] = self._buf
-        return len(self._buf)
+        return self._at
 
     def abort(self) -> None:
+        self._buf = bytearray()
+
+
+class _MemoryStaged:
+    def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str, size: int):
+        self._staging, self._version, self._name = staging, version, name
+        self._slot = staging.setdefault(version, {})
+        self._buf = _anonymous(size)
+        self.view = memoryview(self._buf)
+
+    def finish(self) -> None:
+        self.view.release()
+        if self._staging.get(self._version) is not self._slot:
+            raise StagingDropped(f"the staged files of version {self._version} were dropped meanwhile")
+        self._slot[self._name] = self._buf
+
+    def abort(self) -> None:
+        self.view.release()
         self._buf = bytearray()
 
 
@@ -142,8 +191,11 @@ class MemoryStore:
     def describe(self) -> str:
         return "memory"
 
-    def upload(self, version: int, name: str) -> Upload:
-        return _MemoryUpload(self._staging, version, name)
+    def upload(self, version: int, name: str, size: int | None = None) -> Upload:
+        return _MemoryUpload(self._staging, version, name, size)
+
+    def stage_view(self, version: int, name: str, size: int) -> Staged:
+        return _MemoryStaged(self._staging, version, name, size)
 
     def read_staged(self, version: int, name: str, offset: int, length: int) -> bytes:
         return bytes(self._staging[version][name][offset:offset + length])
@@ -236,6 +288,44 @@ class _DiskUpload:
         self._part.unlink(missing_ok=True)
 
 
+class _DiskStaged:
+    """A staged file written through a shared mapping: the bytes go straight into its pages."""
+
+    def __init__(self, final: Path, size: int):
+        self._final, self._part = final, _part_path(final)
+        self._fd = os.open(self._part, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size) if size else None
+        except BaseException:
+            self.abort()
+            raise
+        self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
+
+    def _close(self) -> None:
+        if self._fd < 0:
+            return
+        if hasattr(self, "view"):
+            self.view.release()
+        if getattr(self, "_map", None) is not None:
+            self._map.close()
+        os.close(self._fd)
+        self._fd = -1
+
+    def finish(self) -> None:
+        os.fsync(self._fd)  # a committed version must survive a crash of the host
+        self._close()
+        try:
+            os.replace(self._part, self._final)
+        except FileNotFoundError:
+            raise StagingDropped(f"the staged files of version {self._final.parent.name} were dropped "
+                                 "meanwhile") from None
+
+    def abort(self) -> None:
+        self._close()
+        self._part.unlink(missing_ok=True)
+
+
 class DiskStore:
     """Bytes in files under ``root``; committed versions survive a registry restart."""
 
@@ -262,8 +352,11 @@ class DiskStore:
         d.mkdir(parents=True, exist_ok=True)
         return d
 
-    def upload(self, version: int, name: str) -> Upload:
+    def upload(self, version: int, name: str, size: int | None = None) -> Upload:
         return _DiskUpload(self.staging_dir(version) / name)
+
+    def stage_view(self, version: int, name: str, size: int) -> Staged:
+        return _DiskStaged(self.staging_dir(version) / name, size)
 
     def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
         up = self.upload(version, name)

@@ -40,6 +40,8 @@ class Metrics:
                                  buckets=(.0005, .001, .002, .005, .01, .02, .05, .1, .5, 1, 5, 30, 120),
                                  registry=r)
         self.bytes_served = Counter("rolloutd_registry_served_bytes", "File bytes sent", registry=r)
+        self.sendfile_responses = Counter("rolloutd_registry_sendfile_responses", "File responses whose bytes "
+                                          "the kernel sent from a disk store (sendfile)", registry=r)
         self.bytes_uploaded = Counter("rolloutd_registry_uploaded_bytes", "File bytes received", registry=r)
         self.publishes = Counter("rolloutd_registry_publishes", "Versions published", registry=r)
         self.heartbeats = Counter("rolloutd_registry_heartbeats", "Heartbeats received", registry=r)

@@ -1,0 +1,298 @@
+"""The pull's worker processes, seen from the daemon: start them, hand them chunks, reap them.
+
+Pull work (network reads, digests, writes into the mirror) runs in ``workers`` child processes
+(:mod:`rolloutd.rollout.fetch_worker`), never on the daemon's event loop nor under its
+interpreter lock: the gateway relays tokens, heartbeats go out and the admin API answers
+while a version of any size is pulled. The daemon's share of a pull is one JSON line per chunk
+and one per ``progress_bytes`` written.
+
+Contract:
+
+- ``async with FetchPool(...) as pool`` starts the workers (in the daemon's cgroup, each
+  in its own session so a terminal's Ctrl-C reaches only the daemon, at ``priority``) and returns
+  once each said it is ready; leaving the block stops and reaps every one, on every path
+  (cancellation included): stdin closed (a worker exits at once at its end), then SIGKILL after
+  ``stop_grace_s``. A worker whose daemon dies sees its stdin end and exits: none outlives it.
+- ``await pool.fetch(job, progress)`` runs one chunk on a worker with a free stream, from the
+  job's source (a worker keeps the connections of the sources it used last); ``progress``
+  gets the bytes written as they are. It raises :class:`ChunkCorrupt` (bad digest or length),
+  the registry's typed error, ``RegistryUnavailable`` (network), ``OSError`` (the mirror's
+  file) or :class:`WorkerCrashed`.
+- Crash policy: a worker that exits unexpectedly fails its chunks with ``WorkerCrashed`` (the
+  puller fetches them again, within its retry limit) and is started again after a delay that
+  grows from ``restart_initial_s`` to ``restart_max_s``; each restart is counted and reported
+  (``on_restart`` gets the workers' pids).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rolloutd.rollout.sources import SourceSpec
+from rolloutd.wire import errors
+
+log = logging.getLogger("rolloutd.rollout.fetch_pool")
+
+MiB = 1 << 20
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the rolloutd the daemon runs: the workers' too
+
+
+class ChunkCorrupt(Exception):
+    """A chunk's bytes do not match the manifest digest (or came short)."""
+
+
+class WorkerCrashed(Exception):
+    """The worker fetching a chunk exited before it finished."""
+
+
+@dataclass(frozen=True)
+class ChunkJob:
+    source: SourceSpec
+    version: int
+    name: str      # the file, as the source knows it
+    path: Path     # where it goes: the partial directory's file, already at full size
+    start: int
+    end: int
+    hash: str
+    digest: str
+    timeout_s: float | None = None  # the whole chunk's time limit (a peer); None: only read timeouts
+
+
+@dataclass
+class _Pending:
+    future: asyncio.Future
+    progress: Callable[[int], None]
+
+
+@dataclass
+class _Worker:
+    index: int
+    capacity: int
+    proc: asyncio.subprocess.Process | None = None
+    ready: bool = False
+    inflight: dict[int, _Pending] = field(default_factory=dict)
+    keeper: asyncio.Task | None = None
+
+
+class FetchPool:
+    def __init__(self, *, workers: int, streams: int, piece_bytes: int = 1 * MiB,
+                 request_bytes: int = 16 * MiB, priority: str = "normal", progress_bytes: int = 8 * MiB,
+                 zero_copy: bool = True,
+                 on_restart: Callable[[list[int]], None] | None = None, restart_initial_s: float = 0.1,
+                 restart_max_s: float = 5.0, start_timeout_s: float = 30.0, stop_grace_s: float = 2.0):
+        if workers < 1 or streams < workers:
+            raise ValueError(f"need at least one worker and one stream per worker (workers {workers}, "
+                             f"streams {streams})")
+        self._hello = {"hello": {"piece_bytes": piece_bytes,
+                                 "request_bytes": request_bytes, "priority": priority, "progress_bytes": progress_bytes,
+                                 "zero_copy": zero_copy}}
+        # streams spread over the workers as evenly as they go
+        self._workers = [_Worker(i, streams // workers + (i < streams % workers)) for i in range(workers)]
+        self._on_restart = on_restart or (lambda pids: None)
+        self._restart_initial_s, self._restart_max_s = restart_initial_s, restart_max_s
+        self._start_timeout_s, self._stop_grace_s = start_timeout_s, stop_grace_s
+        self._ids = itertools.count(1)
+        self._free = asyncio.Condition()
+        self._closing = False
+        self._broken: str | None = None  # why the last start failed, until one succeeds
+        self.restarts = 0
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.returncode is None]
+
+    # -- life -------------------------------------------------------------------------------------------
+    async def __aenter__(self) -> FetchPool:
+        try:
+            await asyncio.gather(*(self._spawn(w) for w in self._workers))
+        except BaseException:
+            await self.close()
+            raise
+        for w in self._workers:
+            w.keeper = asyncio.create_task(self._keep(w), name=f"pull-worker-{w.index}")  # awaited in close
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop and reap every worker; safe to call twice, and under cancellation it still
+        finishes the reaping before the cancellation goes on."""
+        self._closing = True
+        reap = asyncio.ensure_future(self._reap_all())
+        try:
+            await asyncio.shield(reap)
+        except asyncio.CancelledError:
+            await reap
+            raise
+
+    async def _reap_all(self) -> None:
+        await asyncio.gather(*(self._stop(w) for w in self._workers))
+        for w in self._workers:
+            if w.keeper is not None:
+                w.keeper.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await w.keeper
+            self._fail(w, asyncio.CancelledError())
+
+    async def _spawn(self, w: _Worker) -> None:
+        w.proc = None
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))}
+        w.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "rolloutd.rollout.fetch_worker", stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+        try:
+            hello = {"hello": {**self._hello["hello"], "streams": w.capacity}}
+            try:
+                w.proc.stdin.write(json.dumps(hello).encode() + b"\n")
+                await w.proc.stdin.drain()
+            except (ConnectionError, RuntimeError):
+                pass  # it is gone already: its exit status says why, below
+            async with asyncio.timeout(self._start_timeout_s):
+                line = await w.proc.stdout.readline()
+            if not line.startswith(b'{"ready"'):
+                raise WorkerCrashed(f"pull worker {w.proc.pid} did not start ({_status(await w.proc.wait())})")
+        except BaseException:
+            await self._stop(w)
+            raise
+        w.ready, self._broken = True, None
+        log.debug("start pull worker %d (pid %d, %d streams)", w.index, w.proc.pid, w.capacity)
+
+    async def _stop(self, w: _Worker) -> None:
+        proc, w.ready = w.proc, False
+        if proc is None:
+            return
+        if proc.stdin is not None and not proc.stdin.is_closing():
+            proc.stdin.close()  # the worker exits at the end of its stdin
+        try:
+            async with asyncio.timeout(self._stop_grace_s):
+                await proc.wait()
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+
+    async def _keep(self, w: _Worker) -> None:
+        """Read one worker's events; when it exits unexpectedly, fail its chunks and start it
+        again after a growing delay, counting each restart."""
+        delay = self._restart_initial_s
+        while True:
+            started = time.monotonic()
+            if w.proc is not None:
+                await self._read_events(w)
+                status = await w.proc.wait()
+                w.ready = False
+                if self._closing:
+                    return
+                self._fail(w, WorkerCrashed(f"pull worker {w.proc.pid} exited ({_status(status)})"))
+                log.warning("restart pull worker %d in %.1f s: pid %d exited (%s)", w.index, delay, w.proc.pid,
+                            _status(status))
+            if time.monotonic() - started > 10 * self._restart_max_s:
+                delay = self._restart_initial_s  # it had run well for a while
+            await asyncio.sleep(delay)
+            delay = min(2 * delay, self._restart_max_s)
+            if self._closing:
+                return
+            try:
+                await self._spawn(w)
+            except (OSError, WorkerCrashed, TimeoutError) as e:
+                log.warning("cannot start pull worker %d: %s", w.index, e)
+                w.proc = None
+                self._broken = f"cannot start a pull worker: {e}"
+            self.restarts += 1
+            self._on_restart(self.pids)
+            async with self._free:
+                self._free.notify_all()
+
+    async def _read_events(self, w: _Worker) -> None:
+        while line := await w.proc.stdout.readline():
+            try:
+                event = json.loads(line)
+                pending = w.inflight.get(event["id"])
+            except (ValueError, KeyError, TypeError):
+                log.warning("pull worker %d: unexpected output %r", w.proc.pid, line[:200])
+                continue
+            if pending is None or pending.future.done():
+                continue  # a chunk given up on (cancelled): its late news means nothing
+            if "bytes" in event:
+                pending.progress(int(event["bytes"]))
+            elif event.get("done"):
+                pending.future.set_result(None)
+            elif "error" in event:
+                pending.future.set_exception(_error(event["error"]))
+
+    def _fail(self, w: _Worker, error: BaseException) -> None:
+        for pending in w.inflight.values():
+            if not pending.future.done():
+                if isinstance(error, asyncio.CancelledError):
+                    pending.future.cancel()
+                else:
+                    pending.future.set_exception(error)
+        w.inflight.clear()
+
+    # -- chunks -----------------------------------------------------------------------------------------
+    async def fetch(self, job: ChunkJob, progress: Callable[[int], None]) -> None:
+        async with self._free:  # a chunk waits for a free stream, not while no worker can start
+            await self._free.wait_for(lambda: self._closing or self._pick() is not None or self._broken)
+        w = self._pick()
+        if self._closing or w is None:
+            raise WorkerCrashed(self._broken or "the pull's workers are stopping")
+        job_id = next(self._ids)
+        pending = _Pending(asyncio.get_running_loop().create_future(), progress)
+        w.inflight[job_id] = pending
+        try:
+            line = {"job": {"id": job_id, "source": job.source.as_json(), "version": job.version,
+                            "name": job.name, "path": str(job.path), "start": job.start, "end": job.end,
+                            "hash": job.hash, "digest": job.digest, "timeout_s": job.timeout_s}}
+            try:
+                w.proc.stdin.write(json.dumps(line).encode() + b"\n")
+                await w.proc.stdin.drain()
+            except (ConnectionError, RuntimeError) as e:  # it died under us: its keeper restarts it
+                raise WorkerCrashed(f"pull worker {w.proc.pid} is gone ({e})") from None
+            await pending.future
+        finally:
+            w.inflight.pop(job_id, None)
+            async with self._free:
+                self._free.notify_all()
+
+    def _pick(self) -> _Worker | None:
+        """The ready worker with the most free streams, if any has one."""
+        free = [(w.capacity - len(w.inflight), w) for w in self._workers if w.ready]
+        room, w = max(free, key=lambda x: x[0], default=(0, None))
+        return w if room > 0 else None
+
+
+def _error(e: dict) -> BaseException:
+    kind, message = e.get("kind"), str(e.get("message", ""))
+    if kind == "http":
+        err = errors.from_json(int(e.get("status") or 502), e.get("body"))
+        if not isinstance(e.get("body"), dict):
+            err = errors.RegistryError(message, status=int(e.get("status") or 502))
+        return err
+    if kind == "unavailable":
+        return errors.RegistryUnavailable(message)
+    if kind == "corrupt":
+        return ChunkCorrupt(message)
+    if kind == "write":
+        return OSError(message)
+    return RuntimeError(f"pull worker: {message}")
+
+
+def _status(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        sig = signal.Signals(-returncode).name
+        return f"killed by {sig}" + (" - out of memory?" if sig == "SIGKILL" else "")
+    return f"exit status {returncode}"

@@ -1,0 +1,198 @@
+"""A pull worker: a child process of the daemon that moves a version's bytes into the mirror.
+
+``python -m rolloutd.rollout.fetch_worker``, started by :mod:`rolloutd.rollout.fetch_pool`.
+Network reads, digests and writes happen here, in threads of their own process, so that pull
+work never shares an interpreter lock or an event loop with the daemon's gateway, heartbeats
+or admin API. Standard library and xxhash only: it starts in a few tens of milliseconds.
+
+Protocol, one JSON object per line. On stdin, first ``{"hello": {"streams", "piece_bytes",
+"request_bytes", "priority", "progress_bytes"}}``, then any number of ``{"job": {"id",
+"source", "version", "name", "path", "start", "end", "hash", "digest", "timeout_s"}}``: fetch
+bytes [start, end) of file ``name`` of ``version`` from ``source`` (a
+:class:`~rolloutd.rollout.sources.SourceSpec`), write them at the same offsets into ``path`` (a
+file of the mirror's partial directory, already at full size), and check them against
+``digest``, all within ``timeout_s`` if given (a peer slower than that is as good as gone). On stdout:
+``{"ready": pid}`` once, then per job ``{"id", "bytes"}`` as bytes are written, and one
+``{"id", "done": true}`` or ``{"id", "error": {"kind", "message", "status", "body"}}``; kinds:
+``unavailable``, ``http`` (the source's error reply), ``corrupt`` (digest or length),
+``write`` (the mirror's file). The worker never creates, renames or removes anything: the
+daemon owns the mirror's directories.
+
+It exits at once when stdin ends: the daemon closed it, or died (its end of the pipe closes
+with it), so a worker never outlives the daemon.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import mmap
+import os
+import queue
+import sys
+import threading
+import time
+
+import xxhash
+
+from rolloutd.rollout.sources import Source, SourceError, SourceSpec
+
+MiB = 1 << 20
+KEPT_SOURCES = 8  # per stream: the places it fetched from last, their connections kept open
+
+
+class _Corrupt(Exception):
+    pass
+
+
+class Worker:
+    def __init__(self, hello: dict, out=sys.stdout):
+        self.piece_bytes = int(hello["piece_bytes"])
+        self.request_bytes = int(hello["request_bytes"])
+        self.progress_bytes = int(hello.get("progress_bytes", 8 * MiB))
+        self.zero_copy = bool(hello.get("zero_copy", True))
+        self.jobs: queue.Queue[dict] = queue.Queue()
+        self._out, self._out_lock = out, threading.Lock()
+        for i in range(int(hello["streams"])):
+            threading.Thread(target=self._stream, name=f"stream-{i}", daemon=True).start()
+
+    def emit(self, event: dict) -> None:
+        line = json.dumps(event, separators=(",", ":")) + "\n"
+        with self._out_lock:
+            self._out.write(line)
+            self._out.flush()
+
+    def _stream(self) -> None:
+        """Jobs one after another; the sources it used last stay open (their connections)."""
+        sources: dict[SourceSpec, Source] = {}
+        while True:
+            job = self.jobs.get()
+            try:
+                self._fetch(self._source(sources, SourceSpec.from_json(job["source"])), job)
+                self.emit({"id": job["id"], "done": True})
+            except SourceError as e:
+                self.emit({"id": job["id"], "error": e.as_json()})
+            except _Corrupt as e:
+                self.emit({"id": job["id"], "error": {"kind": "corrupt", "message": str(e)}})
+            except OSError as e:
+                self.emit({"id": job["id"], "error": {"kind": "write", "message": f"{job['path']}: {e}"}})
+            except Exception as e:  # a bug: say so, and keep the worker for the next job
+                self.emit({"id": job["id"], "error": {"kind": "bug", "message": f"{type(e).__name__}: {e}"}})
+
+    def _source(self, sources: dict[SourceSpec, Source], spec: SourceSpec) -> Source:
+        source = sources.pop(spec, None)
+        if source is None:
+            source = spec.open(self.piece_bytes, self.zero_copy)
+            if len(sources) >= KEPT_SOURCES:
+                sources.pop(next(iter(sources))).close()  # the one used longest ago
+        sources[spec] = source  # now the newest
+        return source
+
+    def _fetch(self, source: Source, job: dict) -> None:
+        start, end = int(job["start"]), int(job["end"])
+        deadline = time.monotonic() + float(job["timeout_s"]) if job.get("timeout_s") else None
+        hasher = xxhash.xxh3_128() if job["hash"] == "xxh3-128" else hashlib.sha256()
+        fd = os.open(job["path"], os.O_RDWR | os.O_CLOEXEC)
+        try:
+            # The chunk's pages in one call, here at the worker's priority: the mirror left the
+            # file sparse (allocating it there would be the daemon's CPU time).
+            os.posix_fallocate(fd, start, end - start)
+            with ChunkWriter(fd, start, end, hasher, lambda n: self.emit({"id": job["id"], "bytes": n}),
+                             self.progress_bytes, deadline=deadline) as sink:
+                for req_start in range(start, end, self.request_bytes):
+                    source.fetch(int(job["version"]), job["name"], req_start, min(end, req_start + self.request_bytes),
+                                 sink)
+        finally:
+            os.close(fd)
+        if sink.offset != end:
+            raise _Corrupt(f"got {sink.offset - start} bytes of {end - start}")
+        if (got := hasher.hexdigest()) != job["digest"]:
+            raise _Corrupt(f"digest {got} does not match the manifest's {job['digest']}")
+
+
+class ChunkWriter:
+    """A chunk's region of a mirror file, as a source's sink: every byte hashed, in order, as
+    it lands. Pieces that come through memory are hashed, then written at their offset; bytes a
+    source spliced into the file are hashed where they landed, through a mapping of the region
+    (pages just written, still in cache)."""
+
+    def __init__(self, fd: int, start: int, end: int, hasher, report, report_every: int,
+                 deadline: float | None = None):
+        self.fd, self.offset, self._start, self._end = fd, start, start, end
+        self._deadline = deadline
+        self._hasher, self._report, self._every, self._unreported = hasher, report, report_every, 0
+        self._map: mmap.mmap | None = None
+        self._view: memoryview | None = None
+        self._base = start - start % mmap.ALLOCATIONGRANULARITY
+
+    def __enter__(self) -> ChunkWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._map.close()
+        if self._unreported:
+            self._report(self._unreported)
+
+    def write(self, piece: memoryview) -> None:
+        self._hasher.update(piece)  # xxhash and hashlib release the GIL for large pieces
+        done = 0
+        while done < len(piece):  # a regular file takes it all at once, unless it is full
+            done += os.pwrite(self.fd, piece[done:], self.offset + done)
+        self._advance(done)
+
+    def spliced(self, n: int) -> None:
+        if self._view is None:
+            self._map = mmap.mmap(self.fd, self._end - self._base, offset=self._base, access=mmap.ACCESS_READ)
+            self._view = memoryview(self._map)
+        at = self.offset - self._base
+        self._hasher.update(self._view[at:at + n])
+        self._advance(n)
+
+    def _advance(self, n: int) -> None:
+        if self.offset + n > self._end:
+            raise _Corrupt(f"the source sent more than the {self._end - self._start} bytes asked for")
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise SourceError("unavailable", "the chunk was not done in time")
+        self.offset += n
+        self._unreported += n
+        if self._unreported >= self._every:
+            self._report(self._unreported)
+            self._unreported = 0
+
+
+def lower_priority(level: str) -> None:
+    """Put this process behind generation and the gateway when the CPU is contended: ``idle``
+    (SCHED_IDLE: any other task that wakes up preempts it at once), ``low`` (nice 10). Done
+    before the stream threads start, which inherit it. Without systemd, the kernel may group a
+    session's processes for scheduling (autogroup) so that nice between sessions means
+    nothing; the worker's own session group is lowered too."""
+    if level == "normal":
+        return
+    try:
+        if level == "idle":
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        os.nice(19 if level == "idle" else 10)
+        if os.path.exists("/proc/self/autogroup"):
+            with open("/proc/self/autogroup", "w") as f:
+                f.write("19" if level == "idle" else "10")
+    except OSError as e:  # a sandbox may forbid it: pull at the daemon's priority then
+        print(f"rolloutd pull worker {os.getpid()}: cannot lower its priority to {level}: {e}", file=sys.stderr)
+
+
+def main() -> None:
+    hello = json.loads(sys.stdin.readline() or "null")
+    if not isinstance(hello, dict) or "hello" not in hello:
+        sys.exit("rolloutd pull worker: expected a hello line on stdin")
+    hello = hello["hello"]
+    lower_priority(hello.get("priority", "normal"))
+    worker = Worker(hello)
+    worker.emit({"ready": os.getpid()})
+    for line in sys.stdin:
+        worker.jobs.put(json.loads(line)["job"])
+    os._exit(0)  # stdin ended: the daemon closed it or died; threads mid-job end with us
+
+
+if __name__ == "__main__":
+    main()
