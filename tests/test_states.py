@@ -11,7 +11,7 @@ from rolloutd.supervise.states import ARROWS, BadTransition, Lifecycle, ServerSt
 from .conftest import FakeClock
 
 S = ServerState
-ALLOWED = [(a, b) for a, targets in ARROWS.items() for b in targets]
+ALLOWED = [(a, b) for a, targets in ARROWS.items() for b in sorted(targets, key=lambda s: s.value)]  # one order in every process
 REFUSED = [(a, b) for a in S for b in S if b not in ARROWS[a]]
 
 # How a server reaches each state from STOPPED (the path the supervisor takes).
