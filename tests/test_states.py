@@ -11,7 +11,8 @@ from rolloutd.supervise.states import ARROWS, BadTransition, Lifecycle, ServerSt
 from .conftest import FakeClock
 
 S = ServerState
-ALLOWED = [(a, b) for a, targets in ARROWS.items() for b in sorted(targets, key=lambda s: s.value)]  # one order in every process
+# one order in every process (the fast tier collects in several)
+ALLOWED = [(a, b) for a, targets in ARROWS.items() for b in sorted(targets, key=lambda s: s.value)]
 REFUSED = [(a, b) for a in S for b in S if b not in ARROWS[a]]
 
 # How a server reaches each state from STOPPED (the path the supervisor takes).

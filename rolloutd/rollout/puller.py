@@ -349,7 +349,8 @@ class Puller:
         try:
             await self._attempt(pool, job)
         except OSError as e:  # the mirror's file: no other source helps
-            plan.failed(pick, _describe(e))
+            # The chunk is not put back in the plan: the pull ends, and another stream must not
+            # take it up meanwhile (so on the other fatal paths below).
             raise PullError(f"{where}: cannot write to the mirror: {e}") from None
         except (ChunkCorrupt, WorkerCrashed, errors.RegistryError) as e:
             last = _describe(e)
@@ -358,11 +359,9 @@ class Puller:
                 plan.failed(pick, f"{where}: {last}")
                 return
             if isinstance(e, _FATAL):
-                plan.failed(pick, last)
                 raise PullError(f"{where}: {last}") from None
             attempt = failures[pick.bit] = failures.get(pick.bit, 0) + 1
             if attempt > self.max_chunk_retries:
-                plan.failed(pick, last)
                 raise PullError(f"{where}: failed {attempt} times; last: {last}") from None
             self.progress.retries += 1
             log.warning("retry %s (attempt %d of %d failed): %s", where, attempt, self.max_chunk_retries + 1, last)
