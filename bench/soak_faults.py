@@ -44,7 +44,7 @@ from bench.soak_check import MISSING, Trainer
 from tests.conftest import wait_healthy
 from tests.daemon_harness import DaemonProcess
 from tests.registry_proxy import RegistryProxy
-from tests.vllm_server import ROOT, group_pids
+from tests.vllm_server import ROOT, engine_core
 
 KINDS = ("kill_group", "kill_engine", "kill_engine_mid_load", "registry_restart", "corrupt_chunk", "slow_pull",
          "reload", "bad_version")
@@ -110,16 +110,6 @@ def tagged(pid: int, tag: str) -> bool:
         return f"ROLLOUTD_TEST_TAG={tag}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     except OSError:
         return False
-
-
-def engine_core(pgid: int) -> int | None:
-    for pid in group_pids(pgid):
-        try:
-            if "EngineCore" in Path(f"/proc/{pid}/comm").read_text() + Path(f"/proc/{pid}/cmdline").read_text():
-                return pid
-        except OSError:
-            continue
-    return None
 
 
 class Chaos:

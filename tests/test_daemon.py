@@ -36,7 +36,7 @@ from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, tagged_pids, vllm_server, wait_until
 from .registry_proxy import RegistryProxy
 from .test_vllm_plugin import put_on, tokens
-from .vllm_server import VllmServer, group_pids
+from .vllm_server import VllmServer, engine_core, group_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -265,13 +265,9 @@ def test_a_damaged_copy_in_the_mirror_is_never_reused(node):
 
 
 def _engine_core(pgid: int) -> int:
-    for pid in group_pids(pgid):
-        try:
-            if "EngineCore" in Path(f"/proc/{pid}/comm").read_text() + Path(f"/proc/{pid}/cmdline").read_text():
-                return pid
-        except OSError:
-            continue
-    raise AssertionError(f"no EngineCore process in group {pgid}")
+    core = engine_core(pgid)
+    assert core is not None, f"no EngineCore process in group {pgid}"
+    return core
 
 
 def test_killed_servers_come_back_through_backoff_on_the_newest_version(node):

@@ -36,6 +36,17 @@ def group_pids(pgid: int) -> list[int]:
             if int(g) == pgid and not stat.startswith("Z")]
 
 
+def engine_core(pgid: int) -> int | None:
+    """The pid of vLLM's engine-core process in group ``pgid``, if one is alive."""
+    for pid in group_pids(pgid):
+        try:
+            if "EngineCore" in Path(f"/proc/{pid}/comm").read_text() + Path(f"/proc/{pid}/cmdline").read_text():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
 class VllmServer:
     """One ``vllm serve`` with the plugin reached through ``pythonpath``, listening where ``listen``
     says: a loopback port (an int), or a UNIX socket (a Path: ``--uds``, as rolloutd starts its
