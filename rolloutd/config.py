@@ -134,8 +134,10 @@ def _env_problems(env: dict[str, str]) -> list[tuple[Loc, str]]:
     return out
 
 
-def _gpu_problems(gpus: list[int]) -> list[tuple[Loc, str]]:
-    return [((i,), f"GPU {gpu} is listed twice") for i, gpu in enumerate(gpus) if gpu in gpus[:i]]
+def _listed_twice(what: str) -> Any:
+    def problems(items: list[int]) -> list[tuple[Loc, str]]:
+        return [((i,), f"{what} {item} is listed twice") for i, item in enumerate(items) if item in items[:i]]
+    return problems
 
 
 def _checked(problems_of: Any) -> AfterValidator:
@@ -150,7 +152,8 @@ def _checked(problems_of: Any) -> AfterValidator:
 # Extra vLLM arguments and environment, for every server (``vllm``) or one (``servers[i]``).
 Args = Annotated[list[Word], _checked(_args_problems)]
 Env = Annotated[dict[str, Word], _checked(_env_problems)]
-Gpus = Annotated[list[Annotated[int, Field(ge=0)]], _checked(_gpu_problems)]
+Gpus = Annotated[list[Annotated[int, Field(ge=0)]], _checked(_listed_twice("GPU"))]
+Cpus = Annotated[list[Annotated[int, Field(ge=0)]], _checked(_listed_twice("CPU"))]
 
 
 class _Section(BaseModel):
@@ -440,6 +443,10 @@ class Server(_Section):
     gpus: Gpus = Field([], description="GPU indices the server uses (its "
                                                    "CUDA_VISIBLE_DEVICES); no GPU in two servers; []: the "
                                                    "variable is left as rolloutd found it")
+    cpus: Cpus = Field([], description="CPU cores all of the server's processes run on (its API server, engine "
+                       "core and workers): a busy server then leaves the other cores to the daemon, its gateway "
+                       "and other servers; [] (default): wherever rolloutd runs. With vLLM's CPU build, give its "
+                       "workers VLLM_CPU_OMP_THREADS_BIND in env too")
     args: Args = Field([], description="extra arguments for this server, after vllm.args")
     env: Env = Field({}, description="extra environment variables for this server, over "
                                  "vllm.env")

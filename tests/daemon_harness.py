@@ -54,9 +54,20 @@ def _zombie(proc_dir: str) -> bool:
 
 
 def vllm_server(name: str, model: Path, cpus: str, **extra) -> dict:
-    """A config entry for a real ``vllm serve`` (CPU build) bound to ``cpus``."""
-    return {"name": name, "model": str(model), "public_port": _free_port(),
+    """A config entry for a real ``vllm serve`` (CPU build) on ``cpus`` ("0", "0-1"): its worker
+    threads bound there, and all its processes kept there. Unconfined, its engine core's polling
+    loop takes whatever core is left, and the daemon and the test wait behind it for seconds."""
+    return {"name": name, "model": str(model), "public_port": _free_port(), "cpus": cpu_list(cpus),
             "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus}, **extra}
+
+
+def cpu_list(spec: str) -> list[int]:
+    """``"0-2,5"`` -> ``[0, 1, 2, 5]`` (the kernel's cpulist format, as VLLM_CPU_OMP_THREADS_BIND takes)."""
+    out: list[int] = []
+    for part in spec.split(","):
+        first, _, last = part.partition("-")
+        out += range(int(first), int(last or first) + 1)
+    return out
 
 
 def uds_client(socket: Path | str, **kw) -> httpx.Client:

@@ -138,6 +138,12 @@ def test_cuda_visible_devices_and_server_lookup():
         cfg.server("gpu9")
 
 
+def test_cpus_may_be_shared_between_servers():
+    text = edit("gpus: [0]", "gpus: [0]\n    cpus: [0, 1]").replace("gpus: [1]", "gpus: [1]\n    cpus: [1]")
+    cfg = parse_config(text)
+    assert (cfg.server("gpu0").cpus, cfg.server("gpu1").cpus) == ([0, 1], [1])
+
+
 def test_command_string_is_split_like_a_shell():
     cfg = parse_config(BASE + "vllm:\n  command: \"/opt/venv/bin/python -m vllm.entrypoints.cli.main 'serve'\"\n")
     assert cfg.vllm.command == ["/opt/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve"]
@@ -244,6 +250,9 @@ BAD = {
                            "GPU 0 is also used by servers[0]"),
     "GPU twice in one server": (edit("gpus: [0]", "gpus: [0, 0]"), 9, "servers[0].gpus[1]", "listed twice"),
     "negative GPU": (edit("gpus: [0]", "gpus: [-1]"), 9, "servers[0].gpus[0]", "greater than or equal to 0"),
+    "CPU twice in one server": (edit("gpus: [0]", "gpus: [0]\n    cpus: [3, 3]"), 10, "servers[0].cpus[1]",
+                                "CPU 3 is listed twice"),
+    "CPUs as a string": (edit("gpus: [0]", "gpus: [0]\n    cpus: 0-3"), 10, "servers[0].cpus", "list"),
     "owned flag": (BASE + "vllm:\n  args:\n    - --max-model-len\n    - 4096\n    - --port\n    - 1\n", 18,
                    "vllm.args[2]", "--port is set by rolloutd"),
     "owned flag=value": (edit("    gpus: [0]", "    gpus: [0]\n    args: [--enforce-eager, --host=0.0.0.0]"), 10,

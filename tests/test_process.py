@@ -206,6 +206,43 @@ async def test_a_missing_command_is_a_child_error_naming_it(children, tmp_path):
         await children("s1", [str(script)]).spawn()
 
 
+# -- CPUs ------------------------------------------------------------------------------------------
+# Prints the CPUs its process, a thread of it and a process it starts may run on, as read from
+# /proc (not from the module under test), then waits to be stopped.
+AFFINITY_OF_ALL = [PY, "-c", textwrap.dedent("""
+    import re, subprocess, sys, threading, time
+    def allowed(path):
+        return re.search(r"Cpus_allowed_list:\\s*(\\S+)", open(path).read()).group(1)
+    seen = {}
+    t = threading.Thread(target=lambda: seen.update(thread=allowed("/proc/thread-self/status")))
+    t.start(); t.join()
+    child = subprocess.run([sys.executable, "-c", "print(open('/proc/self/status').read())"],
+                           capture_output=True, text=True).stdout
+    grandchild = re.search(r"Cpus_allowed_list:\\s*(\\S+)", child).group(1)
+    print("affinity", allowed("/proc/self/status"), seen["thread"], grandchild, flush=True)
+    time.sleep(60)
+""")]
+
+
+async def test_a_child_and_all_it_starts_run_on_its_cpus_only(children, caplog):
+    ours = sorted(os.sched_getaffinity(0))
+    assert len(ours) >= 2, "needs two CPUs to tell a pinned child from an unpinned one"
+    cpu = ours[-1]
+    child = children("s0", AFFINITY_OF_ALL, cpus=[cpu])
+    await child.spawn()
+    await until(lambda: any("affinity" in line for line in lines_of(caplog, "s0")), 20, "its report")
+    line = next(line for line in lines_of(caplog, "s0") if "affinity" in line)
+    assert line.split("affinity ")[1].split() == [str(cpu)] * 3  # the leader, a thread, a process it started
+    await child.stop(1)
+
+
+async def test_cpus_it_cannot_run_on_are_a_child_error_and_nothing_runs(children):
+    child = children("s0", AFFINITY_OF_ALL, cpus=[4095])
+    with pytest.raises(ChildError, match=r"cannot start s0: cannot place it on CPUs \[4095\]: Invalid argument"):
+        await child.spawn()
+    assert child.returncode is not None and alive_in_group(child.pgid) == []
+
+
 # -- records ---------------------------------------------------------------------------------------
 async def test_a_record_is_written_at_spawn_and_removed_at_stop(children, caplog, tmp_path):
     records = ChildRecords(tmp_path / "children")

@@ -188,8 +188,9 @@ def _advantages(torch, rewards: list[float]):
 # -- the node ----------------------------------------------------------------------------------------
 
 def node_config(work: Path, registry_url: str, vllm: str, model: Path) -> dict:
-    servers = [{"name": f"cpu{i}", "model": str(model), "public_port": _free_port(),
-                "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % (os.cpu_count() or 1))}} for i in range(SERVERS)]
+    cores = sorted(os.sched_getaffinity(0))
+    servers = [{"name": f"cpu{i}", "model": str(model), "public_port": _free_port(), "cpus": [cores[i % len(cores)]],
+                "env": {"VLLM_CPU_OMP_THREADS_BIND": str(cores[i % len(cores)])}} for i in range(SERVERS)]
     return {
         "node": {"name": "rl-node", "advertise_host": "127.0.0.1"},
         "registry": {"url": registry_url, "long_poll_s": 10},

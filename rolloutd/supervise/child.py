@@ -146,8 +146,10 @@ class Child:
     cgroup, or by default its process group), supervised by the daemon."""
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], *,
-                 containment: Containment | None = None, log: logging.Logger | None = None):
+                 containment: Containment | None = None, cpus: Iterable[int] = (),
+                 log: logging.Logger | None = None):
         self.name, self.argv, self.env = name, list(argv), dict(env)
+        self.cpus = frozenset(cpus)             # the cores it may run on; empty: the daemon's
         self.containment = containment or ProcessGroups()
         self.log = log or logging.getLogger(f"rolloutd.server.{name}")
         self.pid: int | None = None
@@ -201,12 +203,19 @@ class Child:
         self.pid = self.pgid = self._proc.pid  # a new session's process group id is its leader's pid
         self.started_at = time.monotonic()
         try:
-            scope.place(self.pid)  # at once: what it forks from now on is in its scope too
+            # At once, like the placement: every process and thread it starts from now on inherits
+            # both (the leader is still a freshly exec'd interpreter, alone in its group).
+            where = f"on CPUs {sorted(self.cpus)}"
+            if self.cpus:
+                os.sched_setaffinity(self.pid, self.cpus)
+            where = f"in {scope}"
+            scope.place(self.pid)
         except OSError as e:
-            os.killpg(self.pgid, signal.SIGKILL)  # uncontained: it must not run
+            os.killpg(self.pgid, signal.SIGKILL)  # not where it was asked to run: it must not run
             await self._proc.wait()
             os.close(r)
-            raise ChildError(f"cannot start {self.name}: cannot place it in {scope}: {e}") from None
+            scope.release()
+            raise ChildError(f"cannot start {self.name}: cannot place it {where}: {e.strerror or e}") from None
         self.scope = scope
         stream = asyncio.StreamReader(limit=2 * _READ_BYTES)
         loop = asyncio.get_running_loop()
