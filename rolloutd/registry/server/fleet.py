@@ -4,9 +4,9 @@
 Built in two steps so that it stays cheap at 10,000 replicas. A summary pass goes over every
 replica once and keeps a light entry per replica (node, state, version, heartbeat age, problems)
 and the fleet's counts; it is cached for ``CACHE_S``, so any number of open pages polling every
-few seconds cost about one pass a second; for the HTTP route it runs in a thread, off the loop
-that answers heartbeats. Then, per request, the entries are filtered and grouped by node, and
-full rows are built only for the nodes of the requested page.
+few seconds cost about one pass a second; for the HTTP route it runs in steps of about a
+millisecond, so that heartbeats are answered between them. Then, per request, the entries are
+filtered and grouped by node, and full rows are built only for the nodes of the requested page.
 
 A replica has a *problem* when its state is BACKOFF or FATAL (``state``), its last gate failed
 (``gate``), or the registry has not heard from it for ``stale_s`` (``silent``). Its last error
@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -27,6 +28,7 @@ from rolloutd.registry.server.store import Replica, Store
 FAILING_STATES = frozenset({"BACKOFF", "FATAL"})  # the daemon's ServerState names for a failed server
 CACHE_S = 1.0
 MAX_PER_PAGE = 1000  # nodes per page
+SLICE = 500  # replicas per step of a pass: about a millisecond, then the loop takes its turn
 
 
 @dataclass(frozen=True)
@@ -62,27 +64,32 @@ class FleetView:
     def __init__(self, store: Store, cache_s: float = CACHE_S):
         self.store, self.cache_s = store, cache_s
         self._last: _Pass | None = None
-        self._passing = asyncio.Lock()  # one pass in a thread at a time; the others wait for its result
+        self._passing = asyncio.Lock()  # one pass at a time; viewers that came meanwhile wait for its result
 
     def document(self, q: FleetQuery) -> dict:
         """The document, its pass done right here."""
         now = self.store.now()
-        p = self._cached(now, q.stale_s) or self._finish(_scan(self._replicas(), now, q.stale_s), now, q.stale_s)
+        if (p := self._cached(now, q.stale_s)) is None:
+            steps = _scan(self._replicas(), now, q.stale_s)
+            while (scan := next(steps)) is None:
+                pass
+            p = self._finish(scan, now, q.stale_s)
         return self._document(q, p, now)
 
-    async def document_off_loop(self, q: FleetQuery) -> dict:
-        """The document, its pass over every replica in a thread: on the registry's loop, the
-        pass (17 ms at 10,000 replicas) held up every heartbeat that arrived meanwhile."""
-        now = self.store.now()
-        p = self._cached(now, q.stale_s)
-        if p is None:
+    async def document_async(self, q: FleetQuery) -> dict:
+        """The document, its pass over every replica in steps of ``SLICE`` replicas with a turn
+        of the loop between them: in one go, the pass (17 ms at 10,000 replicas) held up every
+        heartbeat that came meanwhile; in a thread, worse (each of the loop's many takes of the
+        interpreter lock then waits out the thread's switch interval)."""
+        if (p := self._cached(self.store.now(), q.stale_s)) is None:
             async with self._passing:
                 now = self.store.now()
-                p = self._cached(now, q.stale_s)  # the pass another viewer waited for
-                if p is None:
-                    scan = await asyncio.to_thread(_scan, self._replicas(), now, q.stale_s)
+                if (p := self._cached(now, q.stale_s)) is None:  # the pass another viewer waited for
+                    steps = _scan(self._replicas(), now, q.stale_s)
+                    while (scan := next(steps)) is None:
+                        await asyncio.sleep(0)
                     p = self._finish(scan, now, q.stale_s)
-        return self._document(q, p, now)
+        return self._document(q, p, self.store.now())
 
     def _document(self, q: FleetQuery, p: _Pass, now: float) -> dict:
         store = self.store
@@ -103,8 +110,8 @@ class FleetView:
 
     # -- the pass over every replica -------------------------------------------------------------
     def _replicas(self) -> list[tuple[str, Replica]]:
-        # One copy of the directory's items, made in C: a thread may then read the replicas while
-        # the loop adds and removes them (a heartbeat replaces a replica's heartbeat object whole).
+        # One copy of the directory's items, made in C: a pass in steps then reads the replicas
+        # while heartbeats add and remove them between its steps.
         return list(self.store.directory().items())
 
     def _cached(self, now: float, stale_s: float) -> _Pass | None:
@@ -166,21 +173,27 @@ class _Scan(NamedTuple):
     serving: Counter
 
 
-def _scan(replicas: list[tuple[str, Replica]], now: float, stale_s: float) -> _Scan:
-    """The per-replica part of a pass. It reads the replicas and nothing else of the store, so
-    it may run in a thread."""
+def _scan(replicas: list[tuple[str, Replica]], now: float, stale_s: float) -> Iterator[_Scan | None]:
+    """The per-replica part of a pass, in steps: None after each step of about a millisecond
+    (``SLICE`` replicas), the result last."""
     entries = []
-    for rid, rep in replicas:
+    for i, (rid, rep) in enumerate(replicas, 1):
         hb, last_seen = rep.heartbeat, rep.last_seen
         ok = hb.state not in FAILING_STATES and (hb.gate is None or hb.gate.ok) and now - last_seen <= stale_s
         entries.append(_Entry(hb.node, rid, hb.state, hb.version, () if ok else _problems(rep, now, stale_s)))
+        if i % SLICE == 0:
+            yield None
     entries.sort()
+    yield None
     with_problems = [e.problems for e in entries if e.problems]
     summary = {"replicas": len(entries), "nodes": len({e.node for e in entries}),
                "by_state": dict(sorted(Counter(e.state for e in entries).items())),
                "with_problems": len(with_problems), "silent": sum("silent" in p for p in with_problems)}
-    return _Scan(entries, _grouped(entries), summary, Counter(e.version for e in entries),
-                 Counter(e.version for e in entries if e.state == "SERVING"))
+    yield None
+    groups = _grouped(entries)
+    yield None
+    yield _Scan(entries, groups, summary, Counter(e.version for e in entries),
+                Counter(e.version for e in entries if e.state == "SERVING"))
 
 
 def _grouped(entries) -> list[tuple[str, list[_Entry]]]:

@@ -57,7 +57,7 @@ def add_ui_routes(app: FastAPI, service: RegistryService) -> None:
                     problems: bool = Query(False, description="only replicas with a problem"),
                     stale_s: float = Query(15.0, gt=0, le=86_400, description="silent this long: a problem")):
         q = FleetQuery(page=page, per_page=per_page, node=node, state=state, problems=problems, stale_s=stale_s)
-        return JSONResponse(await view.document_off_loop(q))
+        return JSONResponse(await view.document_async(q))
 
     html = {200: {"content": {"text/html": {}}, "description": "the fleet page"}}
 
