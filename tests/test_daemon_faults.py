@@ -319,9 +319,9 @@ def test_the_systemd_notify_protocol(daemons, tmp_path):
     d = daemons(servers=2, restart={"start_timeout_s": 10, "backoff_initial_s": 0.2, "max_retries": 2})
     d.proc.kill()  # restart it with the notify environment (the fixture started it without)
     d.proc.wait()
-    d.start(NOTIFY_SOCKET=path, WATCHDOG_USEC="1000000")
+    d.start(NOTIFY_SOCKET=path, WATCHDOG_USEC="2000000")
     st = d.wait_versions({"s0": 1, "s1": 1}, 30)
-    time.sleep(2)
+    time.sleep(4)
     drain()
     messages = [m for _, m in got]
     ready = messages.index("READY=1")
@@ -332,7 +332,10 @@ def test_the_systemd_notify_protocol(daemons, tmp_path):
     assert all(m.count("SERVING") < 2 for m in before[:-1]), before
     assert messages.count("READY=1") == 1 and len(statuses) == len(set(statuses))
     pings = [t for t, m in got if m == "WATCHDOG=1"]
-    assert len(pings) >= 4 and max(b - a for a, b in zip(pings, pings[1:], strict=False)) < 0.9, pings
+    gaps = sorted(b - a for a, b in zip(pings, pings[1:], strict=False))
+    # Every half of WATCHDOG_USEC (the median), and never as late as systemd's limit, 2 s (the
+    # longest: a loaded machine may delay one ping, which systemd tolerates up to the limit).
+    assert len(gaps) >= 3 and 0.9 < gaps[len(gaps) // 2] < 1.1 and gaps[-1] < 1.8, gaps
     env = Path(f"/proc/{st['servers'][0]['pid']}/environ").read_bytes()
     assert b"NOTIFY_SOCKET" not in env and b"WATCHDOG_USEC" not in env
     got.clear()
