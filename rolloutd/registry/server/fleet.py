@@ -70,9 +70,7 @@ class FleetView:
         """The document, its pass done right here."""
         now = self.store.now()
         if (p := self._cached(now, q.stale_s)) is None:
-            steps = _scan(self._replicas(), now, q.stale_s)
-            while (scan := next(steps)) is None:
-                pass
+            scan = next(step for step in _scan(self._replicas(), now, q.stale_s) if step is not None)
             p = self._finish(scan, now, q.stale_s)
         return self._document(q, p, now)
 
