@@ -64,7 +64,8 @@ def cmd_registry(args: argparse.Namespace) -> int:
     from rolloutd.registry.server.settings import RegistrySettings
     values = {k: v for k, v in vars(args).items() if k in RegistrySettings.model_fields}
     settings = RegistrySettings.model_validate(values, strict=False)
-    from rolloutd.httpserver import run
+    from rolloutd.httpserver import reuse_freed_memory, run
+    reuse_freed_memory()  # uploads: bodies through reused buffers, not fresh pages
     return run(serve_registry(settings))
 
 

@@ -294,6 +294,57 @@ def _copy_numpy(a: Any, dest: memoryview) -> Iterator[tuple[int, int]]:
         yield 0, len(dest)
 
 
+def read_shard(shard: Shard) -> Iterator[memoryview]:
+    """The bytes of ``shard`` in file order, as views each valid until the next is asked for.
+    A tensor in host memory, contiguous, is given as its own memory (no copy: the socket's is
+    the one copy); any other (on an accelerator, strided) is copied through one block of
+    ``BLOCK_BYTES`` (for a tensor on an accelerator, the device-to-host copy)."""
+    yield memoryview(shard.header)
+    scratch: memoryview | None = None
+    for p in shard.tensors:
+        if (own := _host_bytes(p.tensor)) is not None:
+            for start in range(0, len(own), BLOCK_BYTES):
+                yield own[start:start + BLOCK_BYTES]
+            continue
+        if scratch is None:
+            scratch = memoryview(bytearray(BLOCK_BYTES))
+        src = _contiguous(p.tensor)
+        for start in range(0, p.end - p.start, BLOCK_BYTES):
+            n = min(BLOCK_BYTES, p.end - p.start - start)
+            for _ in _copy_blocks(src[start:start + n], scratch[:n]):
+                pass
+            yield scratch[:n]
+
+
+def hash_shard(shard: Shard, chunk_bytes: int, hash_name: str = "xxh3-128") -> list[str]:
+    """The chunk digests of ``shard`` as :func:`write_shard` gives them, without writing it."""
+    hasher = ChunkHasher(chunk_bytes, hash_name, shard.size)
+    for piece in read_shard(shard):
+        hasher.feed(piece)
+    return hasher.finish()
+
+
+def _host_bytes(t: Any) -> memoryview | None:
+    """A contiguous host tensor's own bytes, or None when it has to be copied to be read."""
+    if _is_torch(t):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return None
+        import torch
+        return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+    if getattr(t, "flags", None) is not None and t.flags.c_contiguous:
+        return memoryview(t.reshape(-1).view("uint8"))
+    return None
+
+
+def _contiguous(t: Any) -> Any:
+    """``t`` flattened to bytes, contiguous where it is (on its own device: no host copy yet)."""
+    if _is_torch(t):
+        import torch
+        return t.detach().contiguous().reshape(-1).view(torch.uint8)
+    import numpy as np
+    return np.ascontiguousarray(t).reshape(-1).view(np.uint8)
+
+
 # -- as bytes or files -----------------------------------------------------------------------------------
 
 def serialize_shards(state_dict: Mapping[str, Any] | Any, shard_bytes: int = DEFAULT_SHARD_BYTES

@@ -238,14 +238,16 @@ async def _receive_upload(request: Request, service: RegistryService, version: i
     """Stream the body into a staged file; a cut-off or refused body leaves nothing behind."""
     declared = request.headers.get("content-length")
     up = service.blobs.upload(version, name, int(declared) if declared is not None else None)
-    buf = bytearray()
+    pieces: list[bytes] = []  # written as they came: no copy to join them
+    held = 0
     try:
         async for piece in request.stream():
-            buf += piece
-            if len(buf) >= UPLOAD_WRITE_BYTES:
-                data, buf = buf, bytearray()  # handed over whole: no copy
-                await asyncio.to_thread(up.write, data)
-        await asyncio.to_thread(up.write, buf)
+            pieces.append(piece)
+            held += len(piece)
+            if held >= UPLOAD_WRITE_BYTES:
+                await asyncio.to_thread(up.write, pieces)
+                pieces, held = [], 0
+        await asyncio.to_thread(up.write, pieces)
         await asyncio.to_thread(up.sync)
         size = service.finish_upload(version, name, up)
     except ClientDisconnect:

@@ -23,7 +23,7 @@ import mmap
 import os
 import secrets
 import shutil
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +36,7 @@ log = logging.getLogger("rolloutd.registry")
 # One read per streamed piece: 4 MiB served ~1.4x faster per core than 1 MiB, 16 MiB was
 # slower again (bench/registry_serve.py).
 READ_BYTES = 4 << 20
+IOV_MAX = os.sysconf("SC_IOV_MAX")
 
 
 class Blob(Protocol):
@@ -56,7 +57,7 @@ class Upload(Protocol):
     bytes durable (the slow part); ``finish`` then puts the file in place in one quick step, or
     raises :class:`StagingDropped`."""
 
-    def write(self, data: bytes) -> None: ...
+    def write(self, pieces: Sequence[bytes]) -> None: ...  # in order, after the bytes before
     def sync(self) -> None: ...
     def finish(self) -> int: ...
     def abort(self) -> None: ...
@@ -124,30 +125,83 @@ class _MemoryReader:
         pass  # slices may still be queued for sending: they keep the bytes alive
 
 
-def _anonymous(size: int) -> mmap.mmap | bytearray:
-    """Memory for a file of ``size`` bytes: mapped pages the kernel zero-fills on first write
-    (no pass over them now), never moved as a growing buffer would be."""
-    return mmap.mmap(-1, size) if size else bytearray()
+class _MemoryFile:
+    """Memory for a file of ``size`` bytes, backed by an anonymous in-memory file (memfd):
+    written either by ``pwritev`` (no interpreter lock held, and half the cost of faulting in
+    fresh mapped pages: 0.65 against 1.27 s/GiB measured) or through ``view``, a shared
+    mapping; ``done`` gives the mapping the version's blob reads from. Never moved as a growing
+    buffer would be (copied whole, under the interpreter lock, each time it moves)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._fd = os.memfd_create("rolloutd-blob", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self._fd, size)
+            self._map = mmap.mmap(self._fd, size) if size else None
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.view = memoryview(self._map) if self._map is not None else memoryview(bytearray())
+
+    def pwritev(self, pieces: Sequence[bytes], offset: int) -> int:
+        return _write_pieces(lambda batch, done: os.pwritev(self._fd, batch, offset + done), pieces)
+
+    def done(self) -> mmap.mmap | bytearray:
+        """The bytes, mapped; the file's descriptor is closed (the mapping keeps the memory)."""
+        self.view.release()
+        self._close_fd()
+        return self._map if self._map is not None else bytearray()
+
+    def drop(self) -> None:
+        self.view.release()
+        self._close_fd()
+        if self._map is not None:
+            self._map.close()
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _write_pieces(write: Callable[[Sequence[bytes], int], int], pieces: Sequence[bytes]) -> int:
+    """Every byte of ``pieces``, in order, through ``write(batch, bytes done so far) -> n``
+    (``writev``, ``pwritev``): one system call per ``IOV_MAX`` pieces, no copy to join them,
+    resumed after a short write."""
+    done, i, skip = 0, 0, 0
+    while i < len(pieces):
+        batch = [memoryview(pieces[i])[skip:], *pieces[i + 1:i + IOV_MAX]] if skip else pieces[i:i + IOV_MAX]
+        n = write(batch, done)
+        done += n
+        n += skip
+        while i < len(pieces) and n >= len(pieces[i]):
+            n -= len(pieces[i])
+            i += 1
+        skip = n
+    return done
 
 
 class _MemoryUpload:
-    """An upload into memory: with its size known, written in place into memory of that size
-    (a buffer grown as bytes come would be copied whole, under the interpreter lock, each time
-    it moves: seconds for a large file, while the registry's loop waits)."""
+    """An upload into memory: with its size known, written in place into a memory file of that
+    size; without (a chunked body), gathered in a growing buffer."""
 
     def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str, size: int | None):
         self._staging, self._version, self._name = staging, version, name
         self._slot = staging.setdefault(version, {})
-        self._buf, self._size, self._at = (bytearray(), None, 0) if size is None else (_anonymous(size), size, 0)
+        self._size, self._at = size, 0
+        self._file = _MemoryFile(size) if size is not None else None
+        self._buf = bytearray()
 
-    def write(self, data: bytes) -> None:
-        if self._size is None:
-            self._buf += data
-        elif self._at + len(data) > self._size:
+    def write(self, pieces: Sequence[bytes]) -> None:
+        n = sum(len(p) for p in pieces)
+        if self._file is None:
+            for p in pieces:
+                self._buf += p
+        elif self._at + n > self._size:
             raise StagingDropped(f"{self._name}: more bytes than the {self._size} declared")
         else:
-            self._buf[self._at:self._at + len(data)] = data
-        self._at += len(data)
+            self._file.pwritev(pieces, self._at)
+        self._at += n
 
     def sync(self) -> None:
         pass
@@ -157,10 +211,12 @@ class _MemoryUpload:
             raise StagingDropped(f"the staged files of version {self._version} were dropped meanwhile")
         if self._size is not None and self._at != self._size:
             raise StagingDropped(f"{self._name}: {self._at} bytes of the {self._size} declared")
-        self._slot[self._name] = self._buf
+        self._slot[self._name] = self._file.done() if self._file is not None else self._buf
         return self._at
 
     def abort(self) -> None:
+        if self._file is not None:
+            self._file.drop()
         self._buf = bytearray()
 
 
@@ -168,18 +224,17 @@ class _MemoryStaged:
     def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str, size: int):
         self._staging, self._version, self._name = staging, version, name
         self._slot = staging.setdefault(version, {})
-        self._buf = _anonymous(size)
-        self.view = memoryview(self._buf)
+        self._file = _MemoryFile(size)
+        self.view = self._file.view
 
     def finish(self) -> None:
-        self.view.release()
+        data = self._file.done()
         if self._staging.get(self._version) is not self._slot:
             raise StagingDropped(f"the staged files of version {self._version} were dropped meanwhile")
-        self._slot[self._name] = self._buf
+        self._slot[self._name] = data
 
     def abort(self) -> None:
-        self.view.release()
-        self._buf = bytearray()
+        self._file.drop()
 
 
 class MemoryStore:
@@ -263,14 +318,13 @@ class _DiskUpload:
     def __init__(self, final: Path):
         self._final = final
         self._part = _part_path(final)
-        self._f = open(self._part, "wb")
+        self._f = open(self._part, "wb", buffering=0)
 
-    def write(self, data: bytes) -> None:
-        self._f.write(data)
+    def write(self, pieces: Sequence[bytes]) -> None:
+        _write_pieces(lambda batch, _: os.writev(self._f.fileno(), batch), pieces)
 
     def sync(self) -> None:
         if not self._f.closed:
-            self._f.flush()
             os.fsync(self._f.fileno())  # a committed version must survive a crash of the host
             self._f.close()
 
@@ -361,7 +415,7 @@ class DiskStore:
     def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
         up = self.upload(version, name)
         try:
-            up.write(data)
+            up.write([data])
             up.finish()
         except BaseException:
             up.abort()
