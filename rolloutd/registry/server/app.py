@@ -8,6 +8,7 @@ records metrics, cheaply enough for thousands of heartbeats a second.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -235,31 +236,45 @@ async def _counted(blob: Blob, start: int, end: int, service: RegistryService) -
 
 
 async def _receive_upload(request: Request, service: RegistryService, version: int, name: str) -> int:
-    """Stream the body into a staged file; a cut-off or refused body leaves nothing behind."""
+    """Stream the body into a staged file; a cut-off or refused body leaves nothing behind.
+    Each batch is written on a thread while the next arrives (one write in flight, in order)."""
     declared = request.headers.get("content-length")
     up = service.blobs.upload(version, name, int(declared) if declared is not None else None)
     pieces: list[bytes] = []  # written as they came: no copy to join them
     held = 0
+    writing: asyncio.Future | None = None
     try:
         async for piece in request.stream():
             pieces.append(piece)
             held += len(piece)
             if held >= UPLOAD_WRITE_BYTES:
-                await asyncio.to_thread(up.write, pieces)
+                if writing is not None:
+                    await asyncio.shield(writing)  # a cancel must not leave the thread writing unseen
+                writing = _off_loop(up.write, pieces)
                 pieces, held = [], 0
-        await asyncio.to_thread(up.write, pieces)
-        await asyncio.to_thread(up.sync)
+        if writing is not None:
+            await asyncio.shield(writing)
+        for step in (functools.partial(up.write, pieces), up.sync):
+            writing = _off_loop(step)
+            await asyncio.shield(writing)
         size = service.finish_upload(version, name, up)
-    except ClientDisconnect:
+    except BaseException as e:
+        if writing is not None:  # the thread must be done with the file before it goes
+            await asyncio.wait([writing])
+            if not writing.cancelled():
+                writing.exception()  # seen: its own error, if any, goes with this one
         up.abort()
+        if not isinstance(e, ClientDisconnect):
+            raise
         log.warning("abort upload of version %d file %s: the client disconnected", version, name)
         return 0
-    except BaseException:
-        up.abort()
-        raise
     service.metrics.bytes_uploaded.inc(size)
     log.info("receive version %d file %s (%d bytes)", version, name, size)
     return size
+
+
+def _off_loop(fn, *args) -> asyncio.Future:
+    return asyncio.ensure_future(asyncio.to_thread(fn, *args))
 
 
 def _add_lease_routes(app: FastAPI, service: RegistryService) -> None:
