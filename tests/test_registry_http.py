@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -401,18 +402,34 @@ def test_wrong_manifest_digest_is_refused(registry, http, tmp_path):
     assert r.status_code == 422 and code(r) == "manifest_digest_mismatch"
 
 
-def test_upload_cut_off_halfway_leaves_nothing(tmp_path):
-    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data") as reg:
+@pytest.mark.parametrize("store", ["memory", "disk"])
+@pytest.mark.parametrize("sent", [300_000, 9_000_000])  # under one write batch; two batches (one in flight)
+def test_upload_cut_off_halfway_leaves_nothing(tmp_path, store, sent):
+    """Nothing staged, no file or memory file left open, whether or not a batch was being written."""
+    def blob_fds() -> int:
+        found = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                found += os.readlink(f"/proc/self/fd/{fd}").startswith(("/memfd:rolloutd-blob", str(tmp_path)))
+        return found
+    data_dir = tmp_path / "data" if store == "disk" else None
+    with EmbeddedRegistry(port=0, data_dir=data_dir) as reg:
+        before = blob_fds()  # other registries of this process may still hold blobs
         with socket.create_connection(("127.0.0.1", reg.port)) as s:
             s.sendall(b"PUT /v1/uploads/1/files/model.safetensors HTTP/1.1\r\nHost: x\r\n"
-                      b"Content-Length: 1000000\r\n\r\n" + b"x" * 300_000)
+                      b"Content-Length: 20000000\r\n\r\n" + b"x" * sent)
             time.sleep(0.3)
         deadline = time.monotonic() + 5
         staging = tmp_path / "data" / "staging" / "1"
-        while any(staging.glob("*")) and time.monotonic() < deadline:
+        while (any(staging.glob("*")) or blob_fds() > before) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert list(staging.glob("*")) == []
+        assert list(staging.glob("*")) == [] and blob_fds() == before
         assert reg.service.blobs.staged_sizes(1) == {}
+        # the same file then arrives whole (a memory file's mapping holds a descriptor of it)
+        r = httpx.put(f"{reg.url}/v1/uploads/1/files/model.safetensors", content=b"y" * 9_000_000)
+        assert r.status_code == 201 and reg.service.blobs.staged_sizes(1) == {"model.safetensors": 9_000_000}
+        assert reg.service.blobs.read_staged(1, "model.safetensors", 8_999_999, 1) == b"y"
+        assert blob_fds() == before + (store == "memory")
 
 
 # -- auth, limits, errors ------------------------------------------------------------------------
