@@ -177,7 +177,11 @@ class RegistryHTTP:
             manifest = sealed([self._stream_shard(version, sh, chunk_bytes, sent) for sh in shards])
         except errors.VersionConflict:  # published already: the same tensors are a no-op, as a retry needs
             manifest = sealed([hash_shard(sh, chunk_bytes) for sh in shards])
-            if self.manifest(version).digest != manifest.digest:
+            try:
+                theirs = self.manifest(version).digest
+            except (errors.VersionUnknown, errors.VersionRetired):  # another publish of it under way
+                theirs = None
+            if theirs != manifest.digest:
                 raise
             return manifest
         self._call("POST", "/v1/versions", content=manifest.model_dump_json(),

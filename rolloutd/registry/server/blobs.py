@@ -213,9 +213,9 @@ class _MemoryUpload:
 
 
 class _MemoryStaged:
-    """A file the trainer's own process writes in place, in anonymous memory: a memory file
-    (as uploads use) was no slower to write here, but stalled the registry's loop for up to
-    270 ms during a 2 GiB publish, against 11 ms (bench/publish.py, heartbeat max)."""
+    """A file the trainer's own process writes in place, in anonymous memory: a memory file, as
+    uploads use, was not clearly faster for a copy through a mapping (within this machine's
+    noise, bench/publish.py) and would hold a descriptor per blob."""
 
     def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str, size: int):
         self._staging, self._version, self._name = staging, version, name
