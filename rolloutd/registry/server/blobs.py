@@ -125,6 +125,12 @@ class _MemoryReader:
         pass  # slices may still be queued for sending: they keep the bytes alive
 
 
+def _anonymous(size: int) -> mmap.mmap | bytearray:
+    """Memory for a file of ``size`` bytes: mapped pages the kernel zero-fills on first write
+    (no pass over them now), never moved as a growing buffer would be."""
+    return mmap.mmap(-1, size) if size else bytearray()
+
+
 class _MemoryFile:
     """An upload's ``size`` bytes in an anonymous in-memory file (memfd), written by ``pwritev``:
     no interpreter lock held, and half the cost of faulting in fresh mapped pages (0.65 against
@@ -220,7 +226,7 @@ class _MemoryStaged:
     def __init__(self, staging: dict[int, dict[str, bytearray]], version: int, name: str, size: int):
         self._staging, self._version, self._name = staging, version, name
         self._slot = staging.setdefault(version, {})
-        self._buf = mmap.mmap(-1, size) if size else bytearray()  # zero-filled on first write, never moved
+        self._buf = _anonymous(size)
         self.view = memoryview(self._buf)
 
     def finish(self) -> None:
