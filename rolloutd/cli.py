@@ -64,8 +64,14 @@ def cmd_registry(args: argparse.Namespace) -> int:
     from rolloutd.registry.server.settings import RegistrySettings
     values = {k: v for k, v in vars(args).items() if k in RegistrySettings.model_fields}
     settings = RegistrySettings.model_validate(values, strict=False)
-    from rolloutd.httpserver import reuse_freed_memory, run
+    from rolloutd.httpserver import raise_open_files_limit, reuse_freed_memory, run
     reuse_freed_memory()  # uploads: bodies through reused buffers, not fresh pages
+    before, after = raise_open_files_limit()  # a connection per node, and more
+    if after < 4096:
+        log.warning("open files limited to %d (hard limit): a registry needs about one per node; raise it "
+                    "(ulimit -n, or LimitNOFILE= in a systemd unit)", after)
+    elif after != before:
+        log.debug("open files limit raised from %d to %d", before, after)
     return run(serve_registry(settings))
 
 

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import ctypes
 import logging
+import resource
 import socket
 import threading
 import time
@@ -41,6 +42,28 @@ def reuse_freed_memory() -> bool:
                     and libc.mallopt(_M_TRIM_THRESHOLD, MALLOC_TRIM_THRESHOLD))
     except (OSError, AttributeError):
         return False
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Lift this process's soft limit on open files to its hard limit, and return (before,
+    after). A standalone registry holds a connection per node, a long-poll on some, and a
+    descriptor per memory-store blob; the usual soft limit of 1024 is below a fleet of 1,000
+    nodes. The loop uses epoll, never select(), so descriptors above 1024 are fine."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard
+    if hard == resource.RLIM_INFINITY:  # the kernel caps open files at fs.nr_open
+        try:
+            with open("/proc/sys/fs/nr_open") as f:
+                target = int(f.read())
+        except (OSError, ValueError):
+            target = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (OSError, ValueError):
+            return soft, soft
+        return soft, target
+    return soft, soft
 
 
 def run(coro):

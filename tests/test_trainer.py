@@ -376,6 +376,59 @@ def test_http_publish_streams_from_the_tensors_and_a_retry_is_a_no_op(registry, 
 
 
 @pytest.mark.slow  # a registry process of its own
+def test_a_standalone_registry_holds_more_connections_than_its_soft_open_files_limit(tmp_path):
+    """Started with a soft limit of 256 open files (the hard one higher, as systemd and most
+    shells leave it), ``rolloutd registry`` still answers 400 nodes on connections all open at
+    once: it lifts its soft limit to the hard one (without that, accept() fails with EMFILE)."""
+    import asyncio
+    import collections
+    import json
+    import resource
+
+    from .conftest import free_port, wait_healthy
+    n = 400
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 4 * n:
+        pytest.fail(f"this test needs a hard open files limit of {4 * n} (it is {hard})")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(resource.getrlimit(resource.RLIMIT_NOFILE)[0], 2 * n), hard))
+    port = free_port()
+    with open(tmp_path / "registry.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "registry", "--port", str(port)],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, hard)))
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, proc)
+
+        async def node(i: int, all_open: asyncio.Event, count: list[int]) -> int:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            count[0] += 1
+            if count[0] == n:
+                all_open.set()
+            await all_open.wait()  # every connection open at once before any heartbeat
+            body = json.dumps({"node": f"n{i}", "server": "s0", "endpoint": f"http://n{i}:8000",
+                               "state": "SERVING", "version": None, "target": None, "incarnation": 1}).encode()
+            writer.write(f"PUT /v1/replicas/n{i}.s0 HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                         f"content-length: {len(body)}\r\n\r\n".encode() + body)
+            line = await asyncio.wait_for(reader.readline(), 30)
+            writer.close()
+            return int(line.split()[1]) if line else 0  # 0: closed unanswered
+
+        async def fleet() -> list[int]:
+            all_open, count = asyncio.Event(), [0]
+            return await asyncio.gather(*(node(i, all_open, count) for i in range(n)))
+
+        statuses = asyncio.run(fleet())
+        assert statuses == [200] * n, f"answers by status: {collections.Counter(statuses)}"
+        with open(f"/proc/{proc.pid}/limits") as f:
+            soft_now = next(int(line.split()[3]) for line in f if line.startswith("Max open files"))
+        assert soft_now > 256
+        assert len(httpx.get(url + "/v1/replicas").json()["replicas"]) == n
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
 def test_a_standalone_registry_receives_an_upload_without_a_page_fault_per_page(standalone):
     """Upload bodies pass through buffers the registry process reuses: 64 MiB arrive with well
     under one page fault per 4 KiB page (without ``reuse_freed_memory``: about one per page)."""
