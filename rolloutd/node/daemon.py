@@ -452,4 +452,7 @@ async def _cancel(task: asyncio.Task | None) -> None:
 
 def run_daemon(cfg: Config, config_path: Path | None) -> int:
     from rolloutd.httpserver import run
+    from rolloutd.node.wakeup import short_slice
+    if not short_slice():  # the loop's thread, before any other starts: none inherits it
+        log.debug("the kernel keeps the default scheduler slice for the daemon's loop")
     return run(Daemon(cfg, config_path).run())
