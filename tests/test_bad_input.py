@@ -93,8 +93,15 @@ def committed(data_dir: Path) -> list[str]:
 
 
 def part_files(data_dir: Path) -> list[Path]:
-    """Partial uploads anywhere in a disk registry's data directory (hidden names)."""
-    return [p for p in data_dir.rglob("*") if p.name.startswith(".")]
+    """Partial uploads anywhere in a disk registry's data directory (hidden names), but for its
+    trash: what is renamed there is out of view already, and the store's thread deletes it while
+    this looks (a walk that listed it could find it gone)."""
+    found = []
+    for root, dirs, names in os.walk(data_dir):
+        if Path(root) == data_dir:
+            dirs[:] = [d for d in dirs if d != "trash"]
+        found += [Path(root, n) for n in dirs + names if n.startswith(".")]
+    return found
 
 
 def registry_records(caplog) -> list[logging.LogRecord]:
