@@ -4,6 +4,7 @@ inherits it (rolloutd/node/wakeup.py). The latency it buys is measured in bench/
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -31,7 +32,7 @@ def test_the_calling_thread_gets_the_slice_and_no_thread_or_child_started_after_
                           "child": int(child)}))
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    got = __import__("json").loads(out)
+    got = json.loads(out)
     assert got["took"] is True and got["after"] == SLICE_NS, got
     assert got["before"] != SLICE_NS, got  # the default, which the thread and the child keep
     assert got["thread"] == got["before"] and got["child"] == got["before"], got
@@ -43,8 +44,8 @@ def test_a_running_daemon_has_the_short_slice_on_its_loop_alone(daemons, registr
     d = daemons()
     d.wait_versions({"s0": 1}, 30)
     pid = d.proc.pid
-    assert current_slice_ns(tid=pid, pid=pid) == SLICE_NS  # the main thread runs the loop
+    assert current_slice_ns(pid) == SLICE_NS  # the main thread runs the loop
     children = [p for p in tagged_pids(d.tag) if p != pid]
     assert children, "the daemon's fake vLLM server is not running"
-    default = current_slice_ns(pid=children[0])
+    default = current_slice_ns(children[0])
     assert default is not None and default != SLICE_NS

@@ -43,10 +43,10 @@ def short_slice(slice_ns: int = SLICE_NS) -> bool:
     return current_slice_ns() == slice_ns
 
 
-def current_slice_ns(tid: int | None = None, pid: int | None = None) -> int | None:
-    """A thread's scheduler slice (``se.slice`` in its ``sched`` file), None where not shown."""
-    path = (f"/proc/{pid}/task/{tid}/sched" if tid is not None else
-            f"/proc/{pid}/sched" if pid is not None else "/proc/thread-self/sched")
+def current_slice_ns(pid: int | None = None) -> int | None:
+    """The scheduler slice (``se.slice`` in its ``sched`` file) of process ``pid``'s main
+    thread, or of the calling thread; None where the kernel does not show one."""
+    path = "/proc/thread-self/sched" if pid is None else f"/proc/{pid}/task/{pid}/sched"
     try:
         with open(path) as f:
             for line in f:
