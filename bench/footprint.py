@@ -9,6 +9,14 @@ after another. The vLLM processes are not counted: only the daemon's own process
 
     .venv/bin/python bench/footprint.py                 # 1 server, 60 s idle, 10 updates
     .venv/bin/python bench/footprint.py --servers 2
+    .venv/bin/python bench/footprint.py --ref-repo DIR   # the same for another build's daemon, after
+
+``--ref-repo`` runs the daemon of another build (a directory holding its ``rolloutd/``
+package, e.g. ``git archive <commit> rolloutd | tar -x -C DIR``) right after this build's, with
+the same servers, plugin and registry: the two lines side by side. Besides CPU and RSS, the
+daemon's wake-ups per second while idle (times any of its threads was put on a CPU, from
+``/proc/<pid>/task/*/schedstat``) say how often it stirs, which costs more than its CPU time
+shows on a machine where each wake-up is expensive.
 
 Limits (ratios printed against them): RSS <= 150 MiB; idle CPU <= 0.5 % of one core.
 """
@@ -18,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -60,6 +69,17 @@ def rss_mib(pid: int) -> tuple[float, float]:
     return int(values["VmRSS"].split()[0]) / 1024, int(values["VmHWM"].split()[0]) / 1024
 
 
+def wakeups(pid: int) -> int:
+    """Times any thread of ``pid`` was put on a CPU (schedstat's third field, summed)."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[2])
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended meanwhile
+            pass
+    return total
+
+
 def wait_serving(admin: str, version: int, n: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -73,40 +93,40 @@ def wait_serving(admin: str, version: int, n: int, timeout_s: float) -> None:
     raise TimeoutError(f"servers not serving version {version} after {timeout_s} s")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--servers", type=int, default=1)
-    ap.add_argument("--idle-s", type=float, default=60)
-    ap.add_argument("--updates", type=int, default=10)
-    args = ap.parse_args()
+def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str) -> dict:
+    """One daemon (its package imported from ``daemon_root``) with its servers: idle, then updates."""
     vllm = ROOT / ".venv-vllm" / "bin" / "vllm"
-    work = Path(tempfile.mkdtemp(prefix="rolloutd-footprint-"))
-    model = tinymodel.build(work / "model", seed=0)
+    model = work / "model"
     admin_port = free_port()
+    run_dir = work / label
     cfg = {"registry": {"url": ""}, "admin": {"port": admin_port}, "gateway": {"host": "127.0.0.1"},
-           "state_dir": str(work / "state"),
-           "mirror": {"dir": str(work / "mirror"), "max_bytes": "1GiB"},
+           "state_dir": str(run_dir / "state"),
+           "mirror": {"dir": str(run_dir / "mirror"), "max_bytes": "1GiB"},
            "vllm": {"command": [str(vllm), "serve"], "args": FLAGS,
                     "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
            "servers": [{"name": f"s{i}", "model": str(model), "public_port": free_port(),
                         "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())}}
                        for i in range(args.servers)]}
+    run_dir.mkdir()
     with EmbeddedRegistry(port=0) as reg:
         cfg["registry"]["url"] = reg.url
-        (work / "rolloutd.yaml").write_text(yaml.safe_dump(cfg))
+        (run_dir / "rolloutd.yaml").write_text(yaml.safe_dump(cfg))
         reg.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
-        log = open(work / "rolloutd.log", "wb")
-        daemon = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(work / "rolloutd.yaml")],
-                                  cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log = open(run_dir / "rolloutd.log", "wb")
+        # cwd first on sys.path (-m): the package of daemon_root is the one imported
+        daemon = subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(run_dir / "rolloutd.yaml")],
+                                  cwd=daemon_root, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         admin = f"http://127.0.0.1:{admin_port}"
         try:
             wait_serving(admin, 1, args.servers, 300)
             time.sleep(5)  # let start-up work settle
-            c0, t0 = cpu_s(daemon.pid), time.monotonic()
+            c0, w0, t0 = cpu_s(daemon.pid), wakeups(daemon.pid), time.monotonic()
             time.sleep(args.idle_s)
-            idle = (cpu_s(daemon.pid) - c0) / (time.monotonic() - t0)
+            elapsed = time.monotonic() - t0
+            idle = (cpu_s(daemon.pid) - c0) / elapsed
+            idle_wakeups = (wakeups(daemon.pid) - w0) / elapsed
             rss_idle, _ = rss_mib(daemon.pid)
-            c0, t0 = cpu_s(daemon.pid), time.monotonic()
+            c0 = cpu_s(daemon.pid)
             for v in range(2, 2 + args.updates):
                 reg.publish(v, tinymodel.state_dict(tinymodel.TINY, v), shard_bytes=600_000, chunk_bytes=1 << 16)
                 wait_serving(admin, v, args.servers, 60)
@@ -116,19 +136,43 @@ def main() -> int:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
             log.close()
-    result = {"servers": args.servers, "idle_s": args.idle_s, "idle_cpu_fraction": round(idle, 5),
-              "idle_cpu_vs_limit": round(idle / IDLE_CPU_LIMIT, 3), "rss_idle_mib": round(rss_idle, 1),
+    result = {"build": label, "servers": args.servers, "idle_s": args.idle_s, "idle_cpu_fraction": round(idle, 5),
+              "idle_cpu_vs_limit": round(idle / IDLE_CPU_LIMIT, 3), "idle_wakeups_per_s": round(idle_wakeups, 1),
+              "rss_idle_mib": round(rss_idle, 1),
               "rss_after_updates_mib": round(rss_now, 1), "rss_peak_mib": round(rss_peak, 1),
               "rss_peak_vs_limit": round(rss_peak / RSS_LIMIT_MIB, 3), "updates": args.updates,
               "daemon_cpu_s_per_update": round(per_update, 4)}
-    print(f"daemon idle CPU {idle * 100:.3f} % of a core (limit {IDLE_CPU_LIMIT * 100:.1f} %: ratio "
-          f"{result['idle_cpu_vs_limit']}); RSS {rss_idle:.1f} MiB idle, {rss_now:.1f} MiB after {args.updates} "
-          f"updates, peak {rss_peak:.1f} MiB (limit {RSS_LIMIT_MIB:.0f} MiB: ratio {result['rss_peak_vs_limit']}); "
-          f"{per_update * 1000:.1f} ms of daemon CPU per update of {args.servers} server(s)")
+    print(f"{label}: daemon idle CPU {idle * 100:.3f} % of a core (limit {IDLE_CPU_LIMIT * 100:.1f} %: ratio "
+          f"{result['idle_cpu_vs_limit']}), {idle_wakeups:.1f} wake-ups/s; RSS {rss_idle:.1f} MiB idle, "
+          f"{rss_now:.1f} MiB after {args.updates} updates, peak {rss_peak:.1f} MiB (limit {RSS_LIMIT_MIB:.0f} MiB: "
+          f"ratio {result['rss_peak_vs_limit']}); {per_update * 1000:.1f} ms of daemon CPU per update of "
+          f"{args.servers} server(s)", flush=True)
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", type=int, default=1)
+    ap.add_argument("--idle-s", type=float, default=60)
+    ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument("--ref-repo", type=Path, default=None,
+                    help="a directory holding another build's rolloutd/ package: its daemon measured after this one")
+    args = ap.parse_args()
+    if args.ref_repo and not (args.ref_repo / "rolloutd" / "cli.py").is_file():
+        ap.error(f"--ref-repo {args.ref_repo}: no rolloutd/cli.py there")
+    work = Path(tempfile.mkdtemp(prefix="rolloutd-footprint-"))
+    try:
+        tinymodel.build(work / "model", seed=0)
+        results = [measure(args, work, ROOT, "this")]
+        if args.ref_repo:
+            results.append(measure(args, work, args.ref_repo.resolve(), "ref"))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     out = ROOT / "bench" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"footprint-{args.servers}.json").write_text(json.dumps(result, indent=2))
-    return 0 if result["idle_cpu_vs_limit"] <= 1 and result["rss_peak_vs_limit"] <= 1 else 1
+    (out / f"footprint-{args.servers}.json").write_text(json.dumps(results, indent=2))
+    mine = results[0]
+    return 0 if mine["idle_cpu_vs_limit"] <= 1 and mine["rss_peak_vs_limit"] <= 1 else 1
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@ chunk's digest, writes into a preallocated partial directory and renames it into
 same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the same run, by:
 
 - ``puller``: ``pullonce.py`` (rolloutd's ``Puller`` on uvloop, ``--workers`` pull worker
-  processes) from ``rolloutd registry`` (bytes held in memory) into a fresh mirror directory;
+  processes) from ``rolloutd registry`` (bytes held in memory, or with ``--store disk`` in a
+  disk store in the same tmpfs, sent with sendfile) into a fresh mirror directory;
 - ``puller-copy``: the same with the body read into the workers' memory and written, instead
   of spliced from the socket into the file (the A/B of the one-copy path);
 - ``curl``: one ``curl`` for all files, one after the other over one connection, from nginx
@@ -124,6 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tmpfs for the source files and every destination (a fresh directory, removed at the end)")
     p.add_argument("--server-cpu", type=int, default=0)
     p.add_argument("--load-cpu", type=int, default=1)
+    p.add_argument("--store", choices=("memory", "disk"), default="memory",
+                   help="the registry's store: bytes in its memory, or a disk store in --tmp-dir (sent with sendfile)")
     p.add_argument("--registry-cmd", default=None,
                    help="command starting the registry, '--host H --port P' appended (default: the venv's "
                         "`rolloutd registry`)")
@@ -149,7 +152,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--size-mib must split into --files equal files")
     args.size = args.size_mib << 20
     args.aria2c_jobs = args.aria2c_jobs or args.files
-    args.data_dir = None  # registry_argv: bytes in memory
     return args
 
 
@@ -472,7 +474,8 @@ def summarize(runs: dict) -> dict:
 def markdown(report: dict) -> str:
     cfg, env, summ = report["config"], report["environment"], report["summary"]
     lines = [f"# bench/pull.py: {cfg['size_mib']} MiB in {cfg['files']} files, median of {cfg['repeats']}",
-             "", f"{env['cpus']} CPUs ({env['cpu_model']}); {env['pinning']}; registry bytes in memory; "
+             "", f"{env['cpus']} CPUs ({env['cpu_model']}); {env['pinning']}; "
+             f"registry bytes in {cfg.get('store', 'memory')}; "
              f"publish {report['publish_s']:.1f} s", "",
              "| contender | GB/s median (min-max) | client s/GB | server s/GB |", "|---|---|---|---|"]
     for name, s in summ["contenders"].items():
@@ -531,7 +534,7 @@ def run_all(work: Path, args: argparse.Namespace) -> dict:
         (src / name).chmod(0o644)
     report: dict = {"labels": {c: label(c, args) for c in args.contenders}}
     reg_port, nginx_port = free_port(), free_port()
-    reg_argv = pinned(args.server_cpu, registry_argv(args, reg_port, None))
+    reg_argv = pinned(args.server_cpu, registry_argv(args, reg_port, work / "store" if args.store == "disk" else None))
     ngx_argv = pinned(args.server_cpu, nginx_argv(work / "nginx", work, nginx_port, sendfile=True))
     urls = {"registry": f"http://{HOST}:{reg_port}", "nginx": f"http://{HOST}:{nginx_port}/src", "src": str(src)}
     with server("registry", reg_argv, urls["registry"] + "/healthz") as reg, \
