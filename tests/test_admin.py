@@ -50,7 +50,8 @@ STATUS = {
                  "demand": 11, "last_error": None, "last_contact_age_s": 1.25},
     "target": {"version": 12, "digest": "xxh3:00ff00ff"},
     "pull": {"target": "latest", "version": 12, "state": "pulling", "bytes_done": 1 << 30,
-             "bytes_total": 4 << 30, "rate_bytes_per_s": 512.0 * (1 << 20), "eta_s": 6.0, "retries": 1,
+             "bytes_total": 4 << 30, "bytes_resumed": 0, "rate_bytes_per_s": 512.0 * (1 << 20), "eta_s": 6.0,
+             "retries": 1,
              "workers": [4400, 4401], "worker_restarts": 1, "seconds": 2.0, "error": None},
     "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
                      "url": "http://10.0.0.7:9300", "served_bytes": 9 << 30, "served_requests": 1152},
@@ -449,6 +450,9 @@ def test_status_table_before_anything_happened():
     ({"state": "failed", "bytes_done": 1024, "bytes_total": 4096, "seconds": 1.5, "rate_bytes_per_s": 0.0,
       "retries": 3, "workers": [], "worker_restarts": 0, "error": "chunk 0 of model.safetensors: bad digest"},
      "pull v12: failed, 1.0 KiB of 4.0 KiB in 1.5 s, 3 retries: chunk 0 of model.safetensors: bad digest"),
+    ({"state": "done", "bytes_done": 4 << 30, "bytes_total": 4 << 30, "bytes_resumed": 3 << 30, "seconds": 2.0,
+      "rate_bytes_per_s": 512.0 * (1 << 20), "retries": 0, "workers": [], "worker_restarts": 0, "error": None},
+     "pull v12: done, 4.0 GiB of 4.0 GiB in 2.0 s (512.0 MiB/s), 3.0 GiB kept from the last try"),
 ])
 def test_status_pull_line(pull, expected):
     doc = copy.deepcopy(STATUS)

@@ -82,7 +82,7 @@ def test_publish_a_state_dict_to_the_bucket(s3, tmp_path):
             "model.embed_tokens.weight"]).all()
 
 
-def test_bytes_changed_in_the_bucket_fail_the_pull_and_leave_nothing(s3, tmp_path):
+def test_bytes_changed_in_the_bucket_fail_the_pull_and_leave_no_version(s3, tmp_path):
     ckpt = checkpoint(tmp_path, mib=1)
     with EmbeddedRegistry(port=0) as reg:
         reg.publish_dir(1, ckpt, chunk_bytes=CHUNK, to=f"s3://{s3.bucket}/tampered", store=settings(s3))
@@ -92,7 +92,8 @@ def test_bytes_changed_in_the_bucket_fail_the_pull_and_leave_nothing(s3, tmp_pat
         mirror = Mirror(tmp_path / "mirror", 1 << 30)
         with pytest.raises(PullError, match="model-1.safetensors chunk 1.*does not match"):
             asyncio.run(pull(reg, s3, mirror))
-        assert mirror.versions() == [] and list(mirror.dir.iterdir()) == []
+        # at most the chunks it checked, hidden, kept for a next try
+        assert mirror.versions() == [] and [p.name for p in mirror.dir.iterdir()] in ([], [".1.partial"])
 
 
 def test_a_missing_object_fails_at_once(s3, tmp_path):

@@ -284,8 +284,19 @@ async def test_a_transfer_cut_halfway_is_fetched_again(registry, proxy, client, 
     assert_pulled(mirror, 1, files, manifest)
 
 
-async def test_a_chunk_corrupted_every_time_fails_the_pull_and_leaves_nothing(registry, proxy, client, mirror):
-    manifest, _ = publish(registry, 1)
+def requested(proxy, since: int) -> set[tuple[str, int]]:
+    """(file, chunk index) of every byte request the proxy forwarded after the first ``since``."""
+    return {(name, start // CHUNK) for name, start, _ in proxy.byte_requests[since:]}
+
+
+def chunks_of(manifest, bits: int) -> set[tuple[str, int]]:
+    every = [(e.name, i) for e in manifest.files for i in range(len(e.chunks))]
+    return {c for bit, c in enumerate(every) if bits >> bit & 1}
+
+
+async def test_a_chunk_corrupted_every_time_fails_the_pull_and_the_next_try_fetches_only_the_rest(
+        registry, proxy, client, mirror, caplog):
+    manifest, files = publish(registry, 1)
     entry = manifest.files[0]
     proxy.flip(entry.name, 3 * CHUNK, times=None)
     puller = make_puller(client, mirror, max_chunk_retries=2)
@@ -295,8 +306,57 @@ async def test_a_chunk_corrupted_every_time_fails_the_pull_and_leaves_nothing(re
     assert proxy.flipped == 3
     assert puller.progress.state is PullState.FAILED and puller.progress.error == str(err.value)
     assert puller.progress.retries == 2
-    nothing_left(mirror, registry)
-    assert mirror.versions() == []
+    # Nothing visible, the lease released; the chunks it checked are kept, hidden, for a next try.
+    assert mirror.versions() == [] and registry.service.store.lease_count() == 0
+    kept = puller.kept
+    assert kept is not None and os.listdir(mirror.dir) == [".1.partial"]
+    kept_chunks = chunks_of(manifest, kept.done_bits)
+    assert (entry.name, 3) not in kept_chunks and len(kept_chunks) >= 3
+    sizes = {e.name: e.size for e in manifest.files}
+    assert kept.bytes == sum(min(CHUNK, sizes[name] - i * CHUNK) for name, i in kept_chunks)
+
+    proxy.flips.clear()  # the origin serves good bytes again
+    before = len(proxy.byte_requests)
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(1)
+    fetched = requested(proxy, before)
+    assert fetched.isdisjoint(kept_chunks) and (entry.name, 3) in fetched
+    assert fetched | kept_chunks == chunks_of(manifest, (1 << sum(len(e.chunks) for e in manifest.files)) - 1)
+    assert result.bytes == manifest.total_bytes - kept.bytes
+    assert puller.progress.bytes_resumed == kept.bytes and puller.progress.bytes_done == manifest.total_bytes
+    assert puller.kept is None
+    assert_pulled(mirror, 1, files, manifest)  # byte for byte the serialized state dict
+    assert f"{len(kept_chunks)} chunks ({kept.bytes} bytes) checked by the last try" in caplog.text
+
+
+async def test_a_pull_of_another_version_removes_what_a_failed_pull_kept(registry, proxy, client, mirror):
+    manifest, _ = publish(registry, 1)
+    # the second file's first chunk: taken once every chunk of the first is done or in flight
+    proxy.flip(manifest.files[1].name, 0, times=None)
+    puller = make_puller(client, mirror, max_chunk_retries=0)
+    with pytest.raises(PullError, match=f"{manifest.files[1].name} chunk 0: failed 1 times"):
+        await puller.pull(1)
+    assert puller.kept is not None and os.listdir(mirror.dir) == [".1.partial"]
+    proxy.flips.clear()  # the file names of version 2 are the same
+    manifest2, files2 = publish(registry, 2)
+    result = await puller.pull(2)
+    assert result.bytes == manifest2.total_bytes and puller.progress.bytes_resumed == 0
+    assert_pulled(mirror, 2, files2, manifest2)  # and no partial of version 1 left
+    assert puller.kept is None
+
+
+async def test_a_kept_partial_whose_file_went_missing_is_not_taken_up(registry, proxy, client, mirror):
+    manifest, files = publish(registry, 1)
+    proxy.flip(manifest.files[1].name, 0, times=None)  # as above: the first file's chunks are checked
+    puller = make_puller(client, mirror, max_chunk_retries=0)
+    with pytest.raises(PullError):
+        await puller.pull(1)
+    assert puller.kept is not None
+    (mirror.dir / ".1.partial" / manifest.files[-1].name).unlink()
+    proxy.flips.clear()
+    result = await puller.pull(1)
+    assert result.bytes == manifest.total_bytes and puller.progress.bytes_resumed == 0  # all fetched again
+    assert_pulled(mirror, 1, files, manifest)
 
 
 # -- leases ---------------------------------------------------------------------------------------------------
@@ -364,8 +424,12 @@ async def test_nothing_to_lease_fails_clearly(registry, client, mirror):
 
 # -- cancellation and room -------------------------------------------------------------------------------------
 
-async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, proxy, client, mirror):
-    publish(registry, 1)
+async def test_a_cancelled_pull_releases_the_lease_reaps_its_workers_and_a_next_try_resumes(
+        registry, proxy, client, mirror):
+    """Cancelled as pull.timeout_s cancels it: the chunks checked by then are kept, so the
+    next pull of the version fetches only the others; discard_kept (the daemon's stop)
+    removes them."""
+    manifest, files = publish(registry, 1)
     reached, unstall = asyncio.Event(), asyncio.Event()
 
     async def stall(n: int) -> None:
@@ -381,13 +445,50 @@ async def test_cancelling_a_pull_discards_it_and_releases_the_lease(registry, pr
     assert workers
     with pytest.raises(RuntimeError, match="one at a time"):
         await puller.pull(1)
+    for _ in range(1000):  # the other streams check some chunks while one request is held
+        if puller.last_plan is not None and puller.last_plan.done_bits.bit_count() >= 2:
+            break
+        await asyncio.sleep(0.01)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     assert puller.progress.state is PullState.CANCELLED
-    nothing_left(mirror, registry)
-    assert all(gone(pid) for pid in workers)  # reaped before the partial directory went
+    assert all(gone(pid) for pid in workers)  # reaped before the pull ended
+    assert registry.service.store.lease_count() == 0 and mirror.versions() == []
+    kept = puller.kept
+    assert kept is not None and kept.done_bits.bit_count() >= 2 and os.listdir(mirror.dir) == [".1.partial"]
     unstall.set()
+
+    before = len(proxy.byte_requests)
+    result = await puller.pull(1)
+    assert requested(proxy, before).isdisjoint(chunks_of(manifest, kept.done_bits))
+    assert result.bytes == manifest.total_bytes - kept.bytes
+    assert_pulled(mirror, 1, files, manifest)
+
+
+async def test_what_a_cancelled_pull_kept_is_removed_by_discard_kept(registry, proxy, client, mirror):
+    publish(registry, 1)
+    reached = asyncio.Event()
+
+    async def stall(n: int) -> None:
+        if n == 8:
+            reached.set()
+            await asyncio.Event().wait()  # held until the pull is cancelled
+    proxy.on_bytes = stall
+    puller = make_puller(client, mirror, streams=3)
+    task = asyncio.create_task(puller.pull(1))
+    await asyncio.wait_for(reached.wait(), 10)
+    for _ in range(1000):
+        if puller.last_plan.done_bits:
+            break
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert puller.kept is not None and os.listdir(mirror.dir) == [".1.partial"]
+    puller.discard_kept()
+    assert puller.kept is None
+    nothing_left(mirror, registry)
 
 
 async def test_a_pull_that_cannot_fit_fails_before_fetching(registry, proxy, client, tmp_path):

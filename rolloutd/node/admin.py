@@ -80,6 +80,8 @@ class PullStatus(_Model):
     state: PullState = Field(description="where the pull is")
     bytes_done: int = Field(description="bytes written into the mirror so far")
     bytes_total: int = Field(description="bytes of the whole version")
+    bytes_resumed: int = Field(description="of bytes_done: chunks an earlier try of this version checked "
+                               "and left in the mirror, not fetched again")
     rate_bytes_per_s: float = Field(description="recent rate while pulling; the average once ended")
     eta_s: float | None = Field(description="seconds left at the recent rate (null: unknown)")
     retries: int = Field(description="chunk transfers tried again")

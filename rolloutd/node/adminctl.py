@@ -232,6 +232,8 @@ def _pull_line(p: dict | None) -> str:
         line += f" in {p['seconds']:.1f} s"
         if state == "done" and p["seconds"] > 0:
             line += f" ({size(p['rate_bytes_per_s'])}/s)"
+    if p.get("bytes_resumed"):
+        line += f", {size(p['bytes_resumed'])} kept from the last try"
     if p["retries"]:
         line += f", {p['retries']} retries"
     if p.get("worker_restarts"):

@@ -361,6 +361,7 @@ class Daemon:
             await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
             await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
             await _cancel(updater)
+            await asyncio.to_thread(self.updater.puller.discard_kept)  # a pull cut short kept its chunks
             await _cancel(announcer)  # the tracker forgets this node's chunks
             self.admin.stop()
             with contextlib.suppress(TimeoutError):

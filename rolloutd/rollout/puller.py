@@ -18,8 +18,12 @@ Contract:
 - The lease is renewed every ``renew_every_s`` while pulling. A lease that expired anyway is
   taken again on the same version if the registry still has it (a retired version keeps its
   bytes only while leased: if they are gone, the pull fails).
-- On any failure or cancellation the partial directory is discarded and the lease released
-  (best effort): nothing is ever visible under the version's name unless complete.
+- On any failure or cancellation the lease is released (best effort) and nothing is ever
+  visible under the version's name unless complete. A pull that ends while fetching, with
+  chunks already checked, leaves its partial directory for the next try (a transfer that
+  failed once too often, a ``pull.timeout_s``): the next pull of the same version and digest
+  takes it up and fetches only the chunks it lacks. Any other pull first discards it, and
+  :meth:`Puller.discard_kept` does so at shutdown; the mirror counts it in its usage meanwhile.
 - ``Puller.progress`` describes the current (or last) pull at any time, for status and metrics.
   One pull at a time per ``Puller``.
 
@@ -42,6 +46,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -55,7 +60,8 @@ from rolloutd.rollout.fetch_pool import ChunkCorrupt, ChunkJob, FetchPool, Worke
 from rolloutd.rollout.mirror import Mirror, Partial
 from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings
 from rolloutd.wire import errors
-from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
+from rolloutd.wire.chunkmap import chunk_index
+from rolloutd.wire.manifest import Manifest, ManifestError
 from rolloutd.wire.messages import LeaseInfo
 
 log = logging.getLogger("rolloutd.rollout.puller")
@@ -105,6 +111,7 @@ class PullProgress:
     worker_restarts: int = 0
     state: PullState = PullState.LEASING
     error: str | None = None
+    bytes_resumed: int = 0      # of bytes_done: checked by an earlier try, not fetched again
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     started_at: float = 0.0
     ended_at: float | None = None
@@ -122,7 +129,7 @@ class PullProgress:
     def rate_bytes_per_s(self) -> float:
         """Over the last ``RATE_WINDOW_S`` while pulling; the average once it ended."""
         if self.ended_at is not None:
-            return self.bytes_done / self.seconds if self.seconds > 0 else 0.0
+            return (self.bytes_done - self.bytes_resumed) / self.seconds if self.seconds > 0 else 0.0
         now = self.clock()
         t0, b0 = self._samples[0]
         return (self.bytes_done - b0) / (now - t0) if now > t0 else 0.0
@@ -133,6 +140,12 @@ class PullProgress:
             return 0.0 if self.state is PullState.DONE else None
         rate = self.rate_bytes_per_s
         return (self.bytes_total - self.bytes_done) / rate if rate > 0 else None
+
+    def resume(self, n: int) -> None:
+        """Start from ``n`` bytes an earlier try left checked: done, but not in the rate."""
+        self.bytes_done = self.bytes_resumed = n
+        self._samples.clear()
+        self._samples.append((self.clock(), n))
 
     def add(self, n: int) -> None:
         self.bytes_done += n
@@ -145,7 +158,7 @@ class PullProgress:
     def as_dict(self) -> dict:
         eta = self.eta_s
         return {"target": self.target, "version": self.version, "state": self.state.value,
-                "bytes_done": self.bytes_done, "bytes_total": self.bytes_total,
+                "bytes_done": self.bytes_done, "bytes_total": self.bytes_total, "bytes_resumed": self.bytes_resumed,
                 "rate_bytes_per_s": round(self.rate_bytes_per_s, 1),
                 "eta_s": None if eta is None else round(eta, 2), "retries": self.retries,
                 "workers": list(self.worker_pids), "worker_restarts": self.worker_restarts,
@@ -157,10 +170,20 @@ class PullResult:
     version: int
     path: Path
     digest: str
-    bytes: int       # bytes fetched (0 when the mirror already had the version)
+    bytes: int       # bytes fetched (0 when the mirror already had the version; not those resumed)
     seconds: float
     retries: int
     reused: bool = False
+
+
+@dataclass(frozen=True)
+class Kept:
+    """A pull that ended while fetching, kept for the next try: its partial directory and the
+    chunks (bits in :func:`~rolloutd.wire.chunkmap.chunk_index` order) checked in it."""
+
+    partial: Partial
+    done_bits: int
+    bytes: int
 
 
 class Puller:
@@ -187,6 +210,7 @@ class Puller:
         self.in_use = in_use  # versions the node's servers hold: never removed to make room
         self.clock = clock
         self.progress: PullProgress | None = None
+        self.kept: Kept | None = None  # owned here: only pull() and discard_kept() change it
         self._lease: LeaseInfo | None = None
         # Where chunks come from: the origin (registry or object store) and, with peers on, other
         # nodes; the default is the registry alone.
@@ -205,12 +229,17 @@ class Puller:
             raise RuntimeError(f"a pull of {self.progress.target} is in progress: one at a time")
         progress = self.progress = PullProgress(target=version, clock=self.clock)
         partial: Partial | None = None
+        done_bits = 0
+        keepable = True  # until the commit starts, checked chunks are worth keeping for a next try
         self.last_plan = None
         try:
             lease = await self._take_lease(version)
             progress.version = lease.version
             manifest = await self._manifest(lease)
             progress.bytes_total = manifest.total_bytes
+            kept = await self._take_kept(manifest)
+            if kept is not None:
+                partial, done_bits = kept.partial, kept.done_bits
             if self.mirror.has(manifest.version, manifest.digest):
                 damage = await asyncio.to_thread(self.mirror.damage, manifest.version, manifest.digest)
                 if not damage:
@@ -220,14 +249,21 @@ class Puller:
                 log.warning("verify version %d: the mirror copy is damaged (%s); pulling it again",
                             manifest.version, "; ".join(damage)[:300])
                 await asyncio.to_thread(self.mirror.remove, manifest.version, "damaged")
-            await asyncio.to_thread(self.mirror.ensure_room, manifest.total_bytes, self.in_use())
-            partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
+            # A kept partial is in the mirror's usage at its full size already.
+            await asyncio.to_thread(self.mirror.ensure_room, 0 if kept else manifest.total_bytes, self.in_use())
+            if kept is not None:
+                progress.resume(kept.bytes)
+            else:
+                partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
             self._set_state(PullState.PULLING)
-            workers, streams = self._plan(sum(len(f.chunks) for f in manifest.files))
-            log.info("pull version %d: %d files, %d bytes, %d workers, %d streams of %d-byte requests",
+            chunks = sum(len(f.chunks) for f in manifest.files) - done_bits.bit_count()
+            workers, streams = self._plan(chunks)
+            log.info("pull version %d: %d files, %d bytes, %d workers, %d streams of %d-byte requests%s",
                      manifest.version, len(manifest.files), manifest.total_bytes, workers, streams,
-                     self.request_bytes)
-            await self._fetch_all(manifest, partial)
+                     self.request_bytes, f"; {done_bits.bit_count()} chunks ({kept.bytes} bytes) checked by the "
+                     f"last try, {chunks} to fetch" if kept else "")
+            await self._fetch_all(manifest, partial, done_bits)
+            keepable = False
             self._set_state(PullState.COMMITTING)
             await _settle(asyncio.to_thread(self.mirror.commit, partial))
             partial = None
@@ -248,7 +284,11 @@ class Puller:
             raise PullError(what) from e
         finally:
             if partial is not None:
-                await _settle(asyncio.to_thread(self.mirror.discard, partial))
+                checked = self.last_plan.done_bits if self.last_plan is not None else done_bits
+                if keepable and checked:
+                    self._keep(partial, checked)
+                else:
+                    await _settle(asyncio.to_thread(self.mirror.discard, partial))
             if self.last_plan is not None:  # after the commit: peers are served the partial until then
                 self.swarm.finish(self.last_plan)
             await self._release()
@@ -258,8 +298,36 @@ class Puller:
     def _result(self, manifest: Manifest, reused: bool = False) -> PullResult:
         p = self.progress
         return PullResult(version=manifest.version, path=self.mirror.path(manifest.version),
-                          digest=manifest.digest, bytes=0 if reused else p.bytes_done,
+                          digest=manifest.digest, bytes=0 if reused else p.bytes_done - p.bytes_resumed,
                           seconds=p.seconds, retries=p.retries, reused=reused)
+
+    # -- what a pull that did not finish left -----------------------------------------------------------
+    async def _take_kept(self, manifest: Manifest) -> Kept | None:
+        """The kept partial if it is this version's, with this digest, whole and not yet in the
+        mirror; otherwise it is discarded (a pull of another version needs its room)."""
+        kept, self.kept = self.kept, None
+        if kept is None:
+            return None
+        same = (kept.partial.manifest.version == manifest.version and kept.partial.manifest.digest == manifest.digest
+                and not self.mirror.has(manifest.version, manifest.digest))
+        if same and await asyncio.to_thread(_intact, kept.partial):
+            return kept
+        log.info("discard the partial version %d the last try left (%s)", kept.partial.manifest.version,
+                 "not the version pulled now" if not same else "its files changed")
+        await _settle(asyncio.to_thread(self.mirror.discard, kept.partial))
+        return None
+
+    def _keep(self, partial: Partial, checked: int) -> None:
+        self.kept = Kept(partial, checked, _bytes_of(partial.manifest, checked))
+        log.info("keep %d checked chunks (%d bytes) of version %d in %s for the next try",
+                 checked.bit_count(), self.kept.bytes, partial.manifest.version, partial.dir)
+
+    def discard_kept(self) -> None:
+        """Remove what a pull that did not finish kept (at shutdown: the next start would
+        remove it anyway, as it removes every leftover). Not while a pull runs."""
+        kept, self.kept = self.kept, None
+        if kept is not None:
+            self.mirror.discard(kept.partial)
 
     def _set_state(self, new: PullState) -> None:
         p = self.progress
@@ -294,12 +362,13 @@ class Puller:
         return manifest
 
     # -- chunks -----------------------------------------------------------------------------------
-    async def _fetch_all(self, manifest: Manifest, partial: Partial) -> None:
+    async def _fetch_all(self, manifest: Manifest, partial: Partial, done_bits: int) -> None:
         """``streams`` tasks take chunks from the pull's plan (:class:`ChunkPlan`: in file order
         from the origin alone, or from peers and the origin as the tracker says) and hand each
-        to a worker; the lease is renewed meanwhile. The first failure cancels the rest."""
-        plan = self.last_plan = self.swarm.plan(manifest, partial.dir)
-        workers, streams = self._plan(plan.count)
+        to a worker; the lease is renewed meanwhile. The first failure cancels the rest.
+        ``done_bits``: chunks an earlier try checked, not fetched again."""
+        plan = self.last_plan = self.swarm.plan(manifest, partial.dir, done_bits)
+        workers, streams = self._plan(plan.count - done_bits.bit_count())
         if not streams:
             return  # only empty files: they exist at their size already
         failures: dict[int, int] = {}  # chunk -> failed attempts from the origin
@@ -435,10 +504,22 @@ class Puller:
             log.warning("cannot release lease %s on version %d: %s", lease.lease_id, lease.version, _describe(e))
 
 
-def _chunks(manifest: Manifest) -> Iterator[tuple[FileEntry, int]]:
-    for entry in manifest.files:
-        for index in range(len(entry.chunks)):
-            yield entry, index
+def _bytes_of(manifest: Manifest, bits: int) -> int:
+    """Bytes of the chunks ``bits`` names."""
+    total = 0
+    for bit, (entry, index) in enumerate(chunk_index(manifest)):
+        if bits >> bit & 1:
+            start, end = manifest.chunk_span(entry, index)
+            total += end - start
+    return total
+
+
+def _intact(partial: Partial) -> bool:
+    """Every file of the partial directory is still there at its size (nobody removed it)."""
+    try:
+        return all(os.stat(partial.path(e.name)).st_size == e.size for e in partial.manifest.files)
+    except OSError:
+        return False
 
 
 def _first(group: BaseExceptionGroup) -> BaseException:

@@ -80,9 +80,9 @@ class Ledger:
         self._lock = threading.Lock()
         self._partial: PartialView | None = None
 
-    def begin(self, manifest: Manifest, directory: Path) -> None:
+    def begin(self, manifest: Manifest, directory: Path, bits: int = 0) -> None:
         with self._lock:
-            self._partial = PartialView(manifest, directory, 0)
+            self._partial = PartialView(manifest, directory, bits)
 
     def add(self, bit: int) -> None:
         with self._lock:
@@ -124,14 +124,15 @@ class Pick:
 class ChunkPlan:
     def __init__(self, manifest: Manifest, origin: SourceSpec, *, peers: bool = False,
                  make_peer: Callable[[str, str], SourceSpec] | None = None, origin_wait_s: float = 5.0,
-                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None):
+                 clock: Callable[[], float] = time.monotonic, rng: random.Random | None = None,
+                 done_bits: int = 0):
         self.manifest, self.origin = manifest, origin
         self.chunks = chunk_index(manifest)
         self.count = len(self.chunks)
         self.peers_on, self._make_peer = peers, make_peer
         self.origin_wait_s, self._clock = origin_wait_s, clock
         self._rng = rng or random.Random()
-        self.done_bits = 0
+        self.done_bits = done_bits  # checked already (by an earlier try of the same pull): never fetched
         self._inflight = 0
         self._given = 0 if peers else full(self.count)  # chunks to take from the origin
         self._holders: dict[str, tuple[SourceSpec, int]] = {}  # node -> (source, chunk map)
@@ -297,14 +298,15 @@ class Swarm:
         return SourceSpec("s3", manifest.source, read_timeout_s=self.read_timeout_s,
                           store=self.object_store.model_dump_json())
 
-    def plan(self, manifest: Manifest, directory: Path) -> ChunkPlan:
-        """The plan of a pull into ``directory`` (its partial directory), announced from now on."""
+    def plan(self, manifest: Manifest, directory: Path, done_bits: int = 0) -> ChunkPlan:
+        """The plan of a pull into ``directory`` (its partial directory, where the chunks
+        ``done_bits`` are checked already), announced from now on."""
         on = self.settings.enabled
         plan = ChunkPlan(manifest, self.origin(manifest), peers=on, make_peer=self._peer if on else None,
-                         origin_wait_s=self.settings.origin_wait_s)
+                         origin_wait_s=self.settings.origin_wait_s, done_bits=done_bits)
         self._plan = plan
         if on:
-            self.ledger.begin(manifest, directory)
+            self.ledger.begin(manifest, directory, done_bits)
             self._dirty.set()
         return plan
 
