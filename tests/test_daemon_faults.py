@@ -23,6 +23,7 @@ from rolloutd.registry import EmbeddedRegistry
 
 from .cgroup_harness import cgroup_of, delegated_cgroup, inside, label
 from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
+from .registry_proxy import RegistryProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -256,6 +257,39 @@ def test_a_rolling_update_pauses_one_server_at_a_time(daemons, registry):
         most = max(most, len(updating))
     assert most == 1
     assert d.log_text().count("-> UPDATING") == 3
+
+
+# -- pulls cut short -------------------------------------------------------------------------------
+def test_a_version_slower_than_pull_timeout_s_arrives_in_tries_that_take_up_where_the_last_stopped(
+        daemons, registry):
+    """Byte ranges slowed by a fake network path so that a whole pull takes about three times
+    pull.timeout_s: each try is cut at the timeout, keeps the chunks it checked, and the next
+    try fetches only the others, so the version arrives (tries that started over would be cut
+    again and again). Each chunk crosses the path about once; the stop removes what a try kept."""
+    proxy = RegistryProxy(registry.port).start()
+    proxy.byte_delay_s = 0.25  # per range: with 2 streams, 16 rounds of chunks, about 4 s
+    try:
+        d = daemons(registry_url=proxy.url, pull={"timeout_s": 1.5, "workers": 1, "streams": 2})
+        st = d.wait(lambda s: s["servers"][0]["state"] == "SERVING", 90, "SERVING after several tries")
+        version = st["servers"][0]["version"]
+        chunks = sum(len(f.chunks) for f in registry.manifest(version).files)
+        log = d.log_text()
+        tries = log.count("failed: no result within pull.timeout_s=1.5")
+        assert tries >= 2, log[-3000:]
+        assert log.count("checked by the last try") == tries
+        assert st["pull"]["state"] == "done" and st["pull"]["bytes_resumed"] > 0
+        # every chunk once, but for the ranges in flight when a try was cut (2 streams)
+        assert chunks <= proxy.byte_requests <= chunks + 2 * tries, (proxy.byte_requests, chunks, tries)
+
+        # A try cut short, then the stop: nothing of the pull is left behind.
+        d2 = daemons(registry_url=proxy.url, pull={"timeout_s": 1.5, "workers": 1, "streams": 2})
+        wait_until(lambda: "checked by the last try" in d2.log_text(), 60, "a try that resumed")
+        assert d2.stop() == 0
+        mirror = Path(d2.cfg["mirror"]["dir"])
+        assert [p.name for p in mirror.iterdir() if p.name.startswith(".")] == [], list(mirror.iterdir())
+        assert "discard partial version" in d2.log_text()
+    finally:
+        proxy.stop()
 
 
 def test_a_bad_config_on_reload_keeps_the_running_one(daemons):
