@@ -16,7 +16,9 @@ package, e.g. ``git archive <commit> rolloutd | tar -x -C DIR``) right after thi
 the same servers, plugin and registry: the two lines side by side. Besides CPU and RSS, the
 daemon's wake-ups per second while idle (times any of its threads was put on a CPU, from
 ``/proc/<pid>/task/*/schedstat``) say how often it stirs, which costs more than its CPU time
-shows on a machine where each wake-up is expensive.
+shows on a machine where each wake-up is expensive. Then ``--requests`` one-token completions,
+one after another, through the first server's gateway: the daemon's CPU per request relayed,
+and the lines its log gained per request (vLLM's access log reaches the journal through it).
 
 Limits (ratios printed against them): RSS <= 150 MiB; idle CPU <= 0.5 % of one core.
 """
@@ -93,6 +95,21 @@ def wait_serving(admin: str, version: int, n: int, timeout_s: float) -> None:
     raise TimeoutError(f"servers not serving version {version} after {timeout_s} s")
 
 
+def relay(cfg: dict, model: Path, pid: int, log: Path, n: int) -> tuple[float, float]:
+    """``n`` one-token completions through the first server's gateway, one after another: the
+    daemon's CPU seconds and its new log lines, per request."""
+    url = f"http://127.0.0.1:{cfg['servers'][0]['public_port']}/v1/completions"
+    body = {"model": str(model), "prompt": "hello", "max_tokens": 1}
+    with httpx.Client(timeout=30) as client:
+        client.post(url, json=body).raise_for_status()  # the first one warms vLLM up
+        time.sleep(0.5)
+        lines0, c0 = log.read_bytes().count(b"\n"), cpu_s(pid)
+        for _ in range(n):
+            client.post(url, json=body).raise_for_status()
+        time.sleep(0.5)  # the last lines forwarded
+        return (cpu_s(pid) - c0) / max(n, 1), (log.read_bytes().count(b"\n") - lines0) / max(n, 1)
+
+
 def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str) -> dict:
     """One daemon (its package imported from ``daemon_root``) with its servers: idle, then updates."""
     vllm = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -126,6 +143,7 @@ def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str)
             idle = (cpu_s(daemon.pid) - c0) / elapsed
             idle_wakeups = (wakeups(daemon.pid) - w0) / elapsed
             rss_idle, _ = rss_mib(daemon.pid)
+            per_request, lines_per_request = relay(cfg, model, daemon.pid, run_dir / "rolloutd.log", args.requests)
             c0 = cpu_s(daemon.pid)
             for v in range(2, 2 + args.updates):
                 reg.publish(v, tinymodel.state_dict(tinymodel.TINY, v), shard_bytes=600_000, chunk_bytes=1 << 16)
@@ -141,12 +159,15 @@ def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str)
               "rss_idle_mib": round(rss_idle, 1),
               "rss_after_updates_mib": round(rss_now, 1), "rss_peak_mib": round(rss_peak, 1),
               "rss_peak_vs_limit": round(rss_peak / RSS_LIMIT_MIB, 3), "updates": args.updates,
+              "requests": args.requests, "daemon_cpu_ms_per_request": round(per_request * 1000, 3),
+              "log_lines_per_request": round(lines_per_request, 2),
               "daemon_cpu_s_per_update": round(per_update, 4)}
     print(f"{label}: daemon idle CPU {idle * 100:.3f} % of a core (limit {IDLE_CPU_LIMIT * 100:.1f} %: ratio "
           f"{result['idle_cpu_vs_limit']}), {idle_wakeups:.1f} wake-ups/s; RSS {rss_idle:.1f} MiB idle, "
           f"{rss_now:.1f} MiB after {args.updates} updates, peak {rss_peak:.1f} MiB (limit {RSS_LIMIT_MIB:.0f} MiB: "
           f"ratio {result['rss_peak_vs_limit']}); {per_update * 1000:.1f} ms of daemon CPU per update of "
-          f"{args.servers} server(s)", flush=True)
+          f"{args.servers} server(s); {per_request * 1000:.2f} ms of daemon CPU and {lines_per_request:.2f} log "
+          f"lines per relayed request", flush=True)
     return result
 
 
@@ -155,6 +176,7 @@ def main() -> int:
     ap.add_argument("--servers", type=int, default=1)
     ap.add_argument("--idle-s", type=float, default=60)
     ap.add_argument("--updates", type=int, default=10)
+    ap.add_argument("--requests", type=int, default=300, help="one-token completions relayed after the idle time")
     ap.add_argument("--ref-repo", type=Path, default=None,
                     help="a directory holding another build's rolloutd/ package: its daemon measured after this one")
     args = ap.parse_args()

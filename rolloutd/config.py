@@ -428,6 +428,14 @@ class Vllm(_Section):
                              "--weight-transfer-config, --enable-scale-out: rolloutd sets those)")
     env: Env = Field({}, description="extra environment variables for every server (not "
                                  "CUDA_VISIBLE_DEVICES, VLLM_SERVER_DEV_MODE)")
+    log_every_request: bool = Field(False, description="vLLM's access-log line for every request it answers "
+                                    "(generation, health probes, metrics); false: only the other routes, such "
+                                    "as the pause and weight routes rolloutd calls, are logged. At a fleet's "
+                                    "request rates a line per request would flood the journal, whose limit per "
+                                    "service (10,000 lines in 30 s by default) then drops the daemon's own "
+                                    "lines too; the gateway counts requests in rolloutd_gateway_requests_total. "
+                                    "Access-log flags in vllm.args or a server's args (--disable-uvicorn-"
+                                    "access-log, --disable-access-log-for-endpoints, --log-config-file) win")
 
 
 class Server(_Section):

@@ -178,6 +178,12 @@ def test_servers_follow_versions_pulled_once_per_node(node):
         assert r["endpoint"] == f"http://node-a.test:{s['public_port']}" == s["endpoint"]  # the gateway's
         assert set(s["last_update"]["phases_s"]) >= {"pause", "start", "load", "finish", "check", "resume", "paused"}
     assert st["target"]["version"] == 3 and st["mirror"]["versions"][-1] == 3
+    # vLLM's access log reaches the journal through the daemon: the weight routes' lines, never a
+    # line per generation request or health probe (vllm.log_every_request is false by default)
+    log = node.daemon.log_text()
+    assert re.search(r'gpu0\[\d+\]: INFO: .*"POST /start_weight_update HTTP/1\.1" 200', log)
+    assert re.search(r'gpu1\[\d+\]: INFO: .*"POST /finish_weight_update HTTP/1\.1" 200', log)
+    assert not re.search(r'"(GET|POST) /(health|v1/completions|v1/chat/completions|inference/v1/generate)[ ?]', log)
 
 
 def test_heartbeats_keep_arriving_during_a_slow_pull(node):

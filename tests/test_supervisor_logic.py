@@ -23,7 +23,7 @@ from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.updater import Target
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.states import ARROWS, ServerState
-from rolloutd.supervise.supervisor import Supervisor
+from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv
 
 from .fake_time import run
 from .supervisor_fakes import UPDATE_ROUTES, Arrows, FakeUpdater, FakeVllm, config, mirror_version, now
@@ -655,3 +655,25 @@ def test_a_reload_changes_the_probes_and_backoff_of_a_running_server_without_res
     assert a.times(S.BACKOFF)[0] - failed_at <= 2.0, "health.failures=1 at the new 2 s interval"
     assert rig.sup.last_error == "/health failed 1 times in a row"
     assert gaps(a.times(S.BACKOFF), a.times(S.STARTING)[1:]) == [7.0], "the new restart.backoff_initial_s"
+
+
+def test_vllm_logs_no_line_per_request_unless_asked_and_the_operators_own_flags_win():
+    """The command line a server starts with: vLLM's access log leaves out the routes answered once
+    per generation request, probe or scrape; vllm.log_every_request keeps them all; an access-log
+    flag of the operator's own (vllm.args or the server's args) is left alone."""
+    quiet = ["--disable-access-log-for-endpoints", ",".join(QUIET_ROUTES)]
+
+    def argv(**sections) -> list[str]:
+        cfg = config(**sections)
+        return child_argv(cfg, cfg.servers[0])
+
+    default = argv()
+    assert default[:2] == ["fake-vllm", "serve"] and default[-2:] == quiet
+    assert {"/health", "/v1/completions", "/v1/chat/completions", "/inference/v1/generate"} <= set(QUIET_ROUTES)
+    assert not {"/pause", "/resume", "/start_weight_update", "/update_weights"} & set(QUIET_ROUTES)
+    assert "--disable-access-log-for-endpoints" not in argv(vllm={"log_every_request": True})
+    own = argv(vllm={"args": ["--disable-uvicorn-access-log"]})
+    assert own[-1] == "--disable-uvicorn-access-log" and "--disable-access-log-for-endpoints" not in own
+    servers = [{"name": "s0", "model": "m", "public_port": 9001, "args": ["--disable-access-log-for-endpoints=/x"]}]
+    assert argv(servers=servers).count("--disable-access-log-for-endpoints=/x") == 1
+    assert "--disable-access-log-for-endpoints" not in argv(servers=servers)

@@ -61,10 +61,23 @@ class ServerFailed(Exception):
     pass
 
 
+# Routes left out of vLLM's access log unless vllm.log_every_request: the ones answered once per
+# generation request, probe or scrape (vLLM's filter matches whole paths). Every line of it would
+# reach the journal through the daemon, which also spent its loop's time forwarding it.
+QUIET_ROUTES = ("/health", "/ping", "/metrics", "/load", "/version", "/v1/models", "/v1/completions",
+                "/v1/chat/completions", "/v1/responses", "/v1/embeddings", "/inference/v1/generate",
+                "/tokenize", "/detokenize", "/v1/score", "/v1/rerank", "/rerank", "/score", "/pooling",
+                "/classify")
+_ACCESS_LOG_FLAGS = ("--disable-uvicorn-access-log", "--disable-access-log-for-endpoints", "--log-config-file")
+
+
 def child_argv(cfg: Config, server: ServerConfig) -> list[str]:
+    extra = [*cfg.vllm.args, *server.args]
+    quiet = [] if cfg.vllm.log_every_request or any(a.split("=", 1)[0] in _ACCESS_LOG_FLAGS for a in extra) else [
+        "--disable-access-log-for-endpoints", ",".join(QUIET_ROUTES)]
     return [*cfg.vllm.command, server.model, "--uds", str(cfg.socket_path(server.name)),
             "--weight-transfer-config", json.dumps({"backend": "rolloutd"}), "--enable-scale-out",
-            *cfg.vllm.args, *server.args]
+            *quiet, *extra]
 
 
 def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dict[str, str] | None = None) -> dict:
