@@ -276,7 +276,8 @@ def test_a_version_slower_than_pull_timeout_s_arrives_in_tries_that_take_up_wher
         log = d.log_text()
         tries = log.count("failed: no result within pull.timeout_s=1.5")
         assert tries >= 2, log[-3000:]
-        assert log.count("checked by the last try") == tries
+        # every try after a cut one takes up its chunks (the first try may be cut before it checked any)
+        assert tries - 1 <= log.count("checked by the last try") <= tries
         assert st["pull"]["state"] == "done" and st["pull"]["bytes_resumed"] > 0
         # every chunk once, but for the ranges in flight when a try was cut (2 streams)
         assert chunks <= proxy.byte_requests <= chunks + 2 * tries, (proxy.byte_requests, chunks, tries)
