@@ -60,7 +60,7 @@ from rolloutd.rollout.fetch_pool import ChunkCorrupt, ChunkJob, FetchPool, Worke
 from rolloutd.rollout.mirror import Mirror, Partial
 from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings
 from rolloutd.wire import errors
-from rolloutd.wire.chunkmap import chunk_index
+from rolloutd.wire.chunkmap import chunk_index, ones
 from rolloutd.wire.manifest import Manifest, ManifestError
 from rolloutd.wire.messages import LeaseInfo
 
@@ -506,12 +506,8 @@ class Puller:
 
 def _bytes_of(manifest: Manifest, bits: int) -> int:
     """Bytes of the chunks ``bits`` names."""
-    total = 0
-    for bit, (entry, index) in enumerate(chunk_index(manifest)):
-        if bits >> bit & 1:
-            start, end = manifest.chunk_span(entry, index)
-            total += end - start
-    return total
+    every = chunk_index(manifest)
+    return sum(end - start for start, end in (manifest.chunk_span(*every[bit]) for bit in ones(bits)))
 
 
 def _intact(partial: Partial) -> bool:
