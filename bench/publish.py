@@ -18,6 +18,12 @@ own process (``PUT /v1/replicas/{id}`` every ``--beat-ms``, each timed) while th
   (another build, e.g. before a change: ``git archive <commit> rolloutd vllm_plugin | tar -x -C
   DIR``), trainer and registry alike.
 
+``--steps N``: each trainer process does it N times in a row, as a trainer publishes once per
+training step into a registry that keeps running (versions 1..N; the registry keeps its newest
+three, so from the fourth on it frees one version for each it receives); the time reported is
+the last step's. The first step is the first use of a fresh process's memory, which on a
+virtual machine that hands freed memory back to its host costs more than the copy itself.
+
 Modes run ``--repeats`` times, interleaved. Reported per mode: median seconds, seconds / memcpy
 seconds (goal: publish <= 2x), and heartbeat latency p50 / p99 / max while the trainer worked
 (goal: every heartbeat answered within its 2 s timeout). The last stdout line is one JSON
@@ -68,7 +74,7 @@ def state_dict(gib: float) -> dict:
     return sd
 
 
-def child(mode: str, gib: float, tmp_dir: Path, registry_url: str | None) -> None:
+def child(mode: str, gib: float, tmp_dir: Path, registry_url: str | None, steps: int = 1) -> None:
     import tempfile
 
     import torch
@@ -86,18 +92,20 @@ def child(mode: str, gib: float, tmp_dir: Path, registry_url: str | None) -> Non
         try:
             print(json.dumps({"port": port, "bytes": nbytes}), flush=True)
             sys.stdin.readline()  # the heartbeats are going
-            t0 = time.perf_counter()
-            out: dict = {}
-            if mode == "memcpy":
-                copies = [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in sd.values()]
-                del copies
-            elif mode == "async":
-                handle = reg.publish_async(1, sd)
-                out["returned_s"] = round(time.perf_counter() - t0, 4)
-                handle.wait()
-            else:
-                reg.publish(1, sd)
-            out["seconds"] = round(time.perf_counter() - t0, 4)
+            out: dict = {"seconds_each": []}
+            for version in range(1, steps + 1):
+                t0 = time.perf_counter()
+                if mode == "memcpy":
+                    copies = [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in sd.values()]
+                    del copies
+                elif mode == "async":
+                    handle = reg.publish_async(version, sd)
+                    out["returned_s"] = round(time.perf_counter() - t0, 4)
+                    handle.wait()
+                else:
+                    reg.publish(version, sd)
+                out["seconds_each"].append(round(time.perf_counter() - t0, 4))
+            out["seconds"] = out["seconds_each"][-1]
             print(json.dumps(out), flush=True)
         finally:
             (reg.close if mode == "http" else reg.stop)()
@@ -163,7 +171,7 @@ def one_run(mode: str, args: argparse.Namespace) -> dict:
     kind = mode.removesuffix("-ref")
     registry, url = start_registry(env) if kind == "http" else (None, None)
     argv = [sys.executable, str(BENCH / "publish.py"), "--child", kind, "--gib", str(args.gib),
-            "--tmp-dir", str(args.tmp_dir), *(["--registry-url", url] if url else [])]
+            "--steps", str(args.steps), "--tmp-dir", str(args.tmp_dir), *(["--registry-url", url] if url else [])]
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd="/")
     try:
         hello = json.loads(proc.stdout.readline())
@@ -195,6 +203,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--gib", type=float, default=2.0, help="size of the state dict")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=1, help="publishes (copies) per trainer process; the last is timed")
     p.add_argument("--modes", default="memcpy,publish,publish-disk,async,http",
                    help=f"comma list of {', '.join(MODES)}")
     p.add_argument("--ref-repo", type=Path, help="a directory holding another build's rolloutd/: adds publish-ref")
@@ -205,7 +214,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=RESULTS / "publish.json")
     args = p.parse_args()
     if args.child:
-        child(args.child, args.gib, args.tmp_dir, args.registry_url)
+        child(args.child, args.gib, args.tmp_dir, args.registry_url, args.steps)
         return 0
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     if args.ref_repo:
@@ -236,11 +245,13 @@ def main() -> int:
         if "returned_s" in rs[0]:
             summary[mode]["returned_s"] = statistics.median(r["returned_s"] for r in rs)
             summary[mode]["returned_to_memcpy"] = round(summary[mode]["returned_s"] / base, 2) if base else None
-    report = {"gib": args.gib, "repeats": args.repeats, "beat_ms": args.beat_ms, "loadavg_before": load0,
+    report = {"gib": args.gib, "repeats": args.repeats, "steps": args.steps, "beat_ms": args.beat_ms,
+              "loadavg_before": load0,
               "loadavg_after": Path("/proc/loadavg").read_text().split()[:3], "runs": runs, "summary": summary}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
-    print(f"\n{args.gib:g} GiB state dict, median of {args.repeats} (load average {' '.join(load0)})")
+    print(f"\n{args.gib:g} GiB state dict, step {args.steps} of each process, median of {args.repeats} "
+          f"(load average {' '.join(load0)})")
     print("| mode | seconds | × memcpy | GB/s | heartbeat p99 | max | over 2 s |")
     print("|---|---|---|---|---|---|---|")
     for mode, s in summary.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import re
 import socket
@@ -400,6 +401,123 @@ def test_wrong_manifest_digest_is_refused(registry, http, tmp_path):
     body["digest"] = "0" * 64
     r = http.post("/v1/versions", json=body)
     assert r.status_code == 422 and code(r) == "manifest_digest_mismatch"
+
+
+def metric(http: httpx.Client, name: str) -> float:
+    return float(re.search(rf"^{name} (\S+)$", http.get("/metrics").text, re.M).group(1))
+
+
+def raw_put(port: int, head: str, body_parts, pause_s: float = 0.0) -> tuple[int, dict, bytes]:
+    """A PUT sent by hand, its body in parts (a pause after each); the final reply's status and
+    JSON body (status 0: the connection ended without a reply), and all that came back."""
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(head.encode())
+        for part in body_parts:
+            s.sendall(part)
+            time.sleep(pause_s)
+        reply = b""
+        while chunk := s.recv(65536):
+            reply += chunk
+    final = reply.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")
+    if not final:
+        return 0, {}, reply
+    return int(final.split()[1]), json.loads(final.partition(b"\r\n\r\n")[2] or b"null"), reply
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_a_large_upload_is_read_straight_from_the_socket_and_its_connection_closes(tmp_path, store):
+    """A body of 1 MiB or more is read from the socket past uvicorn's buffers (counted by
+    ``rolloutd_registry_direct_uploads_total``: the installed uvicorn takes the path), whole and
+    in order, including what arrived with the head and a ``100-continue``; the connection then
+    closes; a smaller body keeps its connection. The published bytes are read back."""
+    data = {"a.safetensors": os.urandom(3 << 20), "b.safetensors": os.urandom((1 << 20) + 7),
+            "c.safetensors": os.urandom(200_000)}
+    data_dir = tmp_path / "data" if store == "disk" else None
+    with EmbeddedRegistry(port=0, data_dir=data_dir) as reg, httpx.Client(base_url=reg.url, timeout=30) as http:
+        r = http.put("/v1/uploads/1/files/a.safetensors", content=data["a.safetensors"])
+        assert r.status_code == 201 and r.json()["size"] == 3 << 20 and r.headers["connection"] == "close"
+        b = data["b.safetensors"]
+        status, body, reply = raw_put(reg.port, f"PUT /v1/uploads/1/files/b.safetensors HTTP/1.1\r\nHost: x\r\n"
+                                                f"Content-Length: {len(b)}\r\nExpect: 100-continue\r\n\r\n",
+                                      [b[:5000], b[5000:700_000], b[700_000:]], pause_s=0.05)
+        assert status == 201 and body["size"] == len(b) and reply.startswith(b"HTTP/1.1 100 Continue"), reply
+        r = http.put("/v1/uploads/1/files/c.safetensors", content=data["c.safetensors"])
+        assert r.status_code == 201 and "connection" not in r.headers
+        assert metric(http, "rolloutd_registry_direct_uploads_total") == 2
+        src = tmp_path / "src"
+        src.mkdir()
+        for name, content in data.items():
+            (src / name).write_bytes(content)
+        m = build_manifest(1, sorted(src.glob("*.safetensors")), chunk_bytes=1 << 20)
+        r = http.post("/v1/versions", content=m.model_dump_json())
+        assert r.status_code == 201, r.text
+        for name, content in data.items():
+            assert http.get(f"/v1/versions/1/files/{name}").content == content, name
+
+
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_a_large_upload_cut_silent_or_failing_ends_with_a_reply_and_leaves_nothing(tmp_path, store, monkeypatch,
+                                                                                   caplog):
+    """Read straight from the socket, a body that stops early (the client closes), goes silent
+    for ``STALL_S``, or cannot be written (a fake store write that fails) ends in an error reply
+    where the client still listens, not a reset; nothing is staged; no descriptor of the
+    connection or the store is left open; the same upload then works."""
+    from rolloutd.registry.server import direct
+    monkeypatch.setattr(direct, "STALL_S", 0.5)
+    caplog.set_level(logging.WARNING)
+    size = 4 << 20
+    data = os.urandom(size)
+    head = f"PUT /v1/uploads/1/files/model.safetensors HTTP/1.1\r\nHost: x\r\nContent-Length: {size}\r\n\r\n"
+    data_dir = tmp_path / "data" if store == "disk" else None
+    with EmbeddedRegistry(port=0, data_dir=data_dir) as reg, httpx.Client(base_url=reg.url, timeout=30) as http:
+        fds = open_fds()
+        # silent after 2 MiB: the registry stops waiting and says why
+        t0 = time.monotonic()
+        status, body, _ = raw_put(reg.port, head, [data[:2 << 20]])
+        assert status == 409 and body["error"]["code"] == "upload_incomplete", body
+        assert "no bytes for 0.5 s" in body["error"]["message"] and time.monotonic() - t0 < 10
+        # closed halfway: aborted
+        before = sum("abort upload" in r.getMessage() for r in caplog.records)
+        with socket.create_connection(("127.0.0.1", reg.port)) as s:
+            s.sendall(head.encode() + data[:3 << 20])
+        wait_for(lambda: sum("abort upload" in r.getMessage() for r in caplog.records) > before)
+        # the store fails after the first piece: the client, still sending, gets the error
+        probe = reg.service.blobs.upload(2, "x.safetensors", 1)
+        probe.abort()
+        real = type(probe)
+        calls = []
+
+        def failing_write(self, pieces):
+            calls.append(len(pieces))
+            if len(calls) > 1:
+                raise OSError(28, "No space left on device (a fake)")
+            return real_write(self, pieces)
+        real_write = real.write
+        monkeypatch.setattr(real, "write", failing_write)
+        status, body, _ = raw_put(reg.port, head, [data[i:i + (1 << 20)] for i in range(0, size, 1 << 20)])
+        assert status == 500 and body["error"]["code"] == "internal", body
+        monkeypatch.setattr(real, "write", real_write)
+        assert reg.service.blobs.staged_sizes(1) == {}
+        assert data_dir is None or [p for p in (data_dir / "staging").rglob("*") if p.is_file()] == []
+        wait_for(lambda: open_fds() <= fds, what=lambda: open_fds() - fds)
+        r = http.put("/v1/uploads/1/files/model.safetensors", content=data)
+        assert r.status_code == 201 and reg.service.blobs.read_staged(1, "model.safetensors", 0, size) == data
+
+
+def wait_for(cond, timeout_s: float = 10.0, what=lambda: "") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out {what()}"
+        time.sleep(0.02)
+
+
+def open_fds() -> set[str]:
+    """What this process's descriptors are open on."""
+    found = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found.add(f"{fd}:{os.readlink(f'/proc/self/fd/{fd}')}")
+    return found
 
 
 @pytest.mark.parametrize("store", ["memory", "disk"])

@@ -21,7 +21,7 @@ def reclaimed():
 
 @pytest.fixture
 def store(clock, reclaimed):
-    return Store(keep_versions=2, clock=clock, reclaim=reclaimed.append, replica_forget_after_s=100)
+    return Store(keep_versions=2, clock=clock, reclaim=lambda v, blobs: reclaimed.append(v), replica_forget_after_s=100)
 
 
 def publish(store, v, payload=b"x"):

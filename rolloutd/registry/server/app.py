@@ -8,7 +8,6 @@ records metrics, cheaply enough for thousands of heartbeats a second.
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +21,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from rolloutd.registry.server.blobs import Blob, stream_range
+from rolloutd.registry.server import direct
+from rolloutd.registry.server.blobs import Blob, Upload, stream_range
 from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
 from rolloutd.registry.server.service import RegistryService
 from rolloutd.registry.server.ui import add_ui_routes
@@ -236,10 +236,41 @@ async def _counted(blob: Blob, start: int, end: int, service: RegistryService) -
 
 
 async def _receive_upload(request: Request, service: RegistryService, version: int, name: str) -> int:
-    """Stream the body into a staged file; a cut-off or refused body leaves nothing behind.
-    Each batch is written on a thread while the next arrives (one write in flight, in order)."""
+    """The body into a staged file; a cut-off or refused body leaves nothing behind."""
     declared = request.headers.get("content-length")
-    up = service.blobs.upload(version, name, int(declared) if declared is not None else None)
+    size = int(declared) if declared is not None else None
+    up = service.blobs.upload(version, name, size)
+    conn = request.scope.get(direct.SCOPE_KEY)
+    syncing: asyncio.Future | None = None
+    try:
+        if conn is not None and size is not None and size >= direct.RECEIVE_BYTES:
+            await direct.receive_body(conn, size, up.write)
+            service.metrics.direct_uploads.inc()
+        else:
+            await _stream_body(request, up)
+        syncing = _off_loop(up.sync)
+        await asyncio.shield(syncing)
+        size = service.finish_upload(version, name, up)
+    except BaseException as e:
+        if syncing is not None:  # the thread must be done with the file before it goes
+            await asyncio.wait([syncing])
+        up.abort()
+        if isinstance(e, ClientDisconnect):
+            log.warning("abort upload of version %d file %s: the client disconnected", version, name)
+            return 0
+        if isinstance(e, direct.ClientGone):  # closed, or silent: if it still listens, it learns why
+            log.warning("abort upload of version %d file %s: %s", version, name, e)
+            raise errors.UploadIncomplete(f"{name}: {e}; upload it again") from None
+        raise
+    service.metrics.bytes_uploaded.inc(size)
+    log.info("receive version %d file %s (%d bytes)", version, name, size)
+    return size
+
+
+async def _stream_body(request: Request, up: Upload) -> None:
+    """The body through uvicorn's buffers (a small or chunked one, or another server): each
+    batch is written on a thread while the next arrives (one write in flight, in order); it
+    returns, or raises, only once no thread is writing."""
     pieces: list[bytes] = []  # written as they came: no copy to join them
     held = 0
     writing: asyncio.Future | None = None
@@ -254,23 +285,14 @@ async def _receive_upload(request: Request, service: RegistryService, version: i
                 pieces, held = [], 0
         if writing is not None:
             await asyncio.shield(writing)
-        for step in (functools.partial(up.write, pieces), up.sync):
-            writing = _off_loop(step)
-            await asyncio.shield(writing)
-        size = service.finish_upload(version, name, up)
-    except BaseException as e:
+        writing = _off_loop(up.write, pieces)
+        await asyncio.shield(writing)
+    except BaseException:
         if writing is not None:  # the thread must be done with the file before it goes
             await asyncio.wait([writing])
             if not writing.cancelled():
-                writing.exception()  # seen: its own error, if any, goes with this one
-        up.abort()
-        if not isinstance(e, ClientDisconnect):
-            raise
-        log.warning("abort upload of version %d file %s: the client disconnected", version, name)
-        return 0
-    service.metrics.bytes_uploaded.inc(size)
-    log.info("receive version %d file %s (%d bytes)", version, name, size)
-    return size
+                writing.exception()  # seen: its own error, if any, goes with the one raised
+        raise
 
 
 def _off_loop(fn, *args) -> asyncio.Future:

@@ -1,5 +1,6 @@
 """The guard in front of the registry's routes: bearer token, body limits, metrics, and two
-fast paths: heartbeats, and a disk store's bytes sent with sendfile. Pure ASGI, so that it
+fast paths: heartbeats, and version bytes moved past uvicorn's buffers (a disk store's bytes
+sent with sendfile, upload bodies read from the socket: :mod:`.direct`). Pure ASGI, so that it
 costs next to nothing per request.
 """
 
@@ -14,7 +15,7 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from rolloutd.registry.server import sendfile
+from rolloutd.registry.server import direct
 from rolloutd.registry.server.blobs import DiskBlob
 from rolloutd.registry.server.service import RegistryService
 from rolloutd.registry.server.ui import is_public
@@ -70,10 +71,13 @@ class Guard:
         elif _is_heartbeat(scope):
             handler = self._heartbeat
         elif scope["method"] == "GET" and (blob := self._disk_blob(scope)) is not None and (
-                conn := sendfile.connection(send)) is not None:
+                conn := direct.connection(send)) is not None:
             async def handler(scope, receive, send):
                 await self._send_file(scope, receive, send, blob, conn)
         else:
+            if scope["method"] == "PUT" and path.startswith("/v1/uploads/") and (
+                    conn := direct.connection(send)) is not None and direct.can_receive(conn):
+                scope[direct.SCOPE_KEY] = conn  # the upload route reads a large body itself
             handler = self.app
         start = time.perf_counter()
         try:
@@ -116,7 +120,7 @@ class Guard:
         blob = v.blobs.get(m.group(2)) if v.manifest.file(m.group(2)) is not None else None
         return (blob, f'"{v.manifest.digest}-{m.group(2)}"') if isinstance(blob, DiskBlob) else None
 
-    async def _send_file(self, scope, receive, send, found: tuple[DiskBlob, str], conn: sendfile.Connection) -> None:
+    async def _send_file(self, scope, receive, send, found: tuple[DiskBlob, str], conn: direct.Connection) -> None:
         """The route's answer, with the body sent by the kernel (``sendfile``); a range the
         route would refuse, or a file reclaimed just now, goes to the route after all."""
         blob, etag = found
@@ -134,9 +138,9 @@ class Guard:
                 headers.append((b"content-range", f"bytes {start}-{end - 1}/{blob.size}".encode()))
             await send({"type": "http.response.start", "status": 206 if span else 200, "headers": headers})
             self.service.metrics.sendfile_responses.inc()
-            sent = await sendfile.send_range(conn, send, fd, start, end)
+            sent = await direct.send_range(conn, send, fd, start, end)
             self.service.metrics.bytes_served.inc(sent)
-        except sendfile.SendfileError as e:
+        except direct.SendfileError as e:
             log.info("abandon sending %s: %s (the client left or stalled)", scope["path"], e)
         finally:
             os.close(fd)

@@ -43,6 +43,8 @@ class Metrics:
         self.sendfile_responses = Counter("rolloutd_registry_sendfile_responses", "File responses whose bytes "
                                           "the kernel sent from a disk store (sendfile)", registry=r)
         self.bytes_uploaded = Counter("rolloutd_registry_uploaded_bytes", "File bytes received", registry=r)
+        self.direct_uploads = Counter("rolloutd_registry_direct_uploads", "Upload bodies read straight from the "
+                                      "socket into the store, past the HTTP server's buffers", registry=r)
         self.publishes = Counter("rolloutd_registry_publishes", "Versions published", registry=r)
         self.heartbeats = Counter("rolloutd_registry_heartbeats", "Heartbeats received", registry=r)
         self.latest = Gauge("rolloutd_registry_latest_version", "Newest live version (0: none)", registry=r)
@@ -112,8 +114,8 @@ class RegistryService:
             self._changed.set()
             self._changed = None
 
-    def _reclaim(self, version: int) -> None:
-        self.blobs.reclaim(version)
+    def _reclaim(self, version: int, blobs: dict) -> None:
+        self.blobs.reclaim(version, blobs)
         self.tracker.forget_version(version)  # no puller is sent to a peer for bytes nobody may keep
 
     def announce(self, node: str, body: bytes) -> dict:

@@ -90,7 +90,7 @@ class Replica:
 class Store:
     def __init__(self, *, keep_versions: int = 3, clock: Callable[[], float] = time.monotonic,
                  max_lease_ttl_s: float = 3600.0, replica_forget_after_s: float = 3600.0,
-                 reclaim: Callable[[int], None] = lambda v: None):
+                 reclaim: Callable[[int, dict], None] = lambda v, blobs: None):
         if keep_versions < 2:
             raise ValueError("keep_versions must be at least 2")
         self.instance = secrets.token_hex(8)
@@ -187,8 +187,8 @@ class Store:
         self._set_state(version, VersionState.RECLAIMED, "no lease left")
         del self._versions[version.number]
         self._reclaimed.add(version.number)
-        version.blobs = {}
-        self._reclaim_bytes(version.number)
+        blobs, version.blobs = version.blobs, {}
+        self._reclaim_bytes(version.number, blobs)  # the byte store lets go of them
 
     def _set_state(self, version: Version, new: VersionState, why: str) -> None:
         if new not in _ARROWS[version.state]:

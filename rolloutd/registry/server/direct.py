@@ -1,0 +1,215 @@
+"""Version bytes between a store and a connection's socket, past uvicorn's buffers.
+
+ASGI has no zero-copy path that uvicorn implements (neither ``http.response.pathsend`` nor
+``zerocopysend``), and every byte of a request body passes through four buffers of uvicorn's
+before a route sees it. So, on a connection of uvicorn's httptools protocol:
+
+- **Out**: the guard answers ``GET /v1/versions/{v}/files/{name}`` of a disk blob itself: the
+  status line and headers go through uvicorn as usual, then a worker thread sends the byte
+  range with ``os.sendfile`` on a duplicate of the connection's socket, and the response is
+  completed through uvicorn again. The event loop never touches the bytes, never waits on the
+  disk, and a slow client holds a thread, not the loop.
+- **In**: an upload's body (``PUT /v1/uploads/...`` with a Content-Length of at least
+  ``RECEIVE_BYTES``) is read by a worker thread straight from a duplicate of the socket into
+  one reused buffer, and written from there into the upload's file: one copy out of the
+  kernel and one into the store. uvicorn stops reading the connection first and hands over
+  what it had read of the body; as its parser never sees the rest, the connection closes
+  after the response (the client opens another for its next request).
+
+Contract:
+
+- :func:`connection` finds the connection behind an ASGI ``send``: only uvicorn's httptools
+  protocol, whose requests and responses this module knows how to take over; anything else
+  (another server, uvicorn's h11 protocol) is None and the caller moves the bytes the ordinary
+  way. A test checks that the installed uvicorn takes these paths, so an upgrade that changes
+  them fails loudly.
+- :func:`send_range` sends ``[start, end)`` of an open file after the response head was sent.
+- :func:`receive_body` reads the declared body before any response is sent.
+- The socket is duplicated first: if the client goes away and uvicorn closes its descriptor,
+  the number is never reused under the thread. A client silent for ``STALL_S`` is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import select
+import socket
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+# One thread per response being sent or body being received; each spends its time in system
+# calls or waiting for the client, without the interpreter lock.
+_SENDERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="registry-sendfile")
+_RECEIVERS = ThreadPoolExecutor(max_workers=64, thread_name_prefix="registry-receive")
+SEND_BYTES = 16 << 20  # one sendfile call: at most this much, so progress is seen in steps
+# Bodies from this size up are received directly (smaller ones keep their kept-alive
+# connection), in pieces of this size: one reused buffer, written to the store per piece.
+RECEIVE_BYTES = 1 << 20
+STALL_S = 60.0  # a client silent this long, while sending or receiving bytes, is dropped
+SCOPE_KEY = "rolloutd.connection"  # where the guard leaves an upload's connection for its route
+# What receive_body needs of uvicorn's request cycle besides what send_range needs.
+_CYCLE_FIELDS = ("body", "more_body", "flow", "keep_alive", "waiting_for_100_continue")
+
+
+@dataclass
+class Connection:
+    cycle: object       # uvicorn.protocols.http.httptools_impl.RequestResponseCycle
+    transport: asyncio.Transport
+
+
+def connection(send) -> Connection | None:
+    cycle = getattr(send, "__self__", None)
+    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or not hasattr(
+            cycle, "expected_content_length"):
+        return None
+    transport = getattr(cycle, "transport", None)
+    if transport is None or transport.get_extra_info("socket") is None:
+        return None
+    return Connection(cycle, transport)
+
+
+def can_receive(conn: Connection) -> bool:
+    return all(hasattr(conn.cycle, f) for f in _CYCLE_FIELDS) and hasattr(conn.cycle.flow, "pause_reading")
+
+
+class SendfileError(Exception):
+    """The range could not be sent whole (the client left, or stalled)."""
+
+
+async def send_range(conn: Connection, send, fd: int, start: int, end: int, stall_s: float | None = None) -> int:
+    """Send bytes [start, end) of ``fd`` on the connection, after the head went out through
+    ``send``; then complete the response through ``send``. Returns the bytes sent; raises
+    :class:`SendfileError` after closing the connection if they could not all be sent."""
+    for _ in range(1000):  # the head must be on the wire first (uvloop writes it at once, normally)
+        if conn.transport.get_write_buffer_size() == 0 or conn.transport.is_closing():
+            break
+        await asyncio.sleep(0.001)
+    raw = conn.transport.get_extra_info("socket")
+    dup = socket.socket(raw.family, raw.type, fileno=os.dup(raw.fileno()))  # the same connection, our descriptor
+    try:
+        sent = await asyncio.get_running_loop().run_in_executor(_SENDERS, _sendfile, dup, fd, start, end,
+                                                                STALL_S if stall_s is None else stall_s)
+    finally:
+        dup.close()
+    if sent != end - start:
+        conn.transport.close()
+        raise SendfileError(f"sent {sent} of {end - start} bytes")
+    # uvicorn counts the body bytes it was given against Content-Length: count these too.
+    conn.cycle.expected_content_length -= sent
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return sent
+
+
+def _sendfile(sock: socket.socket, fd: int, start: int, end: int, stall_s: float) -> int:
+    """Blocking: sendfile on a non-blocking socket, waiting for room with poll. The socket is
+    corked meanwhile (nginx's ``tcp_nopush``): only full segments go out until the last."""
+    poll = select.poll()
+    poll.register(sock.fileno(), select.POLLOUT)
+    offset = start
+    cork = _cork(sock, True)
+    try:
+        while offset < end:
+            try:
+                n = os.sendfile(sock.fileno(), fd, offset, min(SEND_BYTES, end - offset))
+            except BlockingIOError:
+                if not poll.poll(int(stall_s * 1000)):
+                    break  # the client stopped reading
+                continue
+            except OSError:  # the client went away (EPIPE, ECONNRESET)
+                break
+            if n == 0:
+                break  # the file is shorter than it should be
+            offset += n
+    finally:
+        if cork:
+            _cork(sock, False)  # uncorking sends what is left at once
+    return offset - start
+
+
+def _cork(sock: socket.socket, on: bool) -> bool:
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CORK, 1 if on else 0)
+    except OSError:  # not TCP
+        return False
+    return True
+
+
+class ClientGone(Exception):
+    """The body stopped before its declared end (the client closed, or went silent)."""
+
+
+async def receive_body(conn: Connection, length: int, write: Callable[[Sequence[bytes]], None],
+                       stall_s: float | None = None) -> int:
+    """Read the request's body, ``length`` bytes as its Content-Length declared, and hand it to
+    ``write`` in order, in pieces, from a worker thread; returns ``length``. Raises
+    :class:`ClientGone` if the body ends early or is silent for ``stall_s`` (``STALL_S``), and whatever
+    ``write`` raises; either way no thread is left reading. The connection closes after the
+    response, whatever it is."""
+    cycle, transport = conn.cycle, conn.transport
+    cycle.keep_alive = False  # from here on uvicorn's parser is out of step with the socket
+    cycle.flow.pause_reading()
+    if cycle.waiting_for_100_continue and not transport.is_closing():
+        transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        cycle.waiting_for_100_continue = False
+    early, cycle.body = cycle.body, bytearray()  # what uvicorn read of the body already
+    if len(early) < length and not cycle.more_body:
+        raise ClientGone(f"the body ended after {len(early)} of {length} bytes")
+    dup = None
+    if len(early) < length:
+        raw = transport.get_extra_info("socket")
+        dup = socket.socket(raw.family, raw.type, fileno=os.dup(raw.fileno()))  # the same connection, our own fd
+        dup.settimeout(STALL_S if stall_s is None else stall_s)
+    reading = asyncio.get_running_loop().run_in_executor(_RECEIVERS, _receive, dup, early, length, write)
+    try:
+        await asyncio.shield(reading)
+    except asyncio.CancelledError:
+        with contextlib.suppress(OSError):
+            if dup is not None:
+                dup.shutdown(socket.SHUT_RD)  # the thread's read returns at once; replies may still go
+        with contextlib.suppress(BaseException):
+            await reading
+        raise
+    finally:
+        if dup is not None:
+            dup.close()
+    return length
+
+
+def _receive(sock: socket.socket | None, early: bytearray, length: int,
+             write: Callable[[Sequence[bytes]], None]) -> None:
+    """Blocking: ``early`` (the body's start, read already), then the rest of the ``length``
+    bytes from the socket, written a piece at a time. Once a write fails, the rest of the body
+    is read and dropped before its error is raised, so that the client, still sending, gets
+    the error reply rather than a reset connection."""
+    failed: Exception | None = None
+
+    def put(piece) -> None:
+        nonlocal failed
+        if failed is None:
+            try:
+                write([piece])
+            except Exception as e:
+                failed = e
+    if early:
+        put(early)
+    done, buffer = len(early), memoryview(bytearray(min(RECEIVE_BYTES, length)))
+    while done < length:
+        want, filled = min(len(buffer), length - done), 0
+        while filled < want:
+            try:
+                n = sock.recv_into(buffer[filled:want])
+            except TimeoutError:
+                raise failed or ClientGone(f"no bytes for {sock.gettimeout():g} s after {done + filled} of "
+                                           f"{length}") from None
+            except OSError as e:  # reset by the client
+                raise failed or ClientGone(f"{e.strerror or e} after {done + filled} of {length} bytes") from None
+            if n == 0:
+                raise failed or ClientGone(f"the body ended after {done + filled} of {length} bytes")
+            filled += n
+        put(buffer[:filled])
+        done += filled
+    if failed is not None:
+        raise failed
