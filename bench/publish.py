@@ -13,7 +13,8 @@ own process (``PUT /v1/replicas/{id}`` every ``--beat-ms``, each timed) while th
 - ``async``: ``reg.publish_async(version, state_dict)``: the time until it returns (what the
   training step waits: the snapshot copy) and until the handle is done;
 - ``http``: ``RegistryHTTP(url).publish(version, state_dict)`` to a standalone ``rolloutd
-  registry`` (bytes in memory) in a process of its own, which the heartbeats go to;
+  registry`` (bytes in memory) in a process of its own, which the heartbeats go to; the
+  registry's own CPU time per version is reported beside it;
 - ``publish-ref``, ``http-ref``: ``publish`` and ``http`` with rolloutd from ``--ref-repo``
   (another build, e.g. before a change: ``git archive <commit> rolloutd vllm_plugin | tar -x -C
   DIR``), trainer and registry alike.
@@ -144,6 +145,11 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def start_registry(env: dict) -> tuple[subprocess.Popen, str]:
     """A standalone ``rolloutd registry`` (bytes in memory) with the given build; its URL."""
     with socket.socket() as sock:
@@ -181,8 +187,11 @@ def one_run(mode: str, args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         proc.stdin.write("go\n")
         proc.stdin.flush()
+        cpu0 = cpu_seconds(registry.pid) if registry is not None else None
         result = json.loads(proc.stdout.readline())
         t1 = time.perf_counter()
+        if registry is not None:  # the standalone registry's own CPU time, per version received
+            result["registry_cpu_s"] = round((cpu_seconds(registry.pid) - cpu0) / args.steps, 3)
         beats.stop.set()
         beats.join(30)
     finally:
@@ -231,6 +240,7 @@ def main() -> int:
             runs[mode].append(r)
             print(f"[{rep + 1}/{args.repeats}] {mode:13} {r['seconds']:7.3f} s"
                   + (f" (returned after {r['returned_s']:.3f} s)" if "returned_s" in r else "")
+                  + (f" (registry CPU {r['registry_cpu_s']:.2f} s per version)" if "registry_cpu_s" in r else "")
                   + f"  heartbeats: {r['beats']} p50 {r['beat_p50_ms']:.1f} ms p99 {r['beat_p99_ms']:.1f} ms "
                     f"max {r['beat_max_ms']:.1f} ms", flush=True)
     summary = {}
@@ -242,6 +252,8 @@ def main() -> int:
                          "beat_p99_ms": max(r["beat_p99_ms"] for r in rs),
                          "beat_max_ms": max(r["beat_max_ms"] for r in rs),
                          "beats_over_timeout": sum(r["beats_over_timeout"] for r in rs)}
+        if "registry_cpu_s" in rs[0]:
+            summary[mode]["registry_cpu_s"] = statistics.median(r["registry_cpu_s"] for r in rs)
         if "returned_s" in rs[0]:
             summary[mode]["returned_s"] = statistics.median(r["returned_s"] for r in rs)
             summary[mode]["returned_to_memcpy"] = round(summary[mode]["returned_s"] / base, 2) if base else None
