@@ -68,6 +68,8 @@ def connection(send) -> Connection | None:
     transport = getattr(cycle, "transport", None)
     if transport is None or transport.get_extra_info("socket") is None:
         return None
+    if transport.get_extra_info("sslcontext") is not None:  # the socket carries TLS records, not bytes
+        return None
     return Connection(cycle, transport)
 
 
@@ -160,6 +162,8 @@ async def receive_body(conn: Connection, length: int, write: Callable[[Sequence[
     dup = None
     if len(early) < length:
         raw = transport.get_extra_info("socket")
+        if raw is None or transport.is_closing():
+            raise ClientGone(f"the connection closed after {len(early)} of {length} bytes")
         dup = socket.socket(raw.family, raw.type, fileno=os.dup(raw.fileno()))  # the same connection, our own fd
         dup.settimeout(STALL_S if stall_s is None else stall_s)
     reading = asyncio.get_running_loop().run_in_executor(_RECEIVERS, _receive, dup, early, length, write)
