@@ -400,6 +400,8 @@ def during_pull(args: argparse.Namespace) -> int:
                # every process of vLLM on core 0 (its engine core polls: unbound, it takes the
                # other core from the daemon and the client), as a node's config would put it
                "servers": [{"name": "s0", "model": str(model), "public_port": gw_port, "cpus": [0]}]}
+        if args.pull_priority:
+            cfg["pull"] = {"cpu_priority": args.pull_priority}
         (work / "rolloutd.yaml").write_text(yaml.safe_dump(cfg))
         daemon_log = open(work / "rolloutd.log", "wb")
         procs.append(subprocess.Popen([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(work / "rolloutd.yaml")],
@@ -454,6 +456,7 @@ def during_pull(args: argparse.Namespace) -> int:
                 shutil.copyfile(work / name, RESULTS / f"gateway-during-pull.{name}")
         shutil.rmtree(work, ignore_errors=True)
     result = {"pull_gib": args.pull_gib, "pulls": args.pulls, "build": str(args.ref_repo or "this tree"),
+              "pull_cpu_priority": args.pull_priority or "default",
               "idle": added(idle), "during_pull": added(during),
               "pull_seconds": [round(b - a, 2) for a, b in watch.windows if b is not None],
               "goal": {"added_p50_ms_max": 1.0, "added_p99_ms_max": 5.0},
@@ -465,7 +468,8 @@ def during_pull(args: argparse.Namespace) -> int:
     result.update(added_p50_ms=dp["added_p50_ms"], added_p99_ms=dp["added_p99_ms"],
                   idle_added_p50_ms=result["idle"]["added_p50_ms"], idle_added_p99_ms=result["idle"]["added_p99_ms"])
     RESULTS.mkdir(parents=True, exist_ok=True)
-    name = "gateway-during-pull" + ("-ref" if args.ref_repo else "")
+    name = ("gateway-during-pull" + ("-ref" if args.ref_repo else "")
+            + (f"-{args.pull_priority}" if args.pull_priority else ""))
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
     for name in ("idle", "during_pull"):
         a = result[name]
@@ -502,6 +506,8 @@ def main() -> int:
     p.add_argument("--pull-gib", type=float, default=2.0, help="--during-pull: size of each version")
     p.add_argument("--pulls", type=int, default=2, help="--during-pull: versions pulled")
     p.add_argument("--idle-pairs", type=int, default=300, help="--during-pull: pairs measured idle")
+    p.add_argument("--pull-priority", choices=("idle", "low", "normal"),
+                   help="--during-pull: the daemon's pull.cpu_priority (default: the setting's default)")
     p.add_argument("--ref-repo", type=Path, help="--during-pull: run the daemon and the registry of another build "
                    "(a directory holding its rolloutd/ and vllm_plugin/), to compare")
     args = p.parse_args()
