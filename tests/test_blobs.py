@@ -85,3 +85,19 @@ def stage_manifest(version: int, size: int) -> Manifest:
     data = b"w" * size
     entry = FileEntry(name="model.safetensors", size=size, chunks=hash_chunks(data, CHUNK, "xxh3-128"))
     return Manifest(version=version, chunk_bytes=CHUNK, files=[entry]).sealed()
+
+
+def test_memory_is_let_go_of_at_once_when_the_freeing_thread_takes_no_more_work(monkeypatch):
+    """At interpreter exit (an embedded registry stopped by an exit handler) the freeing
+    thread takes no new work: memory is then let go of by the caller, without an error."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rolloutd.registry.server import blobs
+    gone = ThreadPoolExecutor(max_workers=1)
+    gone.shutdown()
+    monkeypatch.setattr(blobs, "_FREER", gone)
+    held = {"model.safetensors": mmap.mmap(-1, 1 << 20)}
+    where = freed_on(held["model.safetensors"])
+    blobs.let_go(held)
+    assert where == [threading.current_thread().name]
