@@ -18,6 +18,8 @@ from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.wire.manifest import build_manifest
 
+from .daemon_harness import wait_until
+
 CHUNK = 4096
 
 
@@ -293,8 +295,7 @@ def test_range_206_and_416(any_registry):
 
 
 def sendfile_responses(http: httpx.Client) -> int:
-    text = http.get("/metrics").text
-    return int(float(re.search(r"^rolloutd_registry_sendfile_responses_total (\S+)$", text, re.M).group(1)))
+    return int(metric(http, "rolloutd_registry_sendfile_responses_total"))
 
 
 def test_sendfile_bytes_on_one_connection_a_client_that_leaves_and_a_reclaimed_version(tmp_path, clock):
@@ -480,7 +481,8 @@ def test_a_large_upload_cut_silent_or_failing_ends_with_a_reply_and_leaves_nothi
         before = sum("abort upload" in r.getMessage() for r in caplog.records)
         with socket.create_connection(("127.0.0.1", reg.port)) as s:
             s.sendall(head.encode() + data[:3 << 20])
-        wait_for(lambda: sum("abort upload" in r.getMessage() for r in caplog.records) > before)
+        wait_until(lambda: sum("abort upload" in r.getMessage() for r in caplog.records) > before, 10,
+                   "the upload closed halfway aborted", every_s=0.02)
         # the store fails after the first piece: the client, still sending, gets the error
         probe = reg.service.blobs.upload(2, "x.safetensors", 1)
         probe.abort()
@@ -499,16 +501,9 @@ def test_a_large_upload_cut_silent_or_failing_ends_with_a_reply_and_leaves_nothi
         monkeypatch.setattr(real, "write", real_write)
         assert reg.service.blobs.staged_sizes(1) == {}
         assert data_dir is None or [p for p in (data_dir / "staging").rglob("*") if p.is_file()] == []
-        wait_for(lambda: open_fds() <= fds, what=lambda: open_fds() - fds)
+        wait_until(lambda: open_fds() <= fds, 10, "every descriptor of the uploads closed", every_s=0.02)
         r = http.put("/v1/uploads/1/files/model.safetensors", content=data)
         assert r.status_code == 201 and reg.service.blobs.read_staged(1, "model.safetensors", 0, size) == data
-
-
-def wait_for(cond, timeout_s: float = 10.0, what=lambda: "") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out {what()}"
-        time.sleep(0.02)
 
 
 def open_fds() -> set[str]:
@@ -525,11 +520,7 @@ def open_fds() -> set[str]:
 def test_upload_cut_off_halfway_leaves_nothing(tmp_path, store, sent):
     """Nothing staged, no file or memory file left open, whether or not a batch was being written."""
     def blob_fds() -> int:
-        found = 0
-        for fd in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError):
-                found += os.readlink(f"/proc/self/fd/{fd}").startswith(("/memfd:rolloutd-blob", str(tmp_path)))
-        return found
+        return sum(f.split(":", 1)[1].startswith(("/memfd:rolloutd-blob", str(tmp_path))) for f in open_fds())
     data_dir = tmp_path / "data" if store == "disk" else None
     with EmbeddedRegistry(port=0, data_dir=data_dir) as reg:
         before = blob_fds()  # other registries of this process may still hold blobs

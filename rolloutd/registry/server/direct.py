@@ -89,8 +89,7 @@ async def send_range(conn: Connection, send, fd: int, start: int, end: int, stal
         if conn.transport.get_write_buffer_size() == 0 or conn.transport.is_closing():
             break
         await asyncio.sleep(0.001)
-    raw = conn.transport.get_extra_info("socket")
-    dup = socket.socket(raw.family, raw.type, fileno=os.dup(raw.fileno()))  # the same connection, our descriptor
+    dup = _duplicate(conn.transport)
     try:
         sent = await asyncio.get_running_loop().run_in_executor(_SENDERS, _sendfile, dup, fd, start, end,
                                                                 STALL_S if stall_s is None else stall_s)
@@ -103,6 +102,12 @@ async def send_range(conn: Connection, send, fd: int, start: int, end: int, stal
     conn.cycle.expected_content_length -= sent
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     return sent
+
+
+def _duplicate(transport: asyncio.Transport) -> socket.socket:
+    """The connection's socket under a descriptor of our own (see the module's contract)."""
+    raw = transport.get_extra_info("socket")
+    return socket.socket(raw.family, raw.type, fileno=os.dup(raw.fileno()))
 
 
 def _sendfile(sock: socket.socket, fd: int, start: int, end: int, stall_s: float) -> int:
@@ -161,10 +166,9 @@ async def receive_body(conn: Connection, length: int, write: Callable[[Sequence[
         raise ClientGone(f"the body ended after {len(early)} of {length} bytes")
     dup = None
     if len(early) < length:
-        raw = transport.get_extra_info("socket")
-        if raw is None or transport.is_closing():
+        if transport.is_closing():
             raise ClientGone(f"the connection closed after {len(early)} of {length} bytes")
-        dup = socket.socket(raw.family, raw.type, fileno=os.dup(raw.fileno()))  # the same connection, our own fd
+        dup = _duplicate(transport)
         dup.settimeout(STALL_S if stall_s is None else stall_s)
     reading = asyncio.get_running_loop().run_in_executor(_RECEIVERS, _receive, dup, early, length, write)
     try:
