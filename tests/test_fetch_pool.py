@@ -80,3 +80,55 @@ async def test_a_source_that_cannot_be_built_fails_its_chunk_and_the_worker_goes
         with pytest.raises(RuntimeError, match="unknown source kind 'carrier-pigeon'"):
             await asyncio.wait_for(pool.fetch(bad, lambda n: None), 30)
         assert pool.pids == pid  # the same worker, still there
+
+
+def test_spliced_bytes_are_hashed_as_the_file_holds_them_in_runs_of_any_length(tmp_path: Path):
+    """Bytes a source spliced into the file are read back from it to be hashed: runs longer
+    than the read-back buffer, shorter, and not aligned to pages all hash like the bytes
+    themselves, and a byte changed in the file after it landed changes the digest."""
+    import os
+
+    import xxhash
+
+    from rolloutd.rollout.fetch_worker import READBACK_BYTES, ChunkWriter
+
+    data = os.urandom(3 * READBACK_BYTES + 12345)
+    start = 4097  # neither page- nor buffer-aligned
+    path = tmp_path / "part"
+    path.write_bytes(b"\0" * (start + len(data) + 100))
+
+    def digest_of_spliced(tamper_at: int | None = None) -> str:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            hasher = xxhash.xxh3_128()
+            with ChunkWriter(fd, start, start + len(data), hasher, lambda n: None, 1 << 20) as sink:
+                for run in (READBACK_BYTES + 1, 10, 2 * READBACK_BYTES, len(data) - 3 * READBACK_BYTES - 11):
+                    os.pwrite(fd, data[sink.offset - start:sink.offset - start + run], sink.offset)  # the "splice"
+                    if tamper_at is not None and sink.offset <= start + tamper_at < sink.offset + run:
+                        os.pwrite(fd, bytes([data[tamper_at] ^ 1]), start + tamper_at)
+                    sink.spliced(run)
+            assert sink.offset == start + len(data)
+            return hasher.hexdigest()
+        finally:
+            os.close(fd)
+
+    assert digest_of_spliced() == xxhash.xxh3_128(data).hexdigest()
+    assert digest_of_spliced(tamper_at=2 * READBACK_BYTES + 7) != xxhash.xxh3_128(data).hexdigest()
+
+
+def test_spliced_bytes_past_the_end_of_the_file_are_an_error_not_a_short_digest(tmp_path: Path):
+    import os
+
+    import xxhash
+
+    from rolloutd.rollout.fetch_worker import ChunkWriter
+
+    path = tmp_path / "part"
+    path.write_bytes(b"x" * 1000)
+    fd = os.open(path, os.O_RDWR)
+    try:
+        with ChunkWriter(fd, 0, 2000, xxhash.xxh3_128(), lambda n: None, 1 << 20) as sink:
+            with pytest.raises(OSError, match="ended at 1000"):
+                sink.spliced(2000)  # the file was cut under the worker
+    finally:
+        os.close(fd)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 import os
 import queue
 import sys
@@ -38,6 +37,7 @@ import xxhash
 from rolloutd.rollout.sources import Source, SourceError, SourceSpec
 
 MiB = 1 << 20
+READBACK_BYTES = 256 << 10  # spliced bytes are read back in pieces this size to be hashed
 KEPT_SOURCES = 8  # per stream: the places it fetched from last, their connections kept open
 
 
@@ -113,25 +113,20 @@ class Worker:
 class ChunkWriter:
     """A chunk's region of a mirror file, as a source's sink: every byte hashed, in order, as
     it lands. Pieces that come through memory are hashed, then written at their offset; bytes a
-    source spliced into the file are hashed where they landed, through a mapping of the region
-    (pages just written, still in cache)."""
+    source spliced into the file are read back into a small buffer and hashed there (pages just
+    written, still in cache)."""
 
     def __init__(self, fd: int, start: int, end: int, hasher, report, report_every: int,
                  deadline: float | None = None):
         self.fd, self.offset, self._start, self._end = fd, start, start, end
         self._deadline = deadline
         self._hasher, self._report, self._every, self._unreported = hasher, report, report_every, 0
-        self._map: mmap.mmap | None = None
-        self._view: memoryview | None = None
-        self._base = start - start % mmap.ALLOCATIONGRANULARITY
+        self._scratch: memoryview | None = None
 
     def __enter__(self) -> ChunkWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._view is not None:
-            self._view.release()
-            self._map.close()
         if self._unreported:
             self._report(self._unreported)
 
@@ -143,11 +138,15 @@ class ChunkWriter:
         self._advance(done)
 
     def spliced(self, n: int) -> None:
-        if self._view is None:
-            self._map = mmap.mmap(self.fd, self._end - self._base, offset=self._base, access=mmap.ACCESS_READ)
-            self._view = memoryview(self._map)
-        at = self.offset - self._base
-        self._hasher.update(self._view[at:at + n])
+        if self._scratch is None:
+            self._scratch = memoryview(bytearray(READBACK_BYTES))
+        at, end = self.offset, self.offset + n
+        while at < end:
+            got = os.preadv(self.fd, [self._scratch[:min(READBACK_BYTES, end - at)]], at)
+            if got <= 0:
+                raise OSError(f"the mirror's file ended at {at}, inside bytes just written")
+            self._hasher.update(self._scratch[:got])
+            at += got
         self._advance(n)
 
     def _advance(self, n: int) -> None:
