@@ -328,6 +328,61 @@ def test_sendfile_bytes_on_one_connection_a_client_that_leaves_and_a_reclaimed_v
             assert sendfile_responses(http) >= 8
 
 
+STALLED = 70  # more clients stalled mid-body than a pool of 64 sending threads would have had
+
+
+def test_ranges_sent_at_once_each_arrive_whole_and_stalled_clients_hold_up_none(tmp_path, monkeypatch, caplog):
+    """One thread sends every range: eight clients reading ranges at once each get exactly
+    theirs while 70 others have stopped reading mid-body; the stalled ones are dropped after
+    ``STALL_S``, and a registry stopped under another stalled client leaves no descriptor open."""
+    from rolloutd.registry.server import direct
+    monkeypatch.setattr(direct, "STALL_S", 3.0)
+    caplog.set_level(logging.INFO, logger="rolloutd.registry")
+    data = os.urandom(48 << 20)  # more than loopback's socket buffers hold: a client that stops reading blocks
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.safetensors").write_bytes(data)
+    url = "/v1/versions/1/files/model.safetensors"
+    request = f"GET {url} HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+    fds = open_fds()
+    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data") as registry:
+        registry.publish_dir(1, tmp_path / "src")
+        stalled = [socket.create_connection(("127.0.0.1", registry.port)) for _ in range(STALLED)]
+        for s in stalled:
+            s.sendall(request)
+        for s in stalled:
+            assert s.recv(100).startswith(b"HTTP/1.1 200")  # then it reads nothing more
+        got: dict[int, bytes] = {}
+
+        def fetch(i: int) -> None:
+            start, end = i * (6 << 20), (i + 1) * (6 << 20) - 1
+            with httpx.Client(base_url=registry.url, timeout=30) as http:
+                r = http.get(url, headers={"range": f"bytes={start}-{end}"})
+                assert r.status_code == 206
+                got[i] = r.content
+        threads = [threading.Thread(target=fetch, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert b"".join(got[i] for i in range(8)) == data
+        dropped = lambda: any("the client left or stalled" in r.getMessage() for r in caplog.records)  # noqa: E731
+        assert not dropped()  # the eight were served while the stalled ranges were still being sent
+        wait_until(lambda: sum("the client left or stalled" in r.getMessage() for r in caplog.records) >= STALLED,
+                   15, "every stalled client dropped")
+        for s in stalled:
+            s.close()
+        # stopped while another client is stalled mid-body: its range ends with the registry
+        monkeypatch.setattr(direct, "STALL_S", 600.0)
+        second = socket.create_connection(("127.0.0.1", registry.port))
+        second.sendall(request)
+        assert second.recv(100).startswith(b"HTTP/1.1 200")
+    second.close()
+
+    def sends_open() -> set[str]:  # the connections' and the blob's duplicates (the sending thread stays)
+        return {f for f in open_fds() - fds if "socket:" in f or str(tmp_path) in f}
+    wait_until(lambda: not sends_open(), 10, "every descriptor of the sends closed", every_s=0.02)
+
+
 def raw_get(port: int, target: str) -> bytes:
     """An HTTP request with the path sent exactly as given (clients normalise '..')."""
     with socket.create_connection(("127.0.0.1", port)) as s:
