@@ -11,8 +11,11 @@ test file in tmpfs is served, in the same run, by:
 - ``nginx-nosendfile``: the same with sendfile off (read + write through a buffer, as the
   registry does), to tell what sendfile itself is worth on this machine.
 
-Clients: ``curl`` (one stream), ``aria2c -x N -s N -k piece`` and ``rangepull.py`` (aiohttp,
-N concurrent 64 MiB ``Range`` requests, bytes discarded: how the daemon pulls). Servers run
+Clients: ``curl`` (one stream), ``aria2c -x N -s N -k piece``, ``rangepull.py`` (``ranges``:
+aiohttp, N concurrent 64 MiB ``Range`` requests, bytes discarded: how the daemon pulled before
+its pull workers) and ``streampull.py`` (``streams``: N threads fetching 64 MiB ranges with the
+pull workers' own source, bodies spliced to /dev/null: how the daemon pulls, at nearly no cost
+to the client, so that the servers set the rate). Servers run
 pinned to one CPU, clients to the other (``taskset``). Every (server, client) pair is measured
 ``--repeats`` times, interleaved, and reported as median and spread, with the ratio to nginx
 for the same client. Before the servers start, ``dd``/``cp`` into tmpfs give this machine's
@@ -67,7 +70,7 @@ HOST = "127.0.0.1"  # only loopback is ever targeted
 
 FILE_NAME = "model.safetensors"  # `rolloutd publish` takes a directory's *.safetensors files
 SERVERS = ("registry-disk", "registry-memory", "nginx", "nginx-nosendfile")
-CLIENTS = ("curl", "aria2c", "ranges")
+CLIENTS = ("curl", "aria2c", "ranges", "streams")
 BASELINE = "nginx"
 WRITE_PIECE = 16 << 20
 MIN_RATE_BPS = 20e6  # a transfer slower than this is broken: it sets every subprocess timeout
@@ -93,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}")
     p.add_argument("--clients", default=",".join(CLIENTS), help=f"comma list of {', '.join(CLIENTS)}")
     p.add_argument("--connections", type=int, default=8,
-                   help="parallel connections of aria2c (-x, -s) and of the ranges client")
+                   help="parallel connections of aria2c (-x, -s) and of the ranges and streams clients")
     p.add_argument("--piece-mib", type=int, default=64,
                    help="ranges client: bytes per Range request; aria2c: -k (min split size)")
     p.add_argument("--registry-cmd", default=None,
@@ -396,13 +399,23 @@ def ranges(url: str, args: argparse.Namespace, _dest: Path, rounds: int = 1) -> 
     return {"gb_per_s": r["gb_per_s"], "seconds": r["seconds"], "client_cpu_s": r["client_cpu_s"]}
 
 
-CLIENT_RUN = {"curl": curl, "aria2c": aria2c, "ranges": ranges}
+def streams(url: str, args: argparse.Namespace, _dest: Path, rounds: int = 1) -> dict:
+    timeout = transfer_timeout_s(args.size) * rounds
+    argv = [sys.executable, str(BENCH / "streampull.py"), url, "--size", str(args.size),
+            "--chunk-mib", str(args.piece_mib), "--concurrency", str(args.connections), "--rounds", str(rounds)]
+    out, _, _ = run_client(argv, args, timeout + 30)
+    r = json.loads(out.stdout)  # its own CPU and time cover the pull, not the interpreter start
+    return {"gb_per_s": r["gb_per_s"], "seconds": r["seconds"], "client_cpu_s": r["client_cpu_s"]}
+
+
+CLIENT_RUN = {"curl": curl, "aria2c": aria2c, "ranges": ranges, "streams": streams}
 
 
 def client_label(client: str, args: argparse.Namespace) -> str:
     return {"curl": "curl (1 stream)",
             "aria2c": f"aria2c -x{args.connections} -s{args.connections} -k{args.piece_mib}M",
-            "ranges": f"ranges {args.connections}x{args.piece_mib} MiB"}[client]
+            "ranges": f"ranges {args.connections}x{args.piece_mib} MiB",
+            "streams": f"streams {args.connections}x{args.piece_mib} MiB"}[client]
 
 
 # -- one transfer, with the server's CPU ------------------------------------------------------------

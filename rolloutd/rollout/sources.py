@@ -157,7 +157,10 @@ class HttpRangeSource:
         return self._conn
 
     def fetch(self, version: int, name: str, start: int, end: int, sink: Sink) -> None:
-        path = f"{self._base}/v1/versions/{version}/files/{quote(name)}"
+        self.fetch_path(f"{self._base}/v1/versions/{version}/files/{quote(name)}", name, start, end, sink)
+
+    def fetch_path(self, path: str, name: str, start: int, end: int, sink: Sink) -> None:
+        """:meth:`fetch` for any path of the same server (``name`` only names it in errors)."""
         headers = {**self._headers, "range": f"bytes={start}-{end - 1}"}
         response = self._request(path, headers)
         try:

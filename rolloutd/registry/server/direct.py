@@ -56,6 +56,7 @@ SEND_BYTES = 4 << 20  # one sendfile call: at most this much, then the other ran
 # connection), in pieces of this size: one reused buffer, written to the store per piece.
 RECEIVE_BYTES = 1 << 20
 STALL_S = 60.0  # a client silent this long, while sending or receiving bytes, is dropped
+STALL_CHECK_S = 1.0  # how often the sending thread looks for stalled clients
 SCOPE_KEY = "rolloutd.connection"  # where the guard leaves an upload's connection for its route
 # What receive_body needs of uvicorn's request cycle besides what send_range needs.
 _CYCLE_FIELDS = ("body", "more_body", "flow", "keep_alive", "waiting_for_100_continue")
@@ -171,9 +172,11 @@ class _SendLoop:
 
     def _run(self) -> None:
         jobs: set[_SendJob] = set()
+        checked = time.monotonic()
         while True:
-            timeout = min((j.moved_at + j.stall_s for j in jobs), default=None)
-            ready = self._selector.select(None if timeout is None else max(0.0, timeout - time.monotonic()))
+            # Stalls are looked for once a second, not on every wake-up: a wake-up costs only
+            # the sockets that are ready, however many ranges are being sent.
+            ready = self._selector.select(STALL_CHECK_S if jobs else None)
             for key, _ in ready:
                 if key.data is None:
                     self._take_inbox(jobs)
@@ -184,8 +187,10 @@ class _SendLoop:
                         log.exception("sending a range failed")
                         self._finish(key.data, jobs)
             now = time.monotonic()
-            for job in [j for j in jobs if now - j.moved_at > j.stall_s]:
-                self._finish(job, jobs)  # the client stopped reading
+            if now - checked >= STALL_CHECK_S:
+                checked = now
+                for job in [j for j in jobs if now - j.moved_at > j.stall_s]:
+                    self._finish(job, jobs)  # the client stopped reading
 
     def _take_inbox(self, jobs: set[_SendJob]) -> None:
         with contextlib.suppress(BlockingIOError):
