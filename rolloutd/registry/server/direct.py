@@ -70,8 +70,8 @@ class Connection:
 
 def connection(send) -> Connection | None:
     cycle = getattr(send, "__self__", None)
-    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or not hasattr(
-            cycle, "expected_content_length"):
+    if type(cycle).__module__ != "uvicorn.protocols.http.httptools_impl" or not all(
+            hasattr(cycle, f) for f in ("expected_content_length", "disconnected")):
         return None
     transport = getattr(cycle, "transport", None)
     if transport is None or transport.get_extra_info("socket") is None:
@@ -108,6 +108,7 @@ async def send_range(conn: Connection, send, fd: int, start: int, end: int, stal
         raise
     if sent != end - start:
         conn.transport.close()
+        conn.cycle.disconnected = True  # as uvicorn marks it once the close lands: no "response not completed" error
         raise SendfileError(f"sent {sent} of {end - start} bytes")
     # uvicorn counts the body bytes it was given against Content-Length: count these too.
     conn.cycle.expected_content_length -= sent
