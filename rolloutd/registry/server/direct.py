@@ -148,6 +148,12 @@ class _SendLoop:
     for the job's ``stall_s``, or when cancelled."""
 
     def __init__(self) -> None:
+        self._forget()
+        # A child forked from a process that sent ranges (a trainer's data loader) has this
+        # object but not its thread: it starts its own if it ever sends.
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
         self._lock = threading.Lock()
         self._inbox: list[tuple[str, _SendJob]] = []
         self._thread: threading.Thread | None = None
