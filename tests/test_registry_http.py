@@ -384,6 +384,33 @@ def test_ranges_sent_at_once_each_arrive_whole_and_stalled_clients_hold_up_none(
     wait_until(lambda: not sends_open(), 10, "every descriptor of the sends closed", every_s=0.02)
 
 
+def test_a_send_that_fails_unexpectedly_ends_its_range_alone(tmp_path, monkeypatch, caplog):
+    """Crash policy of the sending thread: a surprise while sending one range (a fake
+    ``sendfile`` that raises once) ends that range, short, and is logged; the thread goes on
+    sending the next one whole."""
+    from rolloutd.registry.server import direct
+    data = os.urandom(8 << 20)
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "model.safetensors").write_bytes(data)
+    real, calls = os.sendfile, []
+
+    def fake_sendfile(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise RuntimeError("a fake surprise")
+        return real(*a)
+    with EmbeddedRegistry(port=0, data_dir=tmp_path / "data") as registry, \
+            httpx.Client(base_url=registry.url, timeout=30) as http:
+        registry.publish_dir(1, tmp_path / "src")
+        monkeypatch.setattr(direct.os, "sendfile", fake_sendfile)
+        url = "/v1/versions/1/files/model.safetensors"
+        with pytest.raises(httpx.HTTPError):  # the body ends short: the client is told, not fed less
+            http.get(url)
+        assert "sending a range failed" in caplog.text and "a fake surprise" in caplog.text
+        r = http.get(url)
+        assert r.status_code == 200 and r.content == data and len(calls) > 1
+
+
 def raw_get(port: int, target: str) -> bytes:
     """An HTTP request with the path sent exactly as given (clients normalise '..')."""
     with socket.create_connection(("127.0.0.1", port)) as s:

@@ -8,9 +8,8 @@ before a route sees it. So, on a connection of uvicorn's httptools protocol:
   status line and headers go through uvicorn as usual, then the sending thread sends the byte
   range with ``os.sendfile`` on a duplicate of the connection's socket, and the response is
   completed through uvicorn again. The event loop never touches the bytes and never waits on
-  the disk. One thread sends every range, as nginx's worker does (:class:`_SendLoop`): a thread
-  per range, each woken on its own as its client acknowledged bytes, cost the clients a third
-  more CPU per byte and 0.65–0.85× nginx's rate with 8 parallel ranges (bench/README.md).
+  the disk. One thread sends every range, as nginx's worker does (:class:`_SendLoop`), so no
+  number of slow or stalled clients can hold up the others (a pool of threads could be filled).
 - **In**: an upload's body (``PUT /v1/uploads/...`` with a Content-Length of at least
   ``RECEIVE_BYTES``) is read by a worker thread straight from a duplicate of the socket into
   one reused buffer, and written from there into the upload's file: one copy out of the
@@ -98,7 +97,16 @@ async def send_range(conn: Connection, send, fd: int, start: int, end: int, stal
         if conn.transport.get_write_buffer_size() == 0 or conn.transport.is_closing():
             break
         await asyncio.sleep(0.001)
-    job = _SendJob(_duplicate(conn.transport), os.dup(fd), start, end, STALL_S if stall_s is None else stall_s,
+    if conn.transport.is_closing():
+        conn.cycle.disconnected = True
+        raise SendfileError("the client left before the body was sent")
+    sock = _duplicate(conn.transport)
+    try:
+        own_fd = os.dup(fd)
+    except OSError:
+        sock.close()
+        raise
+    job = _SendJob(sock, own_fd, start, end, STALL_S if stall_s is None else stall_s,
                    asyncio.get_running_loop().create_future())
     _SENDER.submit(job)
     try:
@@ -132,6 +140,7 @@ class _SendJob:
     done: asyncio.Future  # the bytes sent, set on its event loop
     start: int = field(init=False)
     moved_at: float = field(default_factory=time.monotonic)  # the last time bytes went out
+    ended: bool = False
 
     def __post_init__(self) -> None:
         self.start = self.offset
@@ -139,13 +148,13 @@ class _SendJob:
 
 class _SendLoop:
     """One thread that sends every range with ``sendfile``, as nginx's worker does: it waits for
-    room on all of the sockets at once (epoll) and gives each ready one a ``SEND_BYTES`` turn.
-    A client that acknowledges bytes wakes this thread only if it sleeps, where a thread per
-    range was woken once per client, each wake-up paid for by the client's core. Each socket
-    is corked meanwhile (nginx's ``tcp_nopush``): only full segments go out until the last.
-    Jobs come from the event loop through :meth:`submit` and :meth:`cancel`; a job ends (its
-    descriptors closed, its future set) when sent, when the client goes away or is silent
-    for the job's ``stall_s``, or when cancelled."""
+    room on all of the sockets at once (epoll) and gives each ready one a ``SEND_BYTES`` turn,
+    so a client that stops reading holds up no other, however many do. Each socket is corked
+    meanwhile (nginx's ``tcp_nopush``): only full segments go out until the last. Jobs come
+    from the event loop through :meth:`submit` and :meth:`cancel`; a job ends exactly once (its
+    descriptors closed, its future set) when sent, when the client goes away or is silent for
+    the job's ``stall_s``, when cancelled, or when something unforeseen fails for it alone:
+    the thread itself never ends."""
 
     def __init__(self) -> None:
         self._forget()
@@ -188,11 +197,7 @@ class _SendLoop:
                 if key.data is None:
                     self._take_inbox(jobs)
                 elif key.data in jobs:
-                    try:
-                        self._turn(key.data, jobs)
-                    except Exception:  # a bug: end this range (its client sees a short body), not the thread
-                        log.exception("sending a range failed")
-                        self._finish(key.data, jobs)
+                    self._guarded(self._turn, key.data, jobs)
             now = time.monotonic()
             if now - checked >= STALL_CHECK_S:
                 checked = now
@@ -206,11 +211,21 @@ class _SendLoop:
             inbox, self._inbox = self._inbox, []
         for what, job in inbox:
             if what == "send":
-                _cork(job.sock, True)
-                self._selector.register(job.sock, selectors.EVENT_WRITE, job)
-                jobs.add(job)
-            elif job in jobs:
+                self._guarded(self._start, job, jobs)
+            else:
                 self._finish(job, jobs)
+
+    def _guarded(self, step, job: _SendJob, jobs: set[_SendJob]) -> None:
+        try:
+            step(job, jobs)
+        except Exception:  # a bug or a surprise: end this range (its client sees a short body), not the thread
+            log.exception("sending a range failed")
+            self._finish(job, jobs)
+
+    def _start(self, job: _SendJob, jobs: set[_SendJob]) -> None:
+        _cork(job.sock, True)
+        self._selector.register(job.sock, selectors.EVENT_WRITE, job)
+        jobs.add(job)
 
     def _turn(self, job: _SendJob, jobs: set[_SendJob]) -> None:
         try:
@@ -227,7 +242,11 @@ class _SendLoop:
 
     def _finish(self, job: _SendJob, jobs: set[_SendJob]) -> None:
         jobs.discard(job)
-        self._selector.unregister(job.sock)
+        if job.ended:  # a cancel that crossed the job's end
+            return
+        job.ended = True
+        with contextlib.suppress(KeyError, ValueError):  # never registered
+            self._selector.unregister(job.sock)
         _cork(job.sock, False)  # uncorking sends what is left at once
         job.sock.close()
         os.close(job.fd)
