@@ -125,13 +125,16 @@ def shm(monkeypatch):
         d.rmdir()
 
 
-# A vLLM stand-in: creates a segment as multiprocessing.shared_memory does (the file stays open and
-# mapped), in a process of its group that the test then kills with the group's leader.
+# A vLLM stand-in: creates a segment as multiprocessing.shared_memory does and a named semaphore's
+# file as multiprocessing's locks do (each file stays open and mapped), in a process of its
+# group that the test then kills with the group's leader.
 MAKES_SEGMENT = textwrap.dedent("""
     import mmap, os, sys, time
-    fd = os.open(os.path.join(sys.argv[1], "psm_" + sys.argv[2]), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    os.ftruncate(fd, 1 << 20)
-    m = mmap.mmap(fd, 1 << 20)
+    maps = []
+    for prefix, size in (("psm_", 1 << 20), ("sem.mp-", 32)):
+        fd = os.open(os.path.join(sys.argv[1], prefix + sys.argv[2]), os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        os.ftruncate(fd, size)
+        maps.append(mmap.mmap(fd, size))
     print("ready", flush=True)
     time.sleep(60)
 """)
@@ -149,11 +152,11 @@ async def test_segments_left_by_a_killed_group_are_removed_and_no_other(children
         (shm / "psm_closed").write_bytes(b"x")  # created meanwhile, used by nobody: left by the group
         os.killpg(child.pgid, signal.SIGKILL)  # no resource tracker survives to unlink it
         await child.wait()
-        assert sorted(p.name for p in shm.iterdir()) == ["not_vllm", "psm_before", "psm_theirs"]
-        assert "clean vllm[" in caplog.text and "psm_closed, psm_ours" in caplog.text
+        assert sorted(p.name for p in shm.iterdir()) == ["not_vllm", "psm_before", "psm_theirs", "sem.mp-theirs"]
+        assert "clean vllm[" in caplog.text and "psm_closed, psm_ours, sem.mp-ours" in caplog.text
     finally:
         other.kill()
         other.wait(10)
         other.stdout.close()
-    assert leftovers.remove_shm_leftovers(set()) == ["psm_before", "psm_theirs"]  # unused now, so removable
+    assert leftovers.remove_shm_leftovers(set()) == ["psm_before", "psm_theirs", "sem.mp-theirs"]  # unused now
     assert lines_of(caplog, "vllm")[0].endswith(": ready")

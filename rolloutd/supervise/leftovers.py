@@ -11,7 +11,7 @@ hand or by a test), and what a server leaves behind in either way.
   (:meth:`ChildRecords.reap_leftovers`; lines start with ``clean``). A recorded group is only
   signalled while it provably is the one recorded: a recycled pid is never signalled.
 - Once a server's processes are gone, the shared-memory segments they left in ``/dev/shm``
-  (vLLM's ``psm_*``: its resource tracker dies with them) are removed
+  (vLLM's ``psm_*`` and ``sem.mp-*``: its resource tracker dies with them) are removed
   (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways.
 
 One child process (spawn, output, stop, reap) is child.py.
@@ -139,10 +139,12 @@ class ProcessGroups(Containment):
 # -- shared memory left by a group -------------------------------------------------------------------
 SHM_DIR = Path("/dev/shm")
 # What vLLM's processes create there: Python's multiprocessing.shared_memory segments ("psm_<hex>":
-# vLLM's message queues and object storage; ~160 MiB each with the test flags), and vLLM's own
-# mmap regions (KV offload, encoder cache transfer). Python's resource tracker would unlink the
-# first kind when its owners exit, but it is in the group and dies with it under SIGKILL.
-SHM_PATTERNS = ("psm_*", "vllm_offload_*.mmap", "vllm_ec_*.mmap")
+# vLLM's message queues and object storage; ~160 MiB each with the test flags), Python's
+# multiprocessing named semaphores ("sem.mp-<random>": the locks of vLLM's worker processes,
+# which are started with "spawn"; 32 bytes each, but they pile up), and vLLM's own mmap regions
+# (KV offload, encoder cache transfer). Python's resource tracker would unlink the first two
+# kinds when their owners exit, but it is in the group and dies with it under SIGKILL.
+SHM_PATTERNS = ("psm_*", "sem.mp-*", "vllm_offload_*.mmap", "vllm_ec_*.mmap")
 
 
 def shm_names() -> set[str]:
