@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mmap
 import os
 import shutil
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -148,7 +150,7 @@ def test_gc_keeps_versions_in_use_and_the_newest(mirror):
     (mirror.dir / "6").mkdir()  # broken (no manifest), newer than all: not "the newest complete"
     assert mirror.gc(in_use={2}) == [1, 3, 4, 6]
     assert mirror.versions() == [2, 5]
-    assert sorted(os.listdir(mirror.dir)) == ["2", "5"]  # no trash left behind
+    assert sorted(os.listdir(mirror.dir)) == [".spare", "2", "5"]  # no trash left behind
     assert mirror.gc(in_use={2}) == []
     assert mirror.gc(in_use=set()) == [2]
     assert mirror.versions() == [5]
@@ -301,8 +303,8 @@ def test_two_removals_of_one_version_remove_it_once(mirror, monkeypatch, caplog)
         mirror.remove(1, "first")
         other.join(5)
     assert failed == []
-    assert [r.getMessage() for r in caplog.records] == ["remove version 1 from the mirror (first)"]
-    assert mirror.versions() == [2] and sorted(os.listdir(mirror.dir)) == ["2"]
+    assert [r.getMessage().split(",")[0] for r in caplog.records] == ["remove version 1 from the mirror (first)"]
+    assert mirror.versions() == [2] and sorted(os.listdir(mirror.dir)) == [".spare", "2"]
 
 
 def where_rmtree_runs(monkeypatch) -> list[str]:
@@ -354,3 +356,112 @@ async def test_a_gc_asked_for_before_a_commit_keeps_that_version(mirror):
     assert await asyncio.wrap_future(pending) == [1, 2]  # 3: neither in use nor the newest, but not known
     assert mirror.versions() == [3, 4]
     mirror.close()
+
+
+# -- recycling: a removed version's files are overwritten by the next pull ------------------------
+@pytest.fixture
+def shm_dir():
+    """A directory on tmpfs, where mirrors live (inode numbers there are never handed out twice
+    while the machine runs, so an inode seen again is the same file)."""
+    d = Path(tempfile.mkdtemp(prefix="rolloutd-test-mirror-", dir="/dev/shm"))
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def inodes(mirror: Mirror, version: int) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in mirror.path(version).iterdir() if p.name != MANIFEST_NAME}
+
+
+def spares(mirror: Mirror) -> dict[int, bytes]:
+    d = mirror.dir / mirror_mod.SPARE_NAME
+    return {p.stat().st_ino: p.read_bytes() for p in d.iterdir()} if d.exists() else {}
+
+
+def test_a_removed_versions_files_are_overwritten_by_the_next_version_a_b_c(shm_dir):
+    mirror = Mirror(shm_dir / "m", max_bytes=1 << 20)
+    put(mirror, 1)
+    put(mirror, 2)
+    old = inodes(mirror, 1)
+    assert mirror.gc(in_use={2}) == [1]
+    # The files, with version 1's bytes still in them, wait in .spare: renamed, not copied.
+    assert sorted(spares(mirror)) == sorted(old.values())
+    assert sorted(spares(mirror).values()) == sorted(payload(1).values())
+    put(mirror, 3)  # same names and sizes as 1, other bytes
+    assert inodes(mirror, 3) == old  # the very files of version 1
+    for name, data in payload(3).items():
+        assert (mirror.path(3) / name).read_bytes() == data
+    for name, data in payload(2).items():  # the version kept is untouched
+        assert (mirror.path(2) / name).read_bytes() == data
+    assert not (mirror.dir / mirror_mod.SPARE_NAME).exists()
+
+    # Sizes that differ: a larger file takes the larger spare and grows, a smaller one shrinks.
+    assert mirror.gc(in_use={3}) == [2]
+    files4 = {"model-00001-of-00002.safetensors": b"\x04" * 12_345, "model-00002-of-00002.safetensors": b"\x05" * 77,
+              "extra.json": b'{"a": 1}'}
+    manifest4 = make_manifest(4, files4)
+    partial = mirror.begin(manifest4)
+    assert {p.name: p.stat().st_size for p in partial.dir.iterdir()} == {n: len(d) for n, d in files4.items()}
+    for name, data in files4.items():
+        write(partial, name, data)
+    mirror.commit(partial)
+    for name, data in files4.items():
+        assert (mirror.path(4) / name).read_bytes() == data
+    assert mirror.damage(4, manifest4.digest, recheck=True) == []
+    assert sorted(os.listdir(mirror.dir)) == ["3", "4"]
+
+
+def test_a_removed_file_still_mapped_or_linked_elsewhere_keeps_its_bytes(shm_dir):
+    mirror = Mirror(shm_dir / "m", max_bytes=1 << 20)
+    put(mirror, 1)
+    put(mirror, 2)
+    first, second = sorted(payload(1))
+    with open(mirror.path(1) / first, "rb") as f:  # a server that still maps a removed version
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    os.link(mirror.path(1) / second, shm_dir / "elsewhere")  # another name for the same bytes
+    try:
+        assert mirror.gc(in_use={2}) == [1]
+        assert spares(mirror) == {}  # neither is recycled: both are deleted from the mirror
+        put(mirror, 3)
+        assert mapped[:] == payload(1)[first]
+        assert (shm_dir / "elsewhere").read_bytes() == payload(1)[second]
+        for name, data in payload(3).items():
+            assert (mirror.path(3) / name).read_bytes() == data
+    finally:
+        mapped.close()
+
+
+def test_spares_count_as_room_and_never_exceed_one_version(shm_dir):
+    mirror = Mirror(shm_dir / "m", max_bytes=1 << 20)
+    for v in (1, 2, 3, 4):
+        put(mirror, v)
+    one = sum(len(d) for d in payload(4).values())
+    assert mirror.gc(in_use=set()) == [1, 2, 3]
+    assert sum(len(b) for b in spares(mirror).values()) == one  # one version's worth kept, the rest deleted
+    # A mirror that holds 4 and the spares has room for one more version of the same size.
+    mirror.max_bytes = mirror.usage_bytes() + 200  # the manifest's size and a little
+    assert mirror.usage_bytes() > one * 2
+    assert mirror.ensure_room(one, in_use={4}) == []
+    partial = mirror.begin(make_manifest(5, payload(5)))
+    assert mirror.usage_bytes() <= mirror.max_bytes
+    mirror.discard(partial)
+
+
+def test_without_recycling_a_removed_version_is_deleted(shm_dir):
+    mirror = Mirror(shm_dir / "m", max_bytes=1 << 20, recycle=False)
+    put(mirror, 1)
+    put(mirror, 2)
+    old = inodes(mirror, 1)
+    assert mirror.gc(in_use={2}) == [1]
+    assert sorted(os.listdir(mirror.dir)) == ["2"]
+    put(mirror, 3)
+    assert not set(inodes(mirror, 3).values()) & set(old.values())
+
+
+def test_a_restart_gives_spares_back(shm_dir):
+    mirror = Mirror(shm_dir / "m", max_bytes=1 << 20)
+    put(mirror, 1)
+    put(mirror, 2)
+    mirror.gc(in_use=set())
+    assert spares(mirror)
+    assert mirror.dir / mirror_mod.SPARE_NAME in Mirror(mirror.dir, max_bytes=1 << 20).clean_partials()
+    assert sorted(os.listdir(mirror.dir)) == ["2"]

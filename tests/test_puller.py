@@ -6,8 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import mmap
 import os
+import shutil
 import signal
+import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -510,3 +513,40 @@ async def test_room_is_made_from_versions_no_server_uses(registry, proxy, client
     await make_puller(client, mirror, in_use=lambda: {2}).pull(3)  # 1 goes; 2 in use
     assert mirror.versions() == [2, 3]
     assert_pulled(mirror, 3, files3, m3)
+
+
+async def test_each_pull_overwrites_the_files_of_the_version_removed_before_it(registry):
+    """Pull workers splice into recycled tmpfs files (the mirror's default) and every version
+    comes out byte for byte as published: 1, 2, 3, 4, each pull making room from the one two
+    back, with a server still mapping one file of a removed version."""
+    shm = Path(tempfile.mkdtemp(prefix="rolloutd-test-pull-", dir="/dev/shm"))
+    try:
+        published = {1: publish(registry, 1)}
+        mirror = Mirror(shm / "m", max_bytes=int(2.5 * published[1][0].total_bytes))
+        async with RegistryClient(registry.url) as client:
+            await make_puller(client, mirror, workers=2).pull(1)
+            published[2] = publish(registry, 2)
+            await make_puller(client, mirror, workers=2, in_use=lambda: {1}).pull(2)
+            seen = {p.stat().st_ino for p in mirror.path(1).iterdir()}
+            seen2 = {p.stat().st_ino for p in mirror.path(2).iterdir()}
+            kept_name = sorted(published[1][1])[0]
+            with open(mirror.path(2) / kept_name, "rb") as f:  # a server still on 2 maps this file
+                mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+                mapped_ino = os.fstat(f.fileno()).st_ino
+            try:
+                for v in (3, 4):
+                    published[v] = publish(registry, v)
+                    await make_puller(client, mirror, workers=2, in_use=lambda v=v: {v - 1}).pull(v)
+                    manifest, files = published[v]
+                    assert_pulled(mirror, v, files, manifest)
+                    assert mirror.versions() == [v - 1, v]
+                    now = {p.stat().st_ino for p in mirror.path(v).iterdir() if p.name != MANIFEST_NAME}
+                    if v == 3:  # the pages of version 1, overwritten
+                        assert now <= seen, "version 3 was not written into version 1's files"
+                    else:  # version 2's files, but the one still mapped
+                        assert mapped_ino not in now and len(now & seen2) == len(now) - 1
+                assert mapped[:] == published[2][1][kept_name]
+            finally:
+                mapped.close()
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

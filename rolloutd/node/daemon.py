@@ -118,7 +118,7 @@ class Daemon:
         for line in await self.containment.start(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
             log.warning("clean %s", line)
         prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
-        self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes))
+        self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes), recycle=cfg.mirror.recycle)
         self.mirror.clean_partials()
         self.plugin_dir = install_plugin(cfg.state_dir / "plugin")
         self.admin = AdminServer(create_app(self, admin_token), cfg.admin.host, cfg.admin.port)

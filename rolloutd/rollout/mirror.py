@@ -6,6 +6,7 @@ Layout (contract, design §5)::
     <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)
     <dir>/.<version>.partial/        a pull in progress: files at full size (allocated as they are written)
     <dir>/.<version>.<rand>.trash/   a version being removed (renamed away first)
+    <dir>/.spare/                    files of removed versions, kept for the next pull to overwrite
 
 A pull writes into the hidden ``.partial`` directory; :meth:`Mirror.commit` fsyncs every file,
 writes ``manifest.json``, fsyncs the directory and renames it into place with one
@@ -21,6 +22,15 @@ there does nothing). Mutations block (fsync, deleting gigabytes): call them from
 thread, never on the event loop; :meth:`Mirror.collect_soon` runs gc on the mirror's own worker
 thread for callers that cannot wait. Reading takes no lock: renames are atomic, so a reader sees
 a version whole or not at all.
+
+Recycling (``recycle``, on by default): a removed version's files are not deleted but moved to
+``.spare`` (at most one version's worth), and :meth:`Mirror.begin` gives them to the next pull,
+which overwrites every byte. A fresh tmpfs page costs its allocation and zeroing on the pull
+worker's core, as much as the copy into it (bench/README.md, "Recycled pages"); an old page
+costs nothing. A file is recycled only if nothing else can see it: one name (no hard link) and,
+under a write lease, no other open file or mapping of it anywhere (a server still mapping a
+removed version keeps its bytes: that file is deleted as before). Spares not taken by the next
+``begin`` are deleted then, and count as free room meanwhile.
 The mirror does no I/O over the network and never imports torch.
 """
 
@@ -28,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import functools
 import logging
 import os
@@ -51,6 +62,7 @@ MANIFEST_NAME = "manifest.json"
 _VERSION_RE = re.compile(r"^[1-9][0-9]{0,15}$")
 _PARTIAL_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.partial$")
 _TRASH_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.[0-9a-f]+\.trash$")
+SPARE_NAME = ".spare"
 
 
 class MirrorFull(Exception):
@@ -83,11 +95,12 @@ def _mutation(method):
 
 
 class Mirror:
-    def __init__(self, directory: Path, max_bytes: int):
+    def __init__(self, directory: Path, max_bytes: int, *, recycle: bool = True):
         if max_bytes <= 0:
             raise ValueError("max_bytes must be positive")
         self.dir = Path(directory)
         self.max_bytes = max_bytes
+        self.recycle = recycle  # removed versions' files are overwritten by the next pull
         self.dir.mkdir(parents=True, exist_ok=True)
         self._reported: set[tuple[str, int]] = set()  # broken version dirs already logged
         self._verified: set[tuple[int, str]] = set()  # (version, digest) read back whole, or pulled here
@@ -160,12 +173,14 @@ class Mirror:
     @_mutation
     def begin(self, manifest: Manifest) -> Partial:
         """Create ``.<v>.partial`` with every file at full size (a leftover partial of the same
-        version is removed first). A filesystem without room for the version fails here, with
-        the figures, and not halfway through a pull. The pages are allocated by whoever writes
-        them (the pull workers allocate a chunk's range before they fill it): allocating
-        gigabytes here would be the daemon's own CPU time, beside its event loop."""
+        version is removed first), taking spare files of removed versions where there are any.
+        A filesystem without room for the version fails here, with the figures, and not halfway
+        through a pull. The pages of new files are allocated by whoever writes them (the pull
+        workers allocate a chunk's range before they fill it): allocating gigabytes here would
+        be the daemon's own CPU time, beside its event loop."""
         manifest = manifest.sealed()
-        free = _free_bytes(self.dir)
+        spares = self._spares()
+        free = _free_bytes(self.dir) + sum(spares.values())
         if free < manifest.total_bytes:
             raise OSError(errno.ENOSPC, f"{self.dir} has {size(free)} free, version {manifest.version} needs "
                           f"{size(manifest.total_bytes)}")
@@ -173,18 +188,27 @@ class Mirror:
         _remove_tree(pdir)
         pdir.mkdir()
         partial = Partial(manifest, pdir)
+        recycled = 0
         try:
             for entry in manifest.files:
-                fd = os.open(pdir / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+                path = pdir / entry.name
+                if (spare := _best_fit(spares, entry.size)) is not None:
+                    os.rename(spare, path)
+                    recycled += min(spares.pop(spare), entry.size)
+                    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                else:
+                    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
-                    os.ftruncate(fd, entry.size)
+                    os.ftruncate(fd, entry.size)  # a recycled file's tail beyond the size is freed
                 finally:
                     os.close(fd)
         except BaseException:
             self.discard(partial)
             raise
-        log.info("begin version %d in %s (%d files, %d bytes)", manifest.version, pdir,
-                 len(manifest.files), manifest.total_bytes)
+        finally:
+            _remove_tree(self.dir / SPARE_NAME)  # what this version did not take: give it back
+        log.info("begin version %d in %s (%d files, %d bytes, %d of them in recycled pages)", manifest.version,
+                 pdir, len(manifest.files), manifest.total_bytes, recycled)
         return partial
 
     @_mutation
@@ -215,11 +239,12 @@ class Mirror:
 
     @_mutation
     def clean_partials(self) -> list[Path]:
-        """Remove what a crashed run left: ``.*.partial`` and ``.*.trash`` directories.
-        Call at start, before any pull."""
+        """Remove what a crashed run left: ``.*.partial``, ``.*.trash`` and ``.spare``
+        directories (a spare file is recycled only straight after the check that nothing else
+        sees it). Call at start, before any pull."""
         removed = []
         for entry in os.scandir(self.dir):
-            if _PARTIAL_RE.match(entry.name) or _TRASH_RE.match(entry.name):
+            if _PARTIAL_RE.match(entry.name) or _TRASH_RE.match(entry.name) or entry.name == SPARE_NAME:
                 _remove_tree(Path(entry.path))
                 removed.append(Path(entry.path))
                 log.info("remove leftover %s", entry.path)
@@ -272,7 +297,7 @@ class Mirror:
         """Make room for ``needed_bytes`` more within ``max_bytes``, removing versions with
         :meth:`gc` only if it must. Returns the versions removed; raises ``MirrorFull`` with the
         figures when even that is not enough (nothing is removed then)."""
-        usage = self.usage_bytes()
+        usage = self.usage_bytes() - sum(self._spares().values())  # the next begin takes or frees them
         if usage + needed_bytes <= self.max_bytes:
             return []
         keep = set(in_use) | ({self.newest()} - {None})
@@ -309,9 +334,40 @@ class Mirror:
         except FileNotFoundError:
             return False
         _fsync_dir(self.dir)
+        kept = self._keep_spares(trash)
         _remove_tree(trash)  # under the lock: ensure_room counts the bytes as free once it returns
-        log.info("remove version %d from the mirror (%s)", version, why)
+        log.info("remove version %d from the mirror (%s)%s", version, why,
+                 f", {size(kept)} of its files kept to be overwritten by the next pull" if kept else "")
         return True
+
+    def _spares(self) -> dict[Path, int]:
+        """Spare files and their sizes."""
+        found = {}
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.dir / SPARE_NAME):
+                with contextlib.suppress(FileNotFoundError):
+                    found[Path(entry.path)] = entry.stat(follow_symlinks=False).st_size
+        return found
+
+    def _keep_spares(self, trash: Path) -> int:
+        """Move the files of a removed version (renamed to ``trash``) that nothing else sees
+        into ``.spare``, up to the size of the newest complete version (what the next pull
+        will most likely need). Returns the bytes kept."""
+        newest = self.newest()
+        room = 0 if not self.recycle or newest is None else self.manifest(newest).total_bytes
+        room -= sum(self._spares().values())
+        kept = 0
+        for entry in sorted(os.scandir(trash), key=lambda e: e.name):
+            if entry.name == MANIFEST_NAME or not entry.is_file(follow_symlinks=False):
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if st.st_size == 0 or st.st_size > room - kept:
+                continue
+            spare_dir = self.dir / SPARE_NAME
+            spare_dir.mkdir(exist_ok=True)
+            if _move_if_unshared(Path(entry.path), spare_dir / f"{trash.name}{entry.name}"):
+                kept += st.st_size
+        return kept
 
 
 def _mismatch(vdir: Path, version: int, manifest: Manifest) -> str | None:
@@ -327,6 +383,38 @@ def _mismatch(vdir: Path, version: int, manifest: Manifest) -> str | None:
         if actual != entry.size:
             return f"file {entry.name} has {actual} bytes, the manifest says {entry.size}"
     return None
+
+
+def _best_fit(spares: dict[Path, int], needed: int) -> Path | None:
+    """The smallest spare that holds ``needed`` bytes, else the largest (grown by its writer)."""
+    if not spares or needed == 0:
+        return None
+    fits = [p for p, n in spares.items() if n >= needed]
+    return min(fits, key=spares.get) if fits else max(spares, key=spares.get)
+
+
+def _move_if_unshared(path: Path, to: Path) -> bool:
+    """Rename ``path`` to ``to`` if nothing else can see its bytes: one name only, and no other
+    open file or mapping of it in any process, which the kernel proves by granting a write
+    lease (and it holds back any new open until the rename is done). Anything else (in use,
+    leases unsupported, another owner): False, and the file stays where it was."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_nlink != 1:
+            return False
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        try:
+            os.rename(path, to)
+        finally:
+            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
 
 
 def _free_bytes(path: Path) -> int:
