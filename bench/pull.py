@@ -6,7 +6,11 @@ same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the
 
 - ``puller``: ``pullonce.py`` (rolloutd's ``Puller`` on uvloop, ``--workers`` pull worker
   processes) from ``rolloutd registry`` (bytes held in memory, or with ``--store disk`` in a
-  disk store in the same tmpfs, sent with sendfile) into a fresh mirror directory;
+  disk store in the same tmpfs, sent with sendfile) into a mirror as the daemon's is between two
+  steps: the version it held (from an untimed first pull) removed first, as gc removes one no
+  server uses, so its files are recycled (``mirror.recycle``, on by default);
+- ``puller-fresh``: the same into a fresh mirror directory (a daemon's first pull, or
+  ``recycle: false``): every page allocated new, as for curl, aria2c and cp;
 - ``puller-copy``: the same with the body read into the workers' memory and written, instead
   of spliced from the socket into the file (the A/B of the one-copy path);
 - ``curl``: one ``curl`` for all files, one after the other over one connection, from nginx
@@ -15,8 +19,8 @@ same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the
 - ``aria2c``: ``aria2c -x8 -s8`` (``--connections``) for all files, from nginx;
 - ``cp``: ``cp -r`` of the source files (tmpfs to tmpfs), the memory-copy limit of this machine.
 
-Every contender writes new files into the same tmpfs (the destination is removed before each
-run). Servers run pinned to one CPU, clients to the other (``taskset``). Each contender runs
+Every contender but ``puller`` (and ``puller-ref``) writes new files into the same tmpfs (the
+destination is removed before each run). Servers run pinned to one CPU, clients to the other (``taskset``). Each contender runs
 ``--repeats`` times, interleaved; the medians and the ratios puller / best of curl and aria2c and
 puller / cp are reported. Every file a contender wrote is checked against the published
 manifest's chunk digests (the first repeat for all, every repeat for the puller). Writes
@@ -78,7 +82,7 @@ sys.path.insert(0, str(REPO))
 
 from rolloutd.wire.manifest import Manifest, verify_file  # noqa: E402
 
-CONTENDERS = ("puller", "puller-copy", "puller-ref", "curl", "curl-parallel", "aria2c", "cp")
+CONTENDERS = ("puller", "puller-fresh", "puller-copy", "puller-ref", "curl", "curl-parallel", "aria2c", "cp")
 DOWNLOADERS = ("curl", "curl-parallel", "aria2c")  # the "best of" the puller is compared with
 MIN_RATE_BPS = 20e6  # a transfer slower than this is broken: it sets every subprocess timeout
 SWEEP = [(s, r) for s in (2, 4, 8, 16) for r in (4, 16, 64)]  # (streams, request MiB)
@@ -101,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=int, default=2048, help="bytes of the version, in all")
     p.add_argument("--files", type=int, default=8, help="files the version has (equal sizes)")
     p.add_argument("--repeats", type=int, default=3, help="runs per contender")
-    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "puller-ref"),
+    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c not in ("puller-ref", "puller-copy")),
                    help=f"comma list of {', '.join(CONTENDERS)}")
     p.add_argument("--streams", type=int, default=4, help="puller: concurrent chunk streams (the Puller default)")
     p.add_argument("--workers", type=int, default=1, help="puller: pull worker processes (on the load CPU)")
@@ -164,9 +168,9 @@ def missing_tools(args: argparse.Namespace) -> list[str]:
 
 
 def check_room(args: argparse.Namespace) -> str | None:
-    """The source, the registry's copy (plus its upload buffer) and one destination: refuse
-    early unless memory and tmpfs have room for 5 times the version."""
-    need = 5 * args.size
+    """The source, the registry's copy (plus its upload buffer), one destination and the
+    steady pullers' mirrors: refuse early unless memory and tmpfs have room for them."""
+    need = (5 + sum(c in args.contenders for c in ("puller", "puller-ref"))) * args.size
     meminfo = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M))
     available = min(int(meminfo.get("MemAvailable", 0)) << 10, shutil.disk_usage(args.tmp_dir).free)
     if available < need:
@@ -223,8 +227,10 @@ def run_timed(argv: list[str], args: argparse.Namespace, cpus: str | None = None
 
 
 def pull_argv(urls: dict, dest: Path, args: argparse.Namespace, streams: int, request_mib: int,
-              repo: Path | None = None, workers: int | None = None, copy: bool = False) -> list[str]:
+              repo: Path | None = None, workers: int | None = None, copy: bool = False,
+              again: bool = False) -> list[str]:
     return [sys.executable, str(BENCH / "pullonce.py"), urls["registry"], "--mirror", str(dest),
+            *(["--again"] if again else []),
             "--version", "1", "--streams", str(streams), "--request-mib", str(request_mib),
             "--piece-kib", str(args.piece_kib), "--loop", args.loop, "--workers", str(workers or args.workers),
             "--timeout-s", f"{transfer_timeout_s(args.size):.0f}", *(["--repo", str(repo)] if repo else []),
@@ -233,10 +239,16 @@ def pull_argv(urls: dict, dest: Path, args: argparse.Namespace, streams: int, re
 
 def puller(urls: dict, names: list[str], dest: Path, args: argparse.Namespace,
            streams: int | None = None, request_mib: int | None = None, repo: Path | None = None,
-           workers: int | None = None, copy: bool = False) -> dict:
+           workers: int | None = None, copy: bool = False, steady: bool = False) -> dict:
+    """One pull into ``dest`` (fresh), or with ``steady`` into a mirror of its own that keeps the
+    version between runs (pulled once untimed first) and removes it before the timed pull."""
     workers = workers or args.workers
-    argv = pull_argv(urls, dest, args, max(streams or args.streams, workers), request_mib or args.request_mib,
-                     repo, workers, copy)
+    streams = max(streams or args.streams, workers)
+    if steady:
+        dest = dest.parent / f"mirror-{'ref' if repo else 'shipped'}"
+        if not dest.exists():
+            run_timed(pull_argv(urls, dest, args, streams, request_mib or args.request_mib, repo, workers), args)
+    argv = pull_argv(urls, dest, args, streams, request_mib or args.request_mib, repo, workers, copy, again=steady)
     out, _, _ = run_timed(argv, args, cpus=sweep_cpus(workers, args) if workers > 1 else None)
     r = json.loads(out.stdout)  # its own time and CPU: the pull, not the interpreter's start
     if r["bytes"] != args.size:
@@ -284,13 +296,16 @@ def sweep_cpus(workers: int, args: argparse.Namespace) -> str:
     return ",".join(str(c) for c in cpus[:workers])
 
 
-RUN = {"puller": puller, "puller-copy": lambda *a, **kw: puller(*a, copy=True, **kw),
-       "puller-ref": lambda *a: puller(*a, repo=a[3].ref_repo), "curl": curl,
+RUN = {"puller": lambda *a, **kw: puller(*a, steady=True, **kw), "puller-fresh": puller,
+       "puller-copy": lambda *a, **kw: puller(*a, copy=True, **kw),
+       "puller-ref": lambda *a: puller(*a, repo=a[3].ref_repo, steady=True), "curl": curl,
        "curl-parallel": lambda *a: curl(*a, parallel=True), "aria2c": aria2c, "cp": cp}
 
 
 def label(name: str, args: argparse.Namespace) -> str:
-    return {"puller": f"puller {args.workers} worker(s), {args.streams} streams x {args.request_mib} MiB requests",
+    return {"puller": f"puller {args.workers} worker(s), {args.streams} streams x {args.request_mib} MiB requests, "
+                      "into the files of the version removed (as shipped, between steps)",
+            "puller-fresh": "the same into a fresh mirror (every page new)",
             "puller-copy": "the same, bodies through the workers' memory (not spliced)",
             "puller-ref": f"the same, rolloutd from {args.ref_repo}",
             "curl": "curl, files one after another",
@@ -464,10 +479,15 @@ def summarize(runs: dict) -> dict:
         ratios["puller_to_cp"] = round(med["puller"] / med["cp"], 3)
     if "puller" in med and "puller-ref" in med:
         ratios["puller_to_puller_ref"] = round(med["puller"] / med["puller-ref"], 3)
+    if "puller-fresh" in med and "cp" in med:
+        ratios["puller_fresh_to_cp"] = round(med["puller-fresh"] / med["cp"], 3)
     if "puller" in med and "puller-copy" in med:
         ratios["puller_to_puller_copy"] = round(med["puller"] / med["puller-copy"], 3)
     if "puller" in out and "cp" in out:
         ratios["client_cpu_to_cp"] = round(out["puller"]["client_cpu_s_per_gb"] / out["cp"]["client_cpu_s_per_gb"], 3)
+    if "puller-fresh" in out and "cp" in out:
+        ratios["fresh_client_cpu_to_cp"] = round(out["puller-fresh"]["client_cpu_s_per_gb"]
+                                                 / out["cp"]["client_cpu_s_per_gb"], 3)
     return {"contenders": out, "ratios": ratios}
 
 
@@ -488,12 +508,16 @@ def markdown(report: dict) -> str:
         lines += ["", f"puller / best downloader ({r['best_downloader']}): **{r['puller_to_best_downloader']:.2f}**"]
     if "puller_to_cp" in r:
         lines.append(f"puller / cp: **{r['puller_to_cp']:.2f}**")
+    if "puller_fresh_to_cp" in r:
+        lines.append(f"puller-fresh / cp: **{r['puller_fresh_to_cp']:.2f}**")
     if "puller_to_puller_ref" in r:
         lines.append(f"puller / puller-ref: **{r['puller_to_puller_ref']:.2f}**")
     if "puller_to_puller_copy" in r:
         lines.append(f"puller (spliced) / puller-copy: **{r['puller_to_puller_copy']:.2f}**")
     if "client_cpu_to_cp" in r:
         lines.append(f"puller client CPU per GB / cp's: **{r['client_cpu_to_cp']:.2f}**")
+    if "fresh_client_cpu_to_cp" in r:
+        lines.append(f"puller-fresh client CPU per GB / cp's: **{r['fresh_client_cpu_to_cp']:.2f}**")
     if report.get("workers_sweep"):
         lines += ["", "Workers sweep (median of the repeats): workers on CPUs -> GB/s (client s/GB)", ""]
         lines += [f"- {row['workers']} on {row['cpus']}: {row['gb_per_s']['median']:.2f} "

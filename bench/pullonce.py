@@ -36,6 +36,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--priority", choices=("idle", "low", "normal"), default="normal",
                    help="CPU priority of the pull workers")
     p.add_argument("--copy", action="store_true", help="bytes through the workers' memory, not spliced")
+    p.add_argument("--again", action="store_true",
+                   help="remove the versions the mirror holds first (not timed), as the daemon's gc removes "
+                        "one no server uses: a build that recycles overwrites their files")
     p.add_argument("--request-mib", type=int, default=16, help="largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="largest piece read from a response at once")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
@@ -48,7 +51,11 @@ def parse_args() -> argparse.Namespace:
 
 async def pull(args: argparse.Namespace) -> dict:
     async with RegistryClient(args.url, timeouts=Timeouts(read_s=60.0), max_connections=args.streams + 2) as client:
-        puller = Puller(client, Mirror(args.mirror, max_bytes=1 << 50), holder="bench-node",
+        mirror = Mirror(args.mirror, max_bytes=1 << 50)
+        if args.again:
+            for v in mirror.versions():
+                mirror.remove(v, "pulled again")
+        puller = Puller(client, mirror, holder="bench-node",
                         streams=args.streams, request_bytes=args.request_mib << 20,
                         piece_bytes=args.piece_kib << 10, **workers(args))
         cpu0 = _cpu()

@@ -465,3 +465,15 @@ def test_a_restart_gives_spares_back(shm_dir):
     assert spares(mirror)
     assert mirror.dir / mirror_mod.SPARE_NAME in Mirror(mirror.dir, max_bytes=1 << 20).clean_partials()
     assert sorted(os.listdir(mirror.dir)) == ["2"]
+
+
+def test_the_last_version_removed_is_kept_for_the_next(shm_dir):
+    mirror = Mirror(shm_dir / "m", max_bytes=1 << 20)
+    put(mirror, 1)
+    old = inodes(mirror, 1)
+    assert mirror.remove(1, "replaced")
+    assert sorted(spares(mirror)) == sorted(old.values())
+    put(mirror, 2)
+    assert inodes(mirror, 2) == old
+    for name, data in payload(2).items():
+        assert (mirror.path(2) / name).read_bytes() == data

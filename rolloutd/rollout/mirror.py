@@ -352,9 +352,11 @@ class Mirror:
     def _keep_spares(self, trash: Path) -> int:
         """Move the files of a removed version (renamed to ``trash``) that nothing else sees
         into ``.spare``, up to the size of the newest complete version (what the next pull
-        will most likely need). Returns the bytes kept."""
+        will most likely need), or of the removed one if it was the last. Returns the bytes kept."""
+        if not self.recycle:
+            return 0
         newest = self.newest()
-        room = 0 if not self.recycle or newest is None else self.manifest(newest).total_bytes
+        room = _tree_bytes(trash) if newest is None else self.manifest(newest).total_bytes
         room -= sum(self._spares().values())
         kept = 0
         for entry in sorted(os.scandir(trash), key=lambda e: e.name):
