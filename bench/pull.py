@@ -20,11 +20,11 @@ same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the
 - ``cp``: ``cp -r`` of the source files (tmpfs to tmpfs), the memory-copy limit of this machine.
 
 Every contender but ``puller`` (and ``puller-ref``) writes new files into the same tmpfs (the
-destination is removed before each run). Servers run pinned to one CPU, clients to the other (``taskset``). Each contender runs
-``--repeats`` times, interleaved; the medians and the ratios puller / best of curl and aria2c and
-puller / cp are reported. Every file a contender wrote is checked against the published
-manifest's chunk digests (the first repeat for all, every repeat for the puller). Writes
-``bench/results/pull.json`` and ``bench/results/pull.md``. From the repo root::
+destination is removed before each run). Servers run pinned to one CPU, clients to the other
+(``taskset``). Each contender runs ``--repeats`` times, interleaved; the medians and the ratios
+puller / best of curl and aria2c and puller / cp are reported. Every file a contender wrote is
+checked against the published manifest's chunk digests (the first repeat for all, every repeat
+for the puller). Writes ``bench/results/pull.json`` and ``bench/results/pull.md``. From the repo root::
 
     .venv/bin/python bench/pull.py            # 2 GiB in 8 files, 3 repeats, about 2 minutes
     .venv/bin/python bench/pull.py --sweep    # first one pull per streams x request size

@@ -55,7 +55,8 @@ STATUS = {
              "workers": [4400, 4401], "worker_restarts": 1, "seconds": 2.0, "error": None},
     "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
                      "url": "http://10.0.0.7:9300", "served_bytes": 9 << 30, "served_requests": 1152},
-    "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "versions": [10, 11]},
+    "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "spare_bytes": 0,
+               "versions": [10, 11]},
     "servers": [
         {"name": "gpu0", "state": "SERVING", "pid": 5001, "socket": "/var/lib/rolloutd/sockets/gpu0.sock",
          "public_port": 9001, "gpus": [0, 1],
@@ -441,6 +442,13 @@ def test_status_table_before_anything_happened():
     assert lines[2:4] == ["target: none yet", "pull: none yet"]
     assert lines[4].endswith("versions none")
     assert lines[-1] == "(no servers configured)"
+
+
+def test_status_names_the_spare_bytes_of_the_mirror():
+    doc = copy.deepcopy(STATUS)
+    doc["mirror"]["spare_bytes"] = 4 << 30
+    assert render_status(doc, now_unix=NOW).splitlines()[4] == (
+        "mirror /dev/shm/rolloutd: 8.0 GiB of 32.0 GiB (4.0 GiB spare, for the next pull), versions v10, v11")
 
 
 @pytest.mark.parametrize(("pull", "expected"), [

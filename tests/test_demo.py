@@ -28,6 +28,10 @@ def test_demo_serves_three_versions_of_a_tied_model_exactly_and_leaves_nothing(t
     refs = re.findall(r"transformers on the published weights  -> (\[.*?\]): equal", out)
     assert len(gens) == 3 and len(set(gens)) == 3, out  # three versions, three different answers...
     assert refs == gens, out  # ... each equal to transformers' on that version's weights
+    # Version 3 was pulled into version 1's file, removed once the server moved on (mirror.recycle):
+    # transformers' answer on version 3 above shows that no stale byte of version 1 was served.
+    assert re.search(r"begin version 3 in .* \(1 files, (\d+) bytes, \1 of them in recycled pages\)", run.stderr), \
+        run.stderr[-4000:]
     assert len(re.findall(r"gate: the version's canary scored on the server: max \|dlogprob\| \S+", out)) == 3
     assert "demo: done" in out
     assert "stop rolloutd: every server stopped" in run.stderr

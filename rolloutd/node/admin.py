@@ -96,6 +96,8 @@ class MirrorStatus(_Model):
     dir: str = Field(description="the node mirror's directory")
     max_bytes: int = Field(description="most bytes it may hold")
     usage_bytes: int = Field(description="bytes it holds now")
+    spare_bytes: int = Field(description="of those, files of removed versions kept for the next pull to "
+                             "overwrite (mirror.recycle)")
     versions: list[int] = Field(description="complete versions it holds")
 
 

@@ -245,7 +245,8 @@ def _pull_line(p: dict | None) -> str:
 
 def _mirror_line(m: dict) -> str:
     versions = ", ".join(_v(v) for v in m["versions"]) or "none"
-    return f"mirror {m['dir']}: {size(m['usage_bytes'])} of {size(m['max_bytes'])}, versions {versions}"
+    spare = f" ({size(m['spare_bytes'])} spare, for the next pull)" if m.get("spare_bytes") else ""
+    return f"mirror {m['dir']}: {size(m['usage_bytes'])} of {size(m['max_bytes'])}{spare}, versions {versions}"
 
 
 def _server_row(s: dict, now_unix: float) -> tuple[str, ...]:

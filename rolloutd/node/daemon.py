@@ -393,7 +393,8 @@ class Daemon:
             "pull": progress.as_dict() if progress is not None else None,
             "pull_sources": self._pull_sources(),
             "mirror": {"dir": str(self.mirror.dir), "max_bytes": self.mirror.max_bytes,
-                       "usage_bytes": self.mirror.usage_bytes(), "versions": self.mirror.versions()},
+                       "usage_bytes": self.mirror.usage_bytes(), "spare_bytes": self.mirror.spare_bytes(),
+                       "versions": self.mirror.versions()},
             "servers": servers,
         }
 

@@ -166,8 +166,12 @@ class Mirror:
         return problems
 
     def usage_bytes(self) -> int:
-        """Apparent size of everything under the mirror (partials and leftovers included)."""
+        """Apparent size of everything under the mirror (partials, spares and leftovers included)."""
         return _tree_bytes(self.dir)
+
+    def spare_bytes(self) -> int:
+        """Bytes of removed versions' files kept for the next pull to overwrite."""
+        return sum(self._spares().values())
 
     # -- writing (each holds the lock) -------------------------------------------------------------
     @_mutation
@@ -297,7 +301,7 @@ class Mirror:
         """Make room for ``needed_bytes`` more within ``max_bytes``, removing versions with
         :meth:`gc` only if it must. Returns the versions removed; raises ``MirrorFull`` with the
         figures when even that is not enough (nothing is removed then)."""
-        usage = self.usage_bytes() - sum(self._spares().values())  # the next begin takes or frees them
+        usage = self.usage_bytes() - self.spare_bytes()  # the next begin takes or frees them
         if usage + needed_bytes <= self.max_bytes:
             return []
         keep = set(in_use) | ({self.newest()} - {None})
@@ -328,13 +332,14 @@ class Mirror:
         nothing logged) if no directory has that version's name: removed already."""
         self._verified = {(v, d) for v, d in self._verified if v != version}
         self._committed_at.pop(version, None)
+        complete = self.recycle and self.manifest(version) is not None  # a broken directory's files go
         trash = self.dir / f".{version}.{secrets.token_hex(4)}.trash"
         try:
             os.rename(self.path(version), trash)
         except FileNotFoundError:
             return False
         _fsync_dir(self.dir)
-        kept = self._keep_spares(trash)
+        kept = self._keep_spares(trash) if complete else 0
         _remove_tree(trash)  # under the lock: ensure_room counts the bytes as free once it returns
         log.info("remove version %d from the mirror (%s)%s", version, why,
                  f", {size(kept)} of its files kept to be overwritten by the next pull" if kept else "")
@@ -353,11 +358,9 @@ class Mirror:
         """Move the files of a removed version (renamed to ``trash``) that nothing else sees
         into ``.spare``, up to the size of the newest complete version (what the next pull
         will most likely need), or of the removed one if it was the last. Returns the bytes kept."""
-        if not self.recycle:
-            return 0
         newest = self.newest()
         room = _tree_bytes(trash) if newest is None else self.manifest(newest).total_bytes
-        room -= sum(self._spares().values())
+        room -= self.spare_bytes()
         kept = 0
         for entry in sorted(os.scandir(trash), key=lambda e: e.name):
             if entry.name == MANIFEST_NAME or not entry.is_file(follow_symlinks=False):
