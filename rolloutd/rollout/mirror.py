@@ -31,6 +31,7 @@ costs nothing. A file is recycled only if nothing else can see it: one name (no 
 under a write lease, no other open file or mapping of it anywhere (a server still mapping a
 removed version keeps its bytes: that file is deleted as before). Spares not taken by the next
 ``begin`` are deleted then, and count as free room meanwhile.
+
 The mirror does no I/O over the network and never imports torch.
 """
 
