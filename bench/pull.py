@@ -11,7 +11,7 @@ same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the
   server uses, so its files are recycled (``mirror.recycle``, on by default);
 - ``puller-fresh``: the same into a fresh mirror directory (a daemon's first pull, or
   ``recycle: false``): every page allocated new, as for curl, aria2c and cp;
-- ``puller-copy``: the same with the body read into the workers' memory and written, instead
+- ``puller-copy``: ``puller`` with the body read into the workers' memory and written, instead
   of spliced from the socket into the file (the A/B of the one-copy path);
 - ``curl``: one ``curl`` for all files, one after the other over one connection, from nginx
   (sendfile on) serving the same files from tmpfs;
@@ -19,7 +19,7 @@ same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the
 - ``aria2c``: ``aria2c -x8 -s8`` (``--connections``) for all files, from nginx;
 - ``cp``: ``cp -r`` of the source files (tmpfs to tmpfs), the memory-copy limit of this machine.
 
-Every contender but ``puller`` (and ``puller-ref``) writes new files into the same tmpfs (the
+Every contender but ``puller`` (and ``puller-copy``, ``puller-ref``) writes new files into the same tmpfs (the
 destination is removed before each run). Servers run pinned to one CPU, clients to the other
 (``taskset``). Each contender runs ``--repeats`` times, interleaved; the medians and the ratios
 puller / best of curl and aria2c and puller / cp are reported. Every file a contender wrote is
@@ -105,7 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--size-mib", type=int, default=2048, help="bytes of the version, in all")
     p.add_argument("--files", type=int, default=8, help="files the version has (equal sizes)")
     p.add_argument("--repeats", type=int, default=3, help="runs per contender")
-    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c not in ("puller-ref", "puller-copy")),
+    p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "puller-ref"),
                    help=f"comma list of {', '.join(CONTENDERS)}")
     p.add_argument("--streams", type=int, default=4, help="puller: concurrent chunk streams (the Puller default)")
     p.add_argument("--workers", type=int, default=1, help="puller: pull worker processes (on the load CPU)")
@@ -170,7 +170,7 @@ def missing_tools(args: argparse.Namespace) -> list[str]:
 def check_room(args: argparse.Namespace) -> str | None:
     """The source, the registry's copy (plus its upload buffer), one destination and the
     steady pullers' mirrors: refuse early unless memory and tmpfs have room for them."""
-    need = (5 + sum(c in args.contenders for c in ("puller", "puller-ref"))) * args.size
+    need = (5 + sum(c in args.contenders for c in ("puller", "puller-ref"))) * args.size  # -copy shares puller's
     meminfo = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M))
     available = min(int(meminfo.get("MemAvailable", 0)) << 10, shutil.disk_usage(args.tmp_dir).free)
     if available < need:
@@ -297,7 +297,7 @@ def sweep_cpus(workers: int, args: argparse.Namespace) -> str:
 
 
 RUN = {"puller": lambda *a, **kw: puller(*a, steady=True, **kw), "puller-fresh": puller,
-       "puller-copy": lambda *a, **kw: puller(*a, copy=True, **kw),
+       "puller-copy": lambda *a, **kw: puller(*a, copy=True, steady=True, **kw),
        "puller-ref": lambda *a: puller(*a, repo=a[3].ref_repo, steady=True), "curl": curl,
        "curl-parallel": lambda *a: curl(*a, parallel=True), "aria2c": aria2c, "cp": cp}
 
@@ -306,7 +306,7 @@ def label(name: str, args: argparse.Namespace) -> str:
     return {"puller": f"puller {args.workers} worker(s), {args.streams} streams x {args.request_mib} MiB requests, "
                       "into the files of the version removed (as shipped, between steps)",
             "puller-fresh": "the same into a fresh mirror (every page new)",
-            "puller-copy": "the same, bodies through the workers' memory (not spliced)",
+            "puller-copy": "puller, bodies through the workers' memory (not spliced)",
             "puller-ref": f"the same, rolloutd from {args.ref_repo}",
             "curl": "curl, files one after another",
             "curl-parallel": f"curl --parallel-max {args.files}",
