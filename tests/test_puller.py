@@ -417,6 +417,24 @@ async def test_a_retired_version_whose_lease_expired_fails_clearly(registry, pro
     nothing_left(mirror, registry)
 
 
+async def test_chunks_checked_of_a_version_that_is_gone_are_not_kept(registry, proxy, client, mirror, clock):
+    """One request per chunk: by the fifth byte request a stream has checked a chunk and moved
+    on, so the pull has something it would keep for a next try. A version retired and reclaimed
+    can never be fetched again, so nothing is kept."""
+    publish(registry, 1)
+
+    async def retire_and_expire(n: int) -> None:
+        if n == 5:
+            await asyncio.to_thread(registry.retire, 1)
+            clock.advance(120)
+    proxy.on_bytes = retire_and_expire
+    puller = make_puller(client, mirror, request_bytes=CHUNK, lease_ttl_s=60, renew_every_s=0.01)
+    with pytest.raises(PullError, match="VersionRetired"):
+        await puller.pull(1)
+    assert puller.kept is None
+    nothing_left(mirror, registry)
+
+
 async def test_nothing_to_lease_fails_clearly(registry, client, mirror):
     with pytest.raises(PullError, match="cannot lease version latest: NoVersions"):
         await make_puller(client, mirror).pull()

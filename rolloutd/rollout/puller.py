@@ -81,6 +81,11 @@ class PullError(Exception):
     """A pull failed; the message says which version, and which file and chunk if one."""
 
 
+class VersionGone(PullError):
+    """The version cannot be fetched any more (retired and its bytes reclaimed, or unknown to
+    the registry): the chunks a failed pull checked are worth nothing to a next try."""
+
+
 class PullState(enum.Enum):
     LEASING = "leasing"        # taking the lease and reading the manifest
     PULLING = "pulling"        # chunks being fetched into the partial directory
@@ -276,6 +281,7 @@ class Puller:
             self._end(PullState.CANCELLED, "cancelled")
             raise
         except PullError as e:
+            keepable = keepable and not isinstance(e, VersionGone)
             self._end(PullState.FAILED, str(e))
             raise
         except Exception as e:
@@ -428,7 +434,8 @@ class Puller:
                 plan.failed(pick, f"{where}: {last}")
                 return
             if isinstance(e, _FATAL):
-                raise PullError(f"{where}: {last}") from None
+                gone = isinstance(e, (errors.VersionRetired, errors.VersionUnknown))
+                raise (VersionGone if gone else PullError)(f"{where}: {last}") from None
             attempt = failures[pick.bit] = failures.get(pick.bit, 0) + 1
             if attempt > self.max_chunk_retries:
                 raise PullError(f"{where}: failed {attempt} times; last: {last}") from None
@@ -486,7 +493,7 @@ class Puller:
             self._lease = await self.client.lease(self.holder, version, self.lease_ttl_s)
         except (errors.VersionRetired, errors.VersionUnknown) as e:
             self._lease = None
-            raise PullError(f"version {version}: the lease expired mid-pull and the version cannot "
+            raise VersionGone(f"version {version}: the lease expired mid-pull and the version cannot "
                             f"be leased again ({_describe(e)})") from None
         log.info("lease version %d again as %s (lease %s)", version, self.holder, self._lease.lease_id)
 
