@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import functools
 import logging
 import os
@@ -54,6 +53,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from rolloutd.filelease import under_write_lease
 from rolloutd.units import size
 from rolloutd.wire.manifest import Manifest, ManifestError, verify_file
 
@@ -401,26 +401,13 @@ def _best_fit(spares: dict[Path, int], needed: int) -> Path | None:
 
 def _move_if_unshared(path: Path, to: Path) -> bool:
     """Rename ``path`` to ``to`` if nothing else can see its bytes: one name only, and no other
-    open file or mapping of it in any process, which the kernel proves by granting a write
-    lease (and it holds back any new open until the rename is done). Anything else (in use,
-    leases unsupported, another owner): False, and the file stays where it was."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        if os.fstat(fd).st_nlink != 1:
-            return False
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-        try:
-            os.rename(path, to)
-        finally:
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
+    open file or mapping of it in any process (the kernel's write lease, which also holds back
+    any new open until the rename is done). Otherwise False, and the file stays where it was."""
+    def move() -> None:
+        if os.lstat(path).st_nlink != 1:
+            raise OSError(errno.EMLINK, "another name links the file")
+        os.rename(path, to)
+    return under_write_lease(path, move)
 
 
 def _free_bytes(path: Path) -> int:

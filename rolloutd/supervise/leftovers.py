@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import fnmatch
 import json
 import logging
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import psutil
 
+from rolloutd.filelease import under_write_lease
 from rolloutd.supervise.containment import Containment, Scope, stop_leftover
 
 if TYPE_CHECKING:
@@ -176,26 +176,8 @@ def _shm_name(path: str, prefix: str) -> str:
 
 
 def _unlink_if_unused(path: Path) -> bool:
-    """Unlink ``path`` under a write lease: the kernel grants one only while no other open file
-    (a mapping holds its file open) refers to it, and holds back any open meanwhile."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except OSError:
-        return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
-    except OSError:  # in use (EAGAIN), or leases unsupported: not provably unused
-        os.close(fd)
-        return False
-    try:
-        path.unlink()
-        return True
-    except OSError:
-        return False
-    finally:
-        with contextlib.suppress(OSError):
-            fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        os.close(fd)
+    """Unlink ``path`` if no other open file (a mapping holds its file open) refers to it."""
+    return under_write_lease(path, path.unlink)
 
 
 def remove_shm_leftovers(before: set[str]) -> list[str]:
