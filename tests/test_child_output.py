@@ -21,7 +21,7 @@ import pytest
 
 from rolloutd.supervise import leftovers
 from rolloutd.supervise.child import OutputLevels
-from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
+from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups, ShmBaseline
 
 from .test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
 
@@ -160,3 +160,47 @@ async def test_segments_left_by_a_killed_group_are_removed_and_no_other(children
         other.stdout.close()
     assert leftovers.remove_shm_leftovers(set()) == ["psm_before", "psm_theirs", "sem.mp-theirs"]  # unused now
     assert lines_of(caplog, "vllm")[0].endswith(": ready")
+
+
+def test_segments_of_servers_killed_with_their_daemon_are_removed_at_the_next_start(shm, tmp_path):
+    """systemd SIGKILLs what is left of the unit when the daemon dies: the next daemon's start
+    removes what those servers left (the same rule as a server's own stop), and only that."""
+    record = tmp_path / "state" / "shm-at-start.json"
+    (shm / "psm_before").write_bytes(b"x")  # there before the earlier daemon started
+    assert ShmBaseline(record).clean_and_record() == []  # a first start: nothing to clean
+    server = subprocess.Popen([sys.executable, "-c", MAKES_SEGMENT, str(shm), "ours"], stdout=subprocess.PIPE,
+                              text=True, start_new_session=True)
+    other = subprocess.Popen([sys.executable, "-c", HOLDS_SEGMENT, str(shm), "theirs"], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    try:
+        assert server.stdout.readline().strip() == other.stdout.readline().strip() == "ready"
+        os.killpg(server.pid, signal.SIGKILL)  # the earlier daemon's end: no resource tracker unlinks
+        server.wait(10)
+        (shm / "not_vllm").write_bytes(b"x")
+        lines = ShmBaseline(record).clean_and_record()  # the next daemon's start
+        assert lines == ["shared memory: removed 2 segment(s) the servers of an earlier run left: psm_ours, "
+                         "sem.mp-ours"]
+        assert sorted(p.name for p in shm.iterdir()) == ["not_vllm", "psm_before", "psm_theirs", "sem.mp-theirs"]
+        assert set(json.loads(record.read_text())) == {"not_vllm", "psm_before", "psm_theirs", "sem.mp-theirs"}
+    finally:
+        for proc in (server, other):
+            proc.kill()
+            proc.wait(10)
+            proc.stdout.close()
+
+
+def test_after_an_ordered_stop_or_with_a_bad_record_the_next_start_removes_nothing(shm, tmp_path):
+    record = tmp_path / "shm-at-start.json"
+    baseline = ShmBaseline(record)
+    baseline.clean_and_record()
+    baseline.forget()  # the ordered stop: every server cleaned after itself
+    (shm / "psm_someone_elses").write_bytes(b"x")  # unused, but no earlier run of ours is in question
+    assert ShmBaseline(record).clean_and_record() == []
+    record.write_text("{not json")
+    (shm / "psm_later").write_bytes(b"x")
+    [line] = ShmBaseline(record).clean_and_record()
+    assert line.startswith(f"shared memory: unreadable record {record}: ") and line.endswith("; nothing removed")
+    record.write_text(json.dumps({"psm_x": 1}))
+    assert ShmBaseline(record).clean_and_record() == [f"shared memory: record {record} is not a list of names; "
+                                                      "nothing removed"]
+    assert sorted(p.name for p in shm.iterdir()) == ["psm_later", "psm_someone_elses"]

@@ -78,6 +78,11 @@ class Node:
         """Every process in the guest running ``vllm serve`` (one per server, the API server)."""
         return self.machine.processes(f"{VLLM} serve")
 
+    def vllm_segments(self) -> set[str]:
+        """vLLM's shared-memory segments in the guest's own /dev/shm (Python's ``psm_*`` and
+        multiprocessing's ``sem.mp-*``)."""
+        return {n for n in self.machine.run("ls", "/dev/shm").stdout.split() if n.startswith(("psm_", "sem.mp-"))}
+
     def cgroup(self) -> str:
         """The unit's cgroup, as the guest names it."""
         return self.unit("ControlGroup")["ControlGroup"]
@@ -229,9 +234,12 @@ def test_frozen_daemon_is_restarted_by_the_watchdog(node):
 def test_killed_daemon_is_restarted_with_one_vllm(node):
     """kill -9 of the daemon: systemd SIGKILLs the rest of the unit (KillMode=mixed) and starts a
     new daemon, which starts one vLLM, in its cgroup."""
+    node.wait("the daemon serving", node.serving, 300)  # as it would be after the tests before
     before = node.unit("MainPID", "NRestarts")
     old_server = node.server()
     old_vllm = node.vllm_serve_processes()
+    old_segments = node.vllm_segments()
+    assert old_segments, "the serving vLLM has no shared memory: nothing to check below"
     node.machine.run("kill", "-9", before["MainPID"])
     node.wait("a restart by systemd",
               lambda: node.unit("NRestarts")["NRestarts"] == str(int(before["NRestarts"]) + 1), 120)
@@ -241,7 +249,13 @@ def test_killed_daemon_is_restarted_with_one_vllm(node):
     assert node.server()["pid"] != old_server["pid"]
     assert len(node.vllm_serve_processes()) == 1 and node.vllm_serve_processes() != old_vllm
     node.contained()
-    assert "Main process exited, code=killed, status=9/KILL" in node.machine.journal(UNIT)
+    journal = node.machine.journal(UNIT)
+    assert "Main process exited, code=killed, status=9/KILL" in journal
+    # SIGKILLed with the daemon, the old vLLM's resource tracker could not unlink its segments:
+    # the new daemon did, and left the new vLLM's alone
+    assert not old_segments & node.vllm_segments(), sorted(old_segments & node.vllm_segments())
+    assert node.vllm_segments(), "the new vLLM's segments are there"
+    assert "removed" in journal and "segment(s) the servers of an earlier run left" in journal, journal[-4000:]
 
 
 def test_what_a_killed_daemon_left_is_found_by_cgroup(node):
@@ -295,6 +309,7 @@ def test_stop_leaves_no_vllm_process(node):
     assert node.machine.processes("vllm") == []
     assert node.machine.unit_pids(UNIT) == []
     assert node.registry.replicas() == []
+    assert node.vllm_segments() == set(), "a stopped vLLM's shared memory is left"
 
 
 def test_journal_tells_the_lifecycle(node):

@@ -2,8 +2,8 @@
 and benchmarks.
 
 Each server runs in its own session (process group): API server, engine core and workers go
-together, and :meth:`VllmServer.stop` signals the whole group (TERM, grace, KILL) and checks
-that nothing of it is left.
+together, and :meth:`VllmServer.stop` signals the whole group (TERM, grace, KILL), checks
+that nothing of it is left, and removes the shared memory it left as the daemon does.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+from rolloutd.supervise.leftovers import remove_shm_leftovers, shm_names
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -70,6 +72,7 @@ class VllmServer:
                     *FAST_CPU_FLAGS, "--weight-transfer-config", '{"backend": "rolloutd"}',
                     "--enable-scale-out", *extra_args]
         self._log = open(log, "ab")
+        self._shm_before = shm_names()
         self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
 
@@ -115,6 +118,7 @@ class VllmServer:
         self._log.close()
         if left := group_pids(pgid):
             raise RuntimeError(f"processes {left} of vllm serve's group outlived SIGKILL")
+        remove_shm_leftovers(self._shm_before)  # a SIGKILLed group's resource tracker unlinked nothing
 
 
 def client(url: str | Path, **kw) -> httpx.Client:

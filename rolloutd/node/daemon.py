@@ -66,6 +66,7 @@ from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.swarm import Swarm, SwarmSettings
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.cgroups import contain
+from rolloutd.supervise.leftovers import ShmBaseline
 from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
@@ -117,6 +118,9 @@ class Daemon:
         log.info("contain: %s", self.containment)
         for line in await self.containment.start(cfg.shutdown.server_grace_s, cfg.shutdown.kill_wait_s):
             log.warning("clean %s", line)
+        self.shm = ShmBaseline(cfg.state_dir / "shm-at-start.json")
+        for line in await asyncio.to_thread(self.shm.clean_and_record):  # the earlier run's processes are gone
+            log.warning("clean %s", line)
         prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
         self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes), recycle=cfg.mirror.recycle)
         self.mirror.clean_partials()
@@ -139,6 +143,7 @@ class Daemon:
                 self.peer_server = PeerServer(self.mirror, self.swarm.ledger, cfg.peers.host, cfg.peers.port,
                                               self.swarm.settings.token).start()
         except (GatewayError, PeerServerError):
+            self.shm.forget()  # no server was spawned
             await asyncio.gather(*(g.stop() for g in gateways.values()))
             self.admin.stop()
             await self.client.close()
@@ -165,6 +170,7 @@ class Daemon:
                 await self._main()
                 await self._shutdown(updater, reloader, admin, announcer)
                 await _cancel(lag)
+            self.shm.forget()
         finally:
             if self.peer_server is not None:
                 self.peer_server.stop()

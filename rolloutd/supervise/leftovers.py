@@ -12,7 +12,8 @@ hand or by a test), and what a server leaves behind in either way.
   signalled while it provably is the one recorded: a recycled pid is never signalled.
 - Once a server's processes are gone, the shared-memory segments they left in ``/dev/shm``
   (vLLM's ``psm_*`` and ``sem.mp-*``: its resource tracker dies with them) are removed
-  (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways.
+  (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways,
+  and after a daemon that ended without its ordered stop (:class:`ShmBaseline`).
 
 One child process (spawn, output, stop, reap) is child.py.
 """
@@ -196,6 +197,52 @@ def remove_shm_leftovers(before: set[str]) -> list[str]:
         return []
     used = shm_in_use()
     return [name for name in found if name not in used and _unlink_if_unused(SHM_DIR / name)]
+
+
+
+class ShmBaseline:
+    """The names in ``/dev/shm`` when the daemon started, kept in ``path`` (JSON) until it stops
+    cleanly. A daemon that finds the file knows the last one ended without its ordered stop
+    (killed, crashed), and that its servers may have died by SIGKILL with it: systemd's
+    KillMode=mixed kills what is left of the unit, and their resource trackers die too. Their
+    segments would stay in memory for good; each start after such an end removes them as a
+    server's own stop does (:func:`remove_shm_leftovers`: not there at the earlier start, vLLM's
+    names, the daemon's user, used by no live process). Call it once the earlier run's processes
+    are gone (:meth:`Containment.start`)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def clean_and_record(self) -> list[str]:
+        """Remove what an earlier run's servers left, then record this start's names. One line
+        per thing done, for the log."""
+        lines, before = [], self._read()
+        if isinstance(before, str):
+            lines.append(f"shared memory: {before}; nothing removed")
+        elif before is not None and (removed := remove_shm_leftovers(before)):
+            lines.append(f"shared memory: removed {len(removed)} segment(s) the servers of an earlier run left: "
+                         + ", ".join(removed))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text(json.dumps(sorted(shm_names())) + "\n")
+        os.replace(tmp, self.path)  # no fsync: a power loss empties /dev/shm as well
+        return lines
+
+    def forget(self) -> None:
+        """The ordered stop is done: every server removed its own segments."""
+        self.path.unlink(missing_ok=True)
+
+    def _read(self) -> set[str] | str | None:
+        """The names recorded by the earlier start; None without a record; why not, for a bad one."""
+        try:
+            names = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as e:
+            return f"unreadable record {self.path}: {e}"
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            return f"record {self.path} is not a list of names"
+        return set(names)
 
 
 # -- records of children, for the next daemon -----------------------------------------------------------
