@@ -115,7 +115,8 @@ PANELS = [
                     (f"sum(rate(rolloutd_gateway_held_total{{{NODE}}}[{RATE}]))", "held by a pause"),
                     (f"sum(rate(rolloutd_gateway_refused_connections_total{{{NODE}}}[{RATE}]))",
                      "connections refused")], unit="reqps"),
-    ts("Mirror", [(f"rolloutd_mirror_bytes{{{NODE}}}", "{{instance}}")], unit="bytes"),
+    ts("Mirror", [(f"rolloutd_mirror_bytes{{{NODE}}}", "{{instance}}"),
+                  (f"rolloutd_mirror_spare_bytes{{{NODE}}}", "{{instance}} spare, for the next pull")], unit="bytes"),
 ]
 
 

@@ -341,6 +341,7 @@ async def test_the_updaters_collect_deletes_off_the_event_loop(mirror, monkeypat
     updater.collect()
     await wait_until(lambda: mirror.versions() == [1, 3])
     await wait_until(lambda: metrics.mirror_bytes._value.get() == mirror.usage_bytes())
+    assert metrics.mirror_spare_bytes._value.get() == mirror.spare_bytes() > 0  # version 2, for the next pull
     assert where == ["thread"], f"rmtree ran on: {where}"
     mirror.close()
 

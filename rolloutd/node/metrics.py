@@ -72,7 +72,10 @@ class Metrics:
                                   buckets=LAG_BUCKETS, registry=r)
         self.loop_lag_max = Gauge("rolloutd_loop_lag_max_seconds", "The event loop's longest lateness since the "
                                   "daemon started", registry=r)
-        self.mirror_bytes = Gauge("rolloutd_mirror_bytes", "Bytes held by the node mirror", registry=r)
+        self.mirror_bytes = Gauge("rolloutd_mirror_bytes", "Bytes held by the node mirror (its spares included)",
+                                  registry=r)
+        self.mirror_spare_bytes = Gauge("rolloutd_mirror_spare_bytes", "Bytes of removed versions' files the "
+                                        "mirror keeps for the next pull to overwrite (mirror.recycle)", registry=r)
         self.gateway_requests = Counter("rolloutd_gateway_requests", "Requests answered by a server's gateway, "
                                         "by route (other: not on the allow-list) and HTTP status",
                                         ["server", "route", "code"], registry=r)
@@ -89,6 +92,10 @@ class Metrics:
             self.update_failures.labels(kind=kind)
         for task in TASKS:
             self.task_errors.labels(task=task)
+
+    def set_mirror(self, usage_bytes: int, spare_bytes: int) -> None:
+        self.mirror_bytes.set(usage_bytes)
+        self.mirror_spare_bytes.set(spare_bytes)
 
     @property
     def _per_server(self) -> tuple:

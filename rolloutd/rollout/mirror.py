@@ -274,14 +274,14 @@ class Mirror:
                 removed.append(version)
         return removed
 
-    def collect_soon(self, in_use: set[int], done: Callable[[int], None] | None = None) -> Future[list[int]]:
+    def collect_soon(self, in_use: set[int], done: Callable[[int, int], None] | None = None) -> Future[list[int]]:
         """Run :meth:`gc` on the mirror's worker thread and return at once (for the event loop:
         deleting a version takes seconds on a large model). Logs what it removed, then calls
-        ``done`` with the mirror's usage in bytes, in the worker thread. A failure is logged,
+        ``done`` with the mirror's usage and spare bytes, in the worker thread. A failure is logged,
         not raised; the future gives the versions removed."""
         return self._worker.submit(self._collect, set(in_use), self._commits, done)
 
-    def _collect(self, in_use: set[int], asked_at: int, done: Callable[[int], None] | None) -> list[int]:
+    def _collect(self, in_use: set[int], asked_at: int, done: Callable[[int, int], None] | None) -> list[int]:
         removed: list[int] = []
         try:
             removed = self.gc(in_use, asked_at=asked_at)
@@ -290,7 +290,7 @@ class Mirror:
         if removed:
             log.info("gc mirror: removed versions %s", removed)
         if done is not None:
-            done(self.usage_bytes())
+            done(self.usage_bytes(), self.spare_bytes())
         return removed
 
     def close(self) -> None:

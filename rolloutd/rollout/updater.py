@@ -191,7 +191,7 @@ class Updater:
         """Remove mirror versions no server holds (the target is always kept), on the mirror's
         worker thread: deleting gigabytes must not stall the loop that relays every token."""
         keep = self._in_use() | ({self.target.version} if self.target else set())
-        self.mirror.collect_soon(keep, done=self._metrics.mirror_bytes.set)
+        self.mirror.collect_soon(keep, done=self._metrics.set_mirror)
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self) -> None:
