@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 
 from rolloutd.demo import tinymodel
@@ -177,6 +178,64 @@ def test_leftovers_of_a_killed_daemon_are_cleaned_at_the_next_start(daemons, tmp
         assert re.search(r"clean s\d: process group \d+", second.log_text())
     finally:
         second.stop(30)
+
+
+
+def test_a_daemon_killed_mid_pull_into_recycled_files_leaves_nothing_and_the_next_serves_the_version(
+        daemons, tmp_path):
+    """kill -9 of the daemon and of everything it started, as systemd does (KillMode=mixed), while
+    it pulls a version into the files of one it removed: its pull workers end with it, and the
+    next daemon removes the half-written version, pulls it whole and serves it. The served bytes
+    are checked against the tensors published, not against the daemon's own account."""
+    from safetensors.numpy import load_file
+
+    with EmbeddedRegistry(port=0) as reg:
+        def publish(version: int) -> None:
+            reg.publish(version, tinymodel.state_dict(tinymodel.TINY, version), shard_bytes=600_000,
+                        chunk_bytes=1 << 16)
+        proxy = RegistryProxy(reg.port).start()
+        try:
+            publish(1)
+            first = daemons(registry_url=proxy.url, directory=tmp_path / "node", pull={"workers": 1, "streams": 1})
+            first.wait_versions({"s0": 1}, 30)
+            for version in (2, 3):
+                publish(version)
+                first.wait_versions({"s0": version}, 30)
+            first.wait(lambda st: st["mirror"]["spare_bytes"] > 0, 10, "a removed version's files kept as spares")
+            mirror = Path(first.cfg["mirror"]["dir"])
+            proxy.byte_delay_s = 0.2  # per 64 KiB chunk: the pull of version 4 takes seconds
+            publish(4)
+            st = first.wait(lambda st: (st["pull"] or {}).get("version") == 4 and st["pull"]["bytes_done"] > 0,
+                            30, "version 4 partly pulled")
+            workers = st["pull"]["workers"]
+            assert workers and (mirror / ".4.partial").is_dir() and not (mirror / ".spare").exists()
+            servers = tagged_pids(first.tag)
+            first.kill_everything()  # the daemon, then every process of its servers: SIGKILL
+            wait_until(lambda: not any(alive(p) for p in workers), 10, "the pull workers gone with their daemon")
+            assert (mirror / ".4.partial").is_dir()  # what a killed pull leaves
+            proxy.byte_delay_s = 0.0
+            second = DaemonProcess(first.cfg, tmp_path / "node")
+            second.log = tmp_path / "node" / "second.log"
+            second.start()
+            try:
+                second.wait_versions({"s0": 4}, 60)
+                assert f"remove leftover {mirror / '.4.partial'}" in second.log_text()
+                assert not any(alive(p) for p in servers)
+                assert len(tagged_pids(first.tag)) == 1, "exactly one fake per server"
+                served = {}
+                for f in sorted((mirror / "4").glob("*.safetensors")):
+                    served.update(load_file(f))
+                published = tinymodel.state_dict(tinymodel.TINY, 4)
+                assert served.keys() == published.keys()
+                for name, array in published.items():
+                    assert served[name].dtype == array.dtype and np.array_equal(served[name], array), name
+                assert second.stop() == 0
+                assert tagged_pids(first.tag) == []
+                assert not [p.name for p in mirror.iterdir() if p.name.endswith(".partial")]
+            finally:
+                second.kill_everything()
+        finally:
+            proxy.stop()
 
 
 def test_in_a_delegated_cgroup_a_killed_daemon_leaves_one_server_each(registry, tmp_path):
