@@ -493,8 +493,9 @@ class Config(_Section):
     gateway: Gateway = Field(default_factory=Gateway, description="the servers' gateways: the only way to a "
                              "server from other hosts, an allow-list of generation routes")
     state_dir: LaxPath = Field(Path("/var/lib/rolloutd"), description="the daemon's own state: records of "
-                               "running servers, the plugin copy servers import, and sockets/ (mode 0700), "
-                               "where each server's vLLM listens")
+                               "running servers and of /dev/shm at its start (to clean after a crash), the "
+                               "plugin copy servers import, and sockets/ (mode 0700), where each server's "
+                               "vLLM listens")
     mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
     pull: Pull = Field(default_factory=Pull, description="how a version is pulled into the mirror")
     peers: Peers = Field(default_factory=Peers, description="the chunk swarm: chunks from and to other nodes")
