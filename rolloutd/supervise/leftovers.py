@@ -199,7 +199,6 @@ def remove_shm_leftovers(before: set[str]) -> list[str]:
     return [name for name in found if name not in used and _unlink_if_unused(SHM_DIR / name)]
 
 
-
 class ShmBaseline:
     """The names in ``/dev/shm`` when the daemon started, kept in ``path`` (JSON) until it stops
     cleanly. A daemon that finds the file knows the last one ended without its ordered stop
