@@ -215,33 +215,42 @@ class ShmBaseline:
     def clean_and_record(self) -> list[str]:
         """Remove what an earlier run's servers left, then record this start's names. One line
         per thing done, for the log."""
-        lines, before = [], self._read()
-        if isinstance(before, str):
-            lines.append(f"shared memory: {before}; nothing removed")
-        elif before is not None and (removed := remove_shm_leftovers(before)):
-            lines.append(f"shared memory: removed {len(removed)} segment(s) the servers of an earlier run left: "
-                         + ", ".join(removed))
+        lines = []
+        try:
+            before = self._read()
+        except ValueError as e:
+            lines.append(f"shared memory: {e}; nothing removed")
+        else:
+            if before is not None and (removed := remove_shm_leftovers(before)):
+                lines.append(f"shared memory: removed {len(removed)} segment(s) the servers of an earlier run "
+                             "left: " + ", ".join(removed))
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text(json.dumps(sorted(shm_names())) + "\n")
-        os.replace(tmp, self.path)  # no fsync: a power loss empties /dev/shm as well
+        _write_json(self.path, sorted(shm_names()))
         return lines
 
     def forget(self) -> None:
         """The ordered stop is done: every server removed its own segments."""
         self.path.unlink(missing_ok=True)
 
-    def _read(self) -> set[str] | str | None:
-        """The names recorded by the earlier start; None without a record; why not, for a bad one."""
+    def _read(self) -> set[str] | None:
+        """The names recorded by the earlier start; None without a record; ValueError for a bad one."""
         try:
             names = json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError) as e:
-            return f"unreadable record {self.path}: {e}"
+            raise ValueError(f"unreadable record {self.path}: {e}") from None
         if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
-            return f"record {self.path} is not a list of names"
+            raise ValueError(f"record {self.path} is not a list of names")
         return set(names)
+
+
+def _write_json(path: Path, value: object) -> None:
+    """Write ``path`` atomically (a temporary file, then rename): a reader sees the old record or
+    the new one. No fsync: after a power loss, no process or segment it names survives either."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(value) + "\n")
+    os.replace(tmp, path)
 
 
 # -- records of children, for the next daemon -----------------------------------------------------------
@@ -263,10 +272,7 @@ class ChildRecords:
         path = self._path(child.name)
         record = {"name": child.name, "pid": child.pid, "pgid": child.pgid, "start_time": started_s(child.pid),
                   "argv": child.argv}
-        tmp = path.with_name(f".{path.name}.tmp")
-        tmp.write_text(json.dumps(record) + "\n")
-        # No fsync: after a power loss, no process of the record survives either.
-        os.replace(tmp, path)
+        _write_json(path, record)
 
     def remove(self, name: str, *, pid: int | None = None) -> None:
         """Delete ``name``'s record; with ``pid``, only while the record is that process's."""
