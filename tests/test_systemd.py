@@ -234,7 +234,8 @@ def test_frozen_daemon_is_restarted_by_the_watchdog(node):
 def test_killed_daemon_is_restarted_with_one_vllm(node):
     """kill -9 of the daemon: systemd SIGKILLs the rest of the unit (KillMode=mixed) and starts a
     new daemon, which starts one vLLM, in its cgroup."""
-    node.wait("the daemon serving", node.serving, 300)  # as it would be after the tests before
+    node.machine.run("systemctl", "start", "--no-block", UNIT)  # a no-op after the tests before it
+    node.wait("the daemon serving", node.serving, 300)
     before = node.unit("MainPID", "NRestarts")
     old_server = node.server()
     old_vllm = node.vllm_serve_processes()
