@@ -142,7 +142,8 @@ def cmd_publish(args: argparse.Namespace) -> int:
     try:
         manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
                                    metadata=metadata, progress=ProgressLine(f"upload v{args.version}"),
-                                   canary=canary, partial=args.partial, to=args.to, store=store)
+                                   canary=canary, partial=args.partial, to=args.to, store=store,
+                                   prune=not args.keep_objects)
     finally:
         reg.close()
     where = f" at {manifest.source}" if manifest.source else ""
@@ -227,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--s3-region", default="us-east-1", help="with --to: the bucket's region")
     p.add_argument("--s3-credentials", metavar="FILE", help="with --to: JSON or YAML file with access_key_id and "
                    "secret_access_key (default: the AWS_* environment variables)")
+    p.add_argument("--keep-objects", action="store_true", help="with --to: leave the objects of earlier "
+                   "versions the registry no longer holds (default: delete them once this version is published)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     p.set_defaults(func=cmd_publish)
 

@@ -13,6 +13,9 @@ Contract:
   ``access_key_id``, ``secret_access_key`` and optionally ``session_token``. Keys are never
   logged nor shown in an error.
 - Bytes read from a bucket are untrusted like every source's: the reader checks each chunk.
+- The registry holds no credentials, so the trainer deletes what it put there:
+  :func:`prune_versions` removes the ``<to>/<n>/`` prefixes it is told are done with; any other
+  key under ``to`` is left alone.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Annotated, Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
+from rolloutd.units import size
 from rolloutd.wire.manifest import SOURCE_RE
 
 log = logging.getLogger("rolloutd.objstore")
@@ -134,6 +138,32 @@ def publish_files(source: str, files: Iterable[Path], settings: ObjectStoreSetti
         log.info("upload %s to %s/%s (%d bytes)", path.name, source, path.name, path.stat().st_size)
         if progress is not None:
             progress(path.stat().st_size)
+
+
+def prune_versions(to: str, doomed: Callable[[int], bool], settings: ObjectStoreSettings) -> list[int]:
+    """Delete the objects under ``<to>/<n>/`` for every version ``n`` that has some and for
+    which ``doomed(n)`` is true; returns those versions. Keys under ``to`` that are not in a
+    ``<n>/`` prefix are left alone. One listing of ``to`` (objects, not directories: some
+    S3 services keep a prefix listed after its last object is gone)."""
+    import obstore
+
+    bucket, prefix = parse_source(to)
+    store = open_bucket(bucket, settings)
+    by_version: dict[int, list[dict]] = {}
+    try:
+        for batch in obstore.list(store, prefix or None, chunk_size=1000):
+            for meta in batch:
+                name = meta["path"][len(prefix):].lstrip("/").partition("/")[0]
+                if name.isdigit() and name == str(int(name)) and doomed(int(name)):
+                    by_version.setdefault(int(name), []).append(meta)
+        for version, metas in sorted(by_version.items()):
+            obstore.delete(store, [m["path"] for m in metas])
+            n = len(metas)
+            log.info("delete %s/%d (%d object%s, %s)", to.rstrip("/"), version, n, "" if n == 1 else "s",
+                     size(sum(m["size"] for m in metas)))
+    except Exception as e:  # obstore's own classes
+        raise ObjectStoreError(f"prune {to}: {_short(e)}") from None
+    return sorted(by_version)
 
 
 def _short(e: BaseException) -> str:

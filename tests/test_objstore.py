@@ -107,6 +107,7 @@ def test_a_missing_object_fails_at_once(s3, tmp_path):
 
 def test_cli_publish_to_the_bucket_and_a_disk_registry_keeps_the_source(s3, tmp_path, standalone):
     ckpt = checkpoint(tmp_path, mib=1)
+    obstore.put(s3.store(), "cli/2/model-0.safetensors", b"an upload given up")
     url, proc = standalone("--data-dir", str(tmp_path / "data"))
     run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "publish", "--registry", url, "--chunk-bytes",
                           str(CHUNK), "--to", f"s3://{s3.bucket}/cli", "--s3-endpoint", s3.endpoint,
@@ -115,12 +116,81 @@ def test_cli_publish_to_the_bucket_and_a_disk_registry_keeps_the_source(s3, tmp_
     assert run.returncode == 0, run.stderr
     assert f"published version 4 at s3://{s3.bucket}/cli/4" in run.stdout
     assert s3.secret_key not in run.stdout + run.stderr
+    assert version_dirs(s3, "cli") == [4] and f"delete s3://{s3.bucket}/cli/2 (1 object, 18 B)" in run.stderr
     proc.terminate()
     proc.wait(10)
     url, _ = standalone("--data-dir", str(tmp_path / "data"))  # the same data directory, restarted
     manifest = httpx.get(f"{url}/v1/versions/4").json()
     assert manifest["source"] == f"s3://{s3.bucket}/cli/4"
     assert not any((tmp_path / "data" / "versions" / "4").glob("*.safetensors"))  # the manifest only
+    obstore.put(s3.store(), "cli/3/model-0.safetensors", b"an upload given up")
+    run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "publish", "--registry", url, "--chunk-bytes",
+                          str(CHUNK), "--to", f"s3://{s3.bucket}/cli", "--s3-endpoint", s3.endpoint,
+                          "--s3-credentials", str(s3.credentials_file), "--keep-objects", "5", str(ckpt)],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert version_dirs(s3, "cli") == [3, 4, 5]  # --keep-objects: nothing deleted
+
+
+def in_bucket(s3, prefix: str) -> list[str]:
+    return sorted(m["path"] for batch in obstore.list(s3.store(), prefix) for m in batch)
+
+
+def version_dirs(s3, prefix: str) -> list[int]:
+    names = {p.split("/")[1] for p in in_bucket(s3, prefix)}
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def test_publish_prunes_the_versions_the_registry_will_never_serve_again_and_nothing_else(s3, tmp_path):
+    import numpy as np
+    to, store, ckpt = f"s3://{s3.bucket}/pruned", settings(s3), checkpoint(tmp_path, mib=1)
+    obstore.put(s3.store(), "pruned/notes/readme.txt", b"not a version: never touched")
+    obstore.put(s3.store(), "pruned/2/model-0.safetensors", b"an upload given up: never published")
+    with EmbeddedRegistry(port=0, keep_versions=2) as reg:
+        def publish(v: int) -> None:
+            reg.publish_dir(v, ckpt, chunk_bytes=CHUNK, to=to, store=store)
+
+        publish(1)
+        publish(3)  # 2 can never be published now (numbers only grow): its objects go
+        assert version_dirs(s3, "pruned") == [1, 3]
+        lease = httpx.post(f"{reg.url}/v1/leases", json={"holder": "n1", "version": 3}).json()["lease_id"]
+        obstore.put(s3.store(), "pruned/9/model-0.safetensors", b"an upload under way, above the newest")
+        publish(4)  # retires 1, which no lease holds: reclaimed, so its objects go
+        assert version_dirs(s3, "pruned") == [3, 4, 9]
+        publish(5)  # retires 3, but a node holds a lease on it: its bytes stay
+        assert {v["version"]: v["state"] for v in reg.versions()}[3] == "retired"
+        assert version_dirs(s3, "pruned") == [3, 4, 5, 9]
+        httpx.delete(f"{reg.url}/v1/leases/{lease}").raise_for_status()
+        publish(6)  # 3 (its lease gone) and 4 (retired now) are reclaimed
+        assert version_dirs(s3, "pruned") == [5, 6, 9]
+        assert "pruned/notes/readme.txt" in in_bucket(s3, "pruned/notes")
+        # what stays is whole: a node pulls version 5 from the bucket
+        mirror = Mirror(tmp_path / "mirror", 1 << 30)
+        manifest = reg.manifest(5)
+        assert asyncio.run(pull(reg, s3, mirror, 5)).version == 5
+        for entry in manifest.files:
+            assert verify_file(mirror.path(5) / entry.name, entry, manifest) == []
+        # prune=False leaves them, and prune_store alone does the same work later
+        reg.publish(7, {"w": np.zeros(4, np.float32)}, to=to, store=store, prune=False)
+        assert version_dirs(s3, "pruned") == [5, 6, 7, 9]
+        assert reg.prune_store(to, store) == [5]  # below 7, the newest the registry holds
+        assert version_dirs(s3, "pruned") == [6, 7, 9]
+
+
+def test_a_prune_that_fails_costs_a_warning_not_the_publish(s3, tmp_path, monkeypatch, caplog):
+    import rolloutd.registry.publish as publish_mod
+    from rolloutd.objstore import ObjectStoreError as Err
+
+    def fake_list_outage(to, doomed, settings):  # a fake: a bucket that takes puts but fails to list
+        raise Err(f"prune {to}: service unavailable")
+    monkeypatch.setattr(publish_mod, "prune_versions", fake_list_outage)
+    obstore.put(s3.store(), "outage/1/model-0.safetensors", b"an upload given up")
+    with EmbeddedRegistry(port=0) as reg:
+        manifest = reg.publish_dir(2, checkpoint(tmp_path, mib=1), chunk_bytes=CHUNK,
+                                   to=f"s3://{s3.bucket}/outage", store=settings(s3))
+        assert reg.manifest(2).digest == manifest.digest  # published
+    assert version_dirs(s3, "outage") == [1, 2]
+    assert "service unavailable; version 2 is published" in caplog.text
 
 
 def test_credentials_files_are_checked_and_never_quoted(tmp_path):

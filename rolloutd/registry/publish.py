@@ -20,7 +20,13 @@ from typing import Any
 
 import httpx
 
-from rolloutd.objstore import ObjectStoreSettings, publish_files, version_source
+from rolloutd.objstore import (
+    ObjectStoreError,
+    ObjectStoreSettings,
+    prune_versions,
+    publish_files,
+    version_source,
+)
 from rolloutd.registry.handle import PublishHandle, PublishState, Turns
 from rolloutd.registry.shards import (  # noqa: F401 -- the trainer's names for them
     DEFAULT_SHARD_BYTES,
@@ -140,13 +146,13 @@ class RegistryHTTP:
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                store: ObjectStoreSettings | None = None) -> Manifest:
+                store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
         model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`). Each
         shard is streamed to the registry from the tensors' own memory (hashed as it goes, no
         file in between), then the manifest is published. Publishing the same tensors again is
-        a no-op. ``to`` and ``store``: as for :meth:`publish_dir` (the shards are written to a
-        temporary directory first, for the object store's client)."""
+        a no-op. ``to``, ``store`` and ``prune``: as for :meth:`publish_dir` (the shards are
+        written to a temporary directory first, for the object store's client)."""
         shards = plan_shards(state_dict, shard_bytes)
         if to is not None:
             with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
@@ -158,7 +164,8 @@ class RegistryHTTP:
                 manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
                                     metadata=metadata or {}, canary=canary, partial=partial or None,
                                     source=version_source(to, version)).sealed()
-                return self._upload(manifest, [Path(tmp) / e.name for e in entries], progress, store)
+                return self._upload(manifest, [Path(tmp) / e.name for e in entries], progress, store,
+                                    prune_to=to if prune else None)
 
         def sealed(chunks: list[list[str]] | None) -> Manifest:
             files = [FileEntry(name=sh.name, size=sh.size if c is not None else 0, chunks=c or [])
@@ -205,7 +212,7 @@ class RegistryHTTP:
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
                     canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                    store: ObjectStoreSettings | None = None) -> Manifest:
+                    store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
         Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
         ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
@@ -216,16 +223,31 @@ class RegistryHTTP:
         ``to="s3://bucket/prefix"``: the files go to the object store under ``<prefix>/<version>/``
         instead of the registry, which keeps the manifest (naming that source), the leases and
         the version's lifecycle; ``store`` says where the S3 service is and which file holds
-        the credentials (:class:`~rolloutd.objstore.ObjectStoreSettings`). The registry never
-        deletes objects: a bucket lifecycle rule, or the trainer, removes retired versions."""
+        the credentials (:class:`~rolloutd.objstore.ObjectStoreSettings`). The registry holds no
+        credentials; with ``prune`` (the default), once the version is published the trainer
+        deletes the objects of the earlier versions under ``to`` that the registry no longer
+        holds (:meth:`prune_store`), so the bucket keeps about ``keep_versions`` versions."""
         files = safetensors_files(path)
         source = version_source(to, version) if to is not None else None
         manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
                                   partial=partial, source=source)
-        return self._upload(manifest, files, progress, store)
+        return self._upload(manifest, files, progress, store, prune_to=to if prune else None)
+
+    def prune_store(self, to: str, store: ObjectStoreSettings | None = None, *,
+                    below: int | None = None) -> list[int]:
+        """Delete the objects of every version under ``to`` that this registry will never serve
+        again: numbered below ``below`` and neither live nor retired here. ``below`` defaults to
+        the newest version the registry holds; one above the newest published could take an
+        upload under way. Numbers only grow, and a retired version keeps its bytes until its last
+        lease ends, so no node needs these any more; a number never published (an upload given
+        up) goes too. Keys under ``to`` outside ``<n>/`` prefixes are left alone. Returns the
+        versions deleted."""
+        held = {v["version"] for v in self.versions()}
+        below = max(held, default=0) if below is None else below
+        return prune_versions(to, lambda n: n < below and n not in held, store or ObjectStoreSettings())
 
     def _upload(self, manifest: Manifest, files: list[Path], progress: Progress | None,
-                store: ObjectStoreSettings | None = None) -> Manifest:
+                store: ObjectStoreSettings | None = None, prune_to: str | None = None) -> Manifest:
         """Upload each file (to the object store when the manifest names one), then publish the
         manifest (a no-op when the registry has it)."""
         try:
@@ -234,7 +256,7 @@ class RegistryHTTP:
         except (errors.VersionUnknown, errors.VersionRetired):
             pass
         if manifest.source is not None:
-            return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress)
+            return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress, prune_to)
         version = manifest.version
         total, done = manifest.total_bytes, 0
         for p in files:
@@ -253,7 +275,7 @@ class RegistryHTTP:
         return manifest
 
     def _publish_to_store(self, manifest: Manifest, files: list[Path], store: ObjectStoreSettings,
-                          progress: Progress | None) -> Manifest:
+                          progress: Progress | None, prune_to: str | None) -> Manifest:
         """Files to the object store first, then the manifest: a version is never visible before
         its bytes are where it says."""
         self._call("GET", "/v1/versions/latest")  # fail on a wrong token before uploading gigabytes
@@ -267,7 +289,17 @@ class RegistryHTTP:
         publish_files(manifest.source, files, store, stored)
         self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
                    headers={"content-type": "application/json"})
+        if prune_to is not None:
+            self._prune_after(prune_to, store, manifest.version)
         return manifest
+
+    def _prune_after(self, to: str, store: ObjectStoreSettings, version: int) -> None:
+        """Prune after publishing ``version``; a failure costs a warning, never the publish."""
+        try:
+            self.prune_store(to, store, below=version)  # each version deleted is logged
+        except (ObjectStoreError, errors.RegistryError) as e:
+            log.warning("prune %s: %s; version %d is published, earlier versions' objects stay until "
+                        "the next publish", to, e, version)
 
 
 # -- in the trainer's process ----------------------------------------------------------------------
@@ -323,14 +355,14 @@ class EmbeddedRegistry(RegistryHTTP):
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                store: ObjectStoreSettings | None = None) -> Manifest:
+                store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
         """Write each tensor straight into the registry's store (one copy, in the caller's
         thread, hashed as it lands), then commit on the registry's loop. With ``to``, the files
         go to the object store (:meth:`RegistryHTTP.publish_dir`)."""
         if to is not None:
             return super().publish(version, state_dict, shard_bytes=shard_bytes, chunk_bytes=chunk_bytes,
                                    metadata=metadata, progress=progress, canary=canary, partial=partial,
-                                   to=to, store=store)
+                                   to=to, store=store, prune=prune)
         shards = plan_shards(state_dict, shard_bytes)
         with self._turn.mine():
             return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
@@ -394,10 +426,11 @@ class EmbeddedRegistry(RegistryHTTP):
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
                     canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                    store: ObjectStoreSettings | None = None) -> Manifest:
+                    store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
         if to is not None:
             return super().publish_dir(version, path, chunk_bytes=chunk_bytes, metadata=metadata,
-                                       progress=progress, canary=canary, partial=partial, to=to, store=store)
+                                       progress=progress, canary=canary, partial=partial, to=to, store=store,
+                                       prune=prune)
         files = safetensors_files(path)
         with self._turn.mine(), self._staging(version):
             manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
