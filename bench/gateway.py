@@ -421,6 +421,9 @@ def during_pull(args: argparse.Namespace) -> int:
                                       start_new_session=True))
         admin = f"http://127.0.0.1:{admin_port}"
         wait_serving(admin, 1, 600)
+        if args.daemon_fifo:  # an experiment: the daemon's loop thread real-time (SCHED_FIFO 1);
+            # -R: what it starts afterwards (pull workers, threads) is not
+            subprocess.run(["chrt", "-f", "-R", "-p", "1", str(procs[-1].pid)], check=True)
         # vLLM on core 0 (above), the client on core 1; the daemon, its pull workers and the
         # registry where the scheduler puts them, as on a node.
         os.sched_setaffinity(0, {1 % os.cpu_count()})
@@ -471,7 +474,7 @@ def during_pull(args: argparse.Namespace) -> int:
                 shutil.copyfile(work / name, RESULTS / f"gateway-during-pull.{name}")
         shutil.rmtree(work, ignore_errors=True)
     result = {"pull_gib": args.pull_gib, "pulls": args.pulls, "build": str(args.ref_repo or "this tree"),
-              "pull_cpu_priority": args.pull_priority or "default",
+              "pull_cpu_priority": args.pull_priority or "default", "daemon_fifo": args.daemon_fifo,
               "idle": added(idle), "during_pull": added(during),
               # the same statistic for two direct connections: the noise floor of a paired p99
               "idle_null": added(idle_null), "during_pull_null": added(during_null),
@@ -488,7 +491,7 @@ def during_pull(args: argparse.Namespace) -> int:
                   idle_null_added_p99_ms=result["idle_null"]["added_p99_ms"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = ("gateway-during-pull" + ("-ref" if args.ref_repo else "")
-            + (f"-{args.pull_priority}" if args.pull_priority else ""))
+            + (f"-{args.pull_priority}" if args.pull_priority else "") + ("-fifo" if args.daemon_fifo else ""))
     (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=1))
     for name in ("idle", "during_pull", "idle_null", "during_pull_null"):
         a = result[name]
@@ -529,6 +532,8 @@ def main() -> int:
     p.add_argument("--idle-pairs", type=int, default=300, help="--during-pull: pairs measured idle")
     p.add_argument("--pull-priority", choices=("idle", "low", "normal"),
                    help="--during-pull: the daemon's pull.cpu_priority (default: the setting's default)")
+    p.add_argument("--daemon-fifo", action="store_true", help="--during-pull, an experiment: the daemon's main "
+                   "thread (its loop: the gateway) real-time, SCHED_FIFO priority 1")
     p.add_argument("--ref-repo", type=Path, help="--during-pull: run the daemon and the registry of another build "
                    "(a directory holding its rolloutd/ and vllm_plugin/), to compare")
     args = p.parse_args()
