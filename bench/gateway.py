@@ -348,13 +348,29 @@ def paired_with_null(direct: Completions, gateway: Completions, other: Completio
 
 def added(samples: list[tuple]) -> dict:
     diffs = [g - d for _, _, d, g in samples]
+    direct_p99, gateway_p99 = pct([d for *_, d, _ in samples], 0.99), pct([g for *_, g in samples], 0.99)
     return {"pairs": len(diffs), "added_p50_ms": round(pct(diffs, 0.5), 3), "added_p99_ms": round(pct(diffs, 0.99), 3),
             "direct_p50_ms": round(pct([d for *_, d, _ in samples], 0.5), 3),
             "gateway_p50_ms": round(pct([g for *_, g in samples], 0.5), 3),
-            # the difference of the two p99s: what the hop adds to the tail, without the jitter
-            # of pairing two requests made a few ms apart
-            "direct_p99_ms": round(pct([d for *_, d, _ in samples], 0.99), 3),
-            "gateway_p99_ms": round(pct([g for *_, g in samples], 0.99), 3)}
+            # the difference of the two p99s: what the hop adds to the tail a client sees,
+            # without the jitter of pairing two requests made a few ms apart
+            "direct_p99_ms": round(direct_p99, 3), "gateway_p99_ms": round(gateway_p99, 3),
+            "p99_difference_ms": round(gateway_p99 - direct_p99, 3),
+            "p99_difference_ci95_ms": p99_difference_interval(samples)}
+
+
+def p99_difference_interval(samples: list[tuple], resamples: int = 2000) -> list[float] | None:
+    """A 95 % bootstrap interval of (gateway p99 - direct p99): the pairs resampled with
+    replacement (a pair stays a pair: both requests saw the same moment of the machine)."""
+    import numpy as np
+    if len(samples) < 200:  # fewer than two samples beyond the p99: no interval worth the name
+        return None
+    d = np.array([x[2] for x in samples])
+    g = np.array([x[3] for x in samples])
+    rows = np.random.default_rng(0).integers(0, len(samples), size=(resamples, len(samples)))
+    k = min(len(samples) - 1, int(0.99 * len(samples)))  # pct()'s rank
+    diff = np.sort(g[rows], axis=1)[:, k] - np.sort(d[rows], axis=1)[:, k]
+    return [round(float(x), 3) for x in np.quantile(diff, [0.025, 0.975])]
 
 
 def lower_session(pid: int) -> None:
@@ -479,6 +495,9 @@ def during_pull(args: argparse.Namespace) -> int:
               # the same statistic for two direct connections: the noise floor of a paired p99
               "idle_null": added(idle_null), "during_pull_null": added(during_null),
               "pull_seconds": [round(b - a, 2) for a, b in watch.windows if b is not None],
+              # every pair measured during the pulls, (direct ms, other ms), to pool runs
+              "during_pull_pairs": [[round(d, 3), round(g, 3)] for *_, d, g in during],
+              "during_pull_null_pairs": [[round(d, 3), round(g, 3)] for *_, d, g in during_null],
               "goal": {"added_p50_ms_max": 1.0, "added_p99_ms_max": 5.0},
               "loadavg": Path("/proc/loadavg").read_text().split()[:3],
               # the daemon's own probe: the longest its loop woke late, before the pulls and
@@ -488,7 +507,10 @@ def during_pull(args: argparse.Namespace) -> int:
     result.update(added_p50_ms=dp["added_p50_ms"], added_p99_ms=dp["added_p99_ms"],
                   idle_added_p50_ms=result["idle"]["added_p50_ms"], idle_added_p99_ms=result["idle"]["added_p99_ms"],
                   null_added_p99_ms=result["during_pull_null"]["added_p99_ms"],
-                  idle_null_added_p99_ms=result["idle_null"]["added_p99_ms"])
+                  idle_null_added_p99_ms=result["idle_null"]["added_p99_ms"],
+                  p99_difference_ms=dp["p99_difference_ms"], p99_difference_ci95_ms=dp["p99_difference_ci95_ms"],
+                  null_p99_difference_ms=result["during_pull_null"]["p99_difference_ms"],
+                  null_p99_difference_ci95_ms=result["during_pull_null"]["p99_difference_ci95_ms"])
     RESULTS.mkdir(parents=True, exist_ok=True)
     name = ("gateway-during-pull" + ("-ref" if args.ref_repo else "")
             + (f"-{args.pull_priority}" if args.pull_priority else "") + ("-fifo" if args.daemon_fifo else ""))
@@ -498,13 +520,16 @@ def during_pull(args: argparse.Namespace) -> int:
         hop = "direct again" if name.endswith("null") else "gateway"
         print(f"{name:16} {a['pairs']:5d} pairs: direct p50 {a['direct_p50_ms']:.2f} ms, {hop} p50 "
               f"{a['gateway_p50_ms']:.2f} ms; added p50 {a['added_p50_ms']:+.3f} ms, p99 {a['added_p99_ms']:+.3f} ms; "
-              f"p99s {a['direct_p99_ms']:.2f} / {a['gateway_p99_ms']:.2f} ms")
+              f"p99s {a['direct_p99_ms']:.2f} / {a['gateway_p99_ms']:.2f} ms, difference "
+              f"{a['p99_difference_ms']:+.2f} ms, 95 % interval {a['p99_difference_ci95_ms']}")
     print(f"daemon loop lag, longest: {result['loop_lag_max_ms']['before_pulls']} ms before the pulls, "
           f"{result['loop_lag_max_ms']['after']} ms after them and their updates")
     print(f"pulls took {result['pull_seconds']} s; goal during the pull: <= 1 ms p50 "
           f"({dp['added_p50_ms'] / 1.0:.2f}x of it), <= 5 ms p99 ({dp['added_p99_ms'] / 5.0:.2f}x of it)")
     print(json.dumps({k: result[k] for k in ("added_p50_ms", "added_p99_ms", "idle_added_p50_ms",
-                                              "idle_added_p99_ms", "null_added_p99_ms", "idle_null_added_p99_ms")}))
+                                              "idle_added_p99_ms", "null_added_p99_ms", "idle_null_added_p99_ms",
+                                              "p99_difference_ms", "p99_difference_ci95_ms", "null_p99_difference_ms",
+                                              "null_p99_difference_ci95_ms")}))
     return 0 if dp["added_p50_ms"] <= 1.0 and dp["added_p99_ms"] <= 5.0 else 1
 
 

@@ -153,8 +153,8 @@ def prune_versions(to: str, doomed: Callable[[int], bool], settings: ObjectStore
     try:
         for batch in obstore.list(store, prefix or None, chunk_size=1000):
             for meta in batch:
-                name = meta["path"][len(prefix):].lstrip("/").partition("/")[0]
-                if name.isdigit() and name == str(int(name)) and doomed(int(name)):
+                name, inside, _ = meta["path"][len(prefix):].lstrip("/").partition("/")
+                if inside and name.isdigit() and name == str(int(name)) and doomed(int(name)):
                     by_version.setdefault(int(name), []).append(meta)
         for version, metas in sorted(by_version.items()):
             obstore.delete(store, [m["path"] for m in metas])

@@ -137,7 +137,7 @@ def in_bucket(s3, prefix: str) -> list[str]:
 
 
 def version_dirs(s3, prefix: str) -> list[int]:
-    names = {p.split("/")[1] for p in in_bucket(s3, prefix)}
+    names = {p.split("/")[1] for p in in_bucket(s3, prefix) if p.count("/") >= 2}
     return sorted(int(n) for n in names if n.isdigit())
 
 
@@ -145,6 +145,7 @@ def test_publish_prunes_the_versions_the_registry_will_never_serve_again_and_not
     import numpy as np
     to, store, ckpt = f"s3://{s3.bucket}/pruned", settings(s3), checkpoint(tmp_path, mib=1)
     obstore.put(s3.store(), "pruned/notes/readme.txt", b"not a version: never touched")
+    obstore.put(s3.store(), "pruned/0", b"an object named like a version, not a version's prefix")
     obstore.put(s3.store(), "pruned/2/model-0.safetensors", b"an upload given up: never published")
     with EmbeddedRegistry(port=0, keep_versions=2) as reg:
         def publish(v: int) -> None:
@@ -163,7 +164,7 @@ def test_publish_prunes_the_versions_the_registry_will_never_serve_again_and_not
         httpx.delete(f"{reg.url}/v1/leases/{lease}").raise_for_status()
         publish(6)  # 3 (its lease gone) and 4 (retired now) are reclaimed
         assert version_dirs(s3, "pruned") == [5, 6, 9]
-        assert "pruned/notes/readme.txt" in in_bucket(s3, "pruned/notes")
+        assert "pruned/notes/readme.txt" in in_bucket(s3, "pruned/notes") and "pruned/0" in in_bucket(s3, "pruned")
         # what stays is whole: a node pulls version 5 from the bucket
         mirror = Mirror(tmp_path / "mirror", 1 << 30)
         manifest = reg.manifest(5)
@@ -174,7 +175,7 @@ def test_publish_prunes_the_versions_the_registry_will_never_serve_again_and_not
         reg.publish(7, {"w": np.zeros(4, np.float32)}, to=to, store=store, prune=False)
         assert version_dirs(s3, "pruned") == [5, 6, 7, 9]
         assert reg.prune_store(to, store) == [5]  # below 7, the newest the registry holds
-        assert version_dirs(s3, "pruned") == [6, 7, 9]
+        assert version_dirs(s3, "pruned") == [6, 7, 9] and "pruned/0" in in_bucket(s3, "pruned")
 
 
 def test_a_prune_that_fails_costs_a_warning_not_the_publish(s3, tmp_path, monkeypatch, caplog):
