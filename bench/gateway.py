@@ -403,7 +403,8 @@ def during_pull(args: argparse.Namespace) -> int:
         reg_port, admin_port, gw_port = free_port(), free_port(), free_port()
         reg_log = open(work / "registry.log", "wb")
         env = {**os.environ, "PYTHONPATH": str(args.ref_repo or ROOT)}
-        procs.append(subprocess.Popen(["nice", "-n", "10", sys.executable, "-m", "rolloutd.cli", "registry",
+        pin = ["taskset", "-c", str(args.registry_core)] if args.registry_core is not None else []
+        procs.append(subprocess.Popen([*pin, "nice", "-n", "10", sys.executable, "-m", "rolloutd.cli", "registry",
                                        "--host", "127.0.0.1", "--port", str(reg_port), "--keep-versions", "2"],
                                       cwd="/", env=env, stdout=reg_log, stderr=subprocess.STDOUT,
                                       start_new_session=True))
@@ -491,6 +492,7 @@ def during_pull(args: argparse.Namespace) -> int:
         shutil.rmtree(work, ignore_errors=True)
     result = {"pull_gib": args.pull_gib, "pulls": args.pulls, "build": str(args.ref_repo or "this tree"),
               "pull_cpu_priority": args.pull_priority or "default", "daemon_fifo": args.daemon_fifo,
+              "registry_core": args.registry_core,
               "idle": added(idle), "during_pull": added(during),
               # the same statistic for two direct connections: the noise floor of a paired p99
               "idle_null": added(idle_null), "during_pull_null": added(during_null),
@@ -557,6 +559,8 @@ def main() -> int:
     p.add_argument("--idle-pairs", type=int, default=300, help="--during-pull: pairs measured idle")
     p.add_argument("--pull-priority", choices=("idle", "low", "normal"),
                    help="--during-pull: the daemon's pull.cpu_priority (default: the setting's default)")
+    p.add_argument("--registry-core", type=int, help="--during-pull, an experiment: pin the registry (the "
+                   "trainer's host, not the node's) to this core")
     p.add_argument("--daemon-fifo", action="store_true", help="--during-pull, an experiment: the daemon's main "
                    "thread (its loop: the gateway) real-time, SCHED_FIFO priority 1")
     p.add_argument("--ref-repo", type=Path, help="--during-pull: run the daemon and the registry of another build "
