@@ -352,6 +352,41 @@ def test_a_request_refused_by_a_pausing_033_server_is_held_and_sent_again():
     assert fake.seen == 2  # refused once while pausing, then sent again after the resume
 
 
+def test_an_update_pauses_only_once_every_request_sent_before_it_is_answered():
+    """What an update with ``pause_mode: wait`` waits for before it pauses vLLM (Gateway.quiet):
+    a request the gateway sent while serving could otherwise reach vLLM's engine after the
+    pause began, wait there, and run on the new weights before the gate has passed them."""
+    with FakeUpstream() as fake:
+        gw = GatewayThread(fake.socket, free_port(), while_paused="hold", hold_max_s=30).start()
+        answer: dict = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", gw.url + "/inference/v1/generate", json=generate_body(stream=True),
+                              timeout=30) as r:
+                answer.update(status=r.status_code, body=r.read())
+        thread = threading.Thread(target=stream)
+        try:
+            assert gw._call(gw.gateway.quiet(0.1)) is True  # nothing sent yet
+            thread.start()
+            wait_until(fake.waiting.is_set, 10, "the request at the server")  # half answered
+            gw.set_state(S.UPDATING)  # the update begins: nothing new is sent ...
+            held = post_in_thread(gw.url + "/inference/v1/generate?plain=1", json=generate_body())
+            wait_until(lambda: gw.metrics.registry.get_sample_value(
+                "rolloutd_gateway_held_total", {"server": "gpu0"}) == 1, 10, "held")
+            assert gw._call(gw.gateway.quiet(0.3)) is False  # ... but one request is still unanswered
+            fake.go.set()
+            assert gw._call(gw.gateway.quiet(10)) is True  # answered: now the server may pause
+            thread.join(10)
+            assert fake.seen == 1  # the held request never reached the server while it updated
+            gw.set_state(S.SERVING)
+            held["thread"].join(30)
+        finally:
+            fake.go.set()
+            gw.stop()
+    assert answer == {"status": 200, "body": b"data: 1\n\ndata: 2\n\n"}
+    assert held["status"] == 200 and fake.seen == 2
+
+
 def test_same_answers_on_032_and_033_while_paused(vllm, gateway):
     """While paused, new requests never reach either server: held, or 503 with reject."""
     with FakeUpstream() as fake:

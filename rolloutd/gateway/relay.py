@@ -84,6 +84,9 @@ class Gateway:
         self._server: asyncio.Server | None = None
         self._clients: set[_Client] = set()
         self._idle: list[_Upstream] = []  # kept-alive connections to vLLM, newest last
+        self._busy: set[_Upstream] = set()  # connections to vLLM with a request sent and not yet answered
+        self._quiet = asyncio.Event()  # set while _busy is empty
+        self._quiet.set()
         self.max_connections = settings.max_connections
         self.refused = metrics.gateway_refused_connections.labels(server=name)
         self.timeouts = {Reading.HEAD: settings.head_timeout_s, Reading.BODY: settings.body_timeout_s,
@@ -122,6 +125,30 @@ class Gateway:
         """The version the server holds now (set by its supervisor before it serves it)."""
         self.policy.on_version(version)
 
+    async def quiet(self, timeout_s: float) -> bool:
+        """Wait until no request the gateway sent to vLLM is still unanswered; False if some
+        still are after ``timeout_s``. Once the server has left SERVING nothing new is sent, so
+        an update that waits for this before it pauses vLLM knows that every request vLLM got
+        was answered by the weights it held: a request sent a moment before could otherwise
+        reach vLLM's engine after the pause began, wait there, and run on the new weights
+        after the resume, before the gate has passed them."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._quiet.wait()
+            return True
+        except TimeoutError:
+            return False
+
+    def sent(self, up: _Upstream) -> None:
+        self._busy.add(up)
+        self._quiet.clear()
+
+    def settled(self, up: _Upstream) -> None:
+        """``up`` has no request in flight any more (answered, dropped, or closed)."""
+        self._busy.discard(up)
+        if not self._busy:
+            self._quiet.set()
+
     # -- forwarding -----------------------------------------------------------------------------
     def forward(self, exchange: _Exchange) -> None:
         """Send a request on to vLLM: at once on a kept-alive connection while serving (the
@@ -151,6 +178,9 @@ class Gateway:
                         exchange.client.answer_error(exchange, 502, "upstream",
                                                      f"server {self.name} did not answer: {why}", ())
                         return
+                    if not self.policy.serving:  # it left SERVING while connecting: never send then
+                        self.give_back(up)
+                        continue
                 up.send(exchange, reused=reused is not None)
                 return
         except Unavailable as e:
@@ -645,6 +675,7 @@ class _Upstream(asyncio.Protocol):
         self.chunked = False  # the client gets chunked framing made here
         self.until_close = False  # vLLM ends this answer by closing the connection
         self.discard = False  # this answer is not passed on (a 503 from a pausing server)
+        self.gw.sent(self)
         if exchange.client.write_paused:  # (a slow client paused it during the last answer, or now)
             self.transport.pause_reading()
         else:
@@ -660,6 +691,7 @@ class _Upstream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.gw.forget(self)
+        self.gw.settled(self)
         ex, self.exchange = self.exchange, None
         if ex is None or ex.client.transport.is_closing():
             return  # idle, or its client has left
@@ -726,6 +758,7 @@ class _Upstream(asyncio.Protocol):
             return
         ex, self.exchange = self.exchange, None
         ex.upstream = None
+        self.gw.settled(self)
         if self.parser.should_keep_alive():
             self.gw.give_back(self)
         else:

@@ -64,9 +64,11 @@ class Applier:
     """Runs the update sequence on one server, timing each phase."""
 
     def __init__(self, name: str, vllm: VllmClient, policy: Update, metrics: Metrics, *,
-                 verify: Callable[[Target], Awaitable[Target]]):
+                 verify: Callable[[Target], Awaitable[Target]],
+                 quiet: Callable[[float], Awaitable[bool]] | None = None):
         self.name, self.vllm, self.policy, self.metrics = name, vllm, policy, metrics
         self._verify = verify
+        self._quiet = quiet  # the gateway's: no request of it still unanswered by vLLM
 
     async def apply(self, target: Target, record: UpdateRecord) -> Target:
         """Load ``target``; returns the target actually loaded (a re-pulled copy, possibly).
@@ -76,6 +78,9 @@ class Applier:
         paused_s = 0.0
         for attempt in range(1, attempts + 1):
             started = time.perf_counter()
+            if p.pause_mode == "wait" and self._quiet is not None and not await self._quiet(p.pause_timeout_s):
+                log.warning("apply %s: requests sent before the update still unanswered after %g s; pausing "
+                            "anyway", self.name, p.pause_timeout_s)
             try:
                 await self._phase(record, "pause", self.vllm.pause(p.pause_mode, p.pause_timeout_s,
                                                                    clear_cache=not p.keep_kv_cache))

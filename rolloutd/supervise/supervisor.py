@@ -311,7 +311,8 @@ class Supervisor:
     async def _apply(self, target: Target) -> None:
         record = UpdateRecord(target.version)
         self.last_update, self.loading = record, target
-        applier = Applier(self.name, self.vllm, self._conf().update, self.metrics, verify=self.updater.verify)
+        applier = Applier(self.name, self.vllm, self._conf().update, self.metrics, verify=self.updater.verify,
+                          quiet=self.gateway.quiet if self.gateway is not None else None)
         try:
             self._hold(await applier.apply(target, record))
         except ApplyFailed as e:
