@@ -271,13 +271,16 @@ class FakeUpstream:
       (refused with 503, after ``refuse_after_s``) instead of queued as 0.32 does; otherwise it
       streams ``data: 1``, waits for ``go``, then ``data: 2``;
     - ``/inference/v1/generate?endless=1`` streams an event every 20 ms until its client leaves
-      (``gone``).
+      (``gone``);
+    - ``/inference/v1/generate?queued=1`` the first time answers nothing until its client leaves
+      (``gone``), as vLLM 0.32 queues a request that reaches its engine after a pause began; every
+      later time it answers at once.
     """
 
     def __init__(self, refuse_after_s: float = 0.3):
         self.paused = False
         self.refuse_after_s = refuse_after_s
-        self.seen = 0
+        self.seen = self.queued = 0
         self.go, self.waiting, self.gone = threading.Event(), threading.Event(), threading.Event()
         self.socket = socket_path()
         self.loop = asyncio.new_event_loop()
@@ -292,6 +295,13 @@ class FakeUpstream:
             return web.json_response({"choices": [{"token_ids": [7, 7, 7]}]})
         if request.query.get("endless"):
             return await self.endless(request)
+        if request.query.get("queued"):
+            self.queued += 1
+            while self.queued == 1 and request.transport is not None and not request.transport.is_closing():
+                await asyncio.sleep(0.01)
+            if self.queued == 1:
+                self.gone.set()
+            return web.json_response({"choices": [{"token_ids": [7, 7, 7]}]})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         await response.write(b"data: 1\n\n")
@@ -385,6 +395,43 @@ def test_an_update_pauses_only_once_every_request_sent_before_it_is_answered():
             gw.stop()
     assert answer == {"status": 200, "body": b"data: 1\n\ndata: 2\n\n"}
     assert held["status"] == 200 and fake.seen == 2
+
+
+def test_an_update_that_aborts_takes_back_what_vllm_queued_instead_of_aborting():
+    """With ``pause_mode: abort`` the update does not wait; after the pause, a request vLLM has
+    not begun to answer (it reached the engine as the pause began: queued, not aborted) is taken
+    back (Gateway.recall_unanswered), so it cannot run on the new weights before the gate has
+    passed them; it is sent again once the server serves. An answer already begun is left alone."""
+    with FakeUpstream() as fake:
+        gw = GatewayThread(fake.socket, free_port(), while_paused="hold", hold_max_s=30).start()
+        begun: dict = {}
+
+        def stream() -> None:
+            with httpx.stream("POST", gw.url + "/inference/v1/generate", json=generate_body(stream=True),
+                              timeout=30) as r:
+                begun.update(status=r.status_code, body=r.read())
+        thread = threading.Thread(target=stream)
+        try:
+            thread.start()
+            wait_until(fake.waiting.is_set, 10, "an answer begun")
+            queued = post_in_thread(gw.url + "/inference/v1/generate?queued=1", json=generate_body())
+            wait_until(lambda: fake.queued == 1, 10, "a request at the server, not answered")
+            gw.set_state(S.UPDATING)  # vLLM paused: this one was queued by it, not aborted
+            assert gw._call(gw.gateway.recall_unanswered(0.3)) == 1
+            wait_until(fake.gone.is_set, 10, "the server to see the request dropped")
+            wait_until(lambda: gw.metrics.registry.get_sample_value(
+                "rolloutd_gateway_held_total", {"server": "gpu0"}) == 1, 10, "the request held")
+            assert fake.queued == 1 and queued["thread"].is_alive()  # held: not sent again while updating
+            fake.go.set()
+            thread.join(10)
+            gw.set_state(S.SERVING)
+            queued["thread"].join(30)
+        finally:
+            fake.go.set()
+            gw.stop()
+    assert begun == {"status": 200, "body": b"data: 1\n\ndata: 2\n\n"}  # begun before: not taken back
+    assert queued["status"] == 200 and queued["json"]["choices"][0]["token_ids"] == [7, 7, 7]
+    assert fake.queued == 2  # sent once more, after the update
 
 
 def test_same_answers_on_032_and_033_while_paused(vllm, gateway):

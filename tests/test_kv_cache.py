@@ -72,12 +72,31 @@ def generate(server: VllmServer, prompt: list[int], n: int) -> dict:
     return r.json()["choices"][0]
 
 
-def apply(server: VllmServer, target: Target, **policy) -> UpdateRecord:
+def apply(server: VllmServer, target: Target, gateway_calls: list | None = None, **policy) -> UpdateRecord:
+    """One update; ``gateway_calls`` gets (what, whether vLLM was paused then) for each call the
+    update made to its gateway's hooks (quiet, recall)."""
     async def run():
         vllm = VllmClient(server.socket)  # as the daemon reaches its servers: on their UNIX socket
+        hooks = {}
+        if gateway_calls is not None:
+            def ask() -> bool:
+                with server.client(timeout=30) as http:
+                    return http.get("/is_paused").raise_for_status().json()["is_paused"]
+
+            async def paused() -> bool:
+                return await asyncio.to_thread(ask)
+
+            async def quiet(timeout_s: float) -> bool:
+                gateway_calls.append(("quiet", await paused()))
+                return True
+
+            async def recall(grace_s: float) -> int:
+                gateway_calls.append(("recall", await paused()))
+                return 0
+            hooks = {"quiet": quiet, "recall": recall}
         try:
             record = UpdateRecord(target.version)
-            await Applier("s0", vllm, Update(**policy), Metrics(), verify=_no_verify).apply(target, record)
+            await Applier("s0", vllm, Update(**policy), Metrics(), verify=_no_verify, **hooks).apply(target, record)
             return record
         finally:
             await vllm.close()
@@ -92,7 +111,11 @@ async def _no_verify(target: Target) -> Target:
 def test_a_long_prompt_after_an_update_is_answered_by_the_new_weights(node, mode, version):
     server, dirs, targets = node
     generate(server, LONG, 8)  # its blocks are now in the prefix cache, computed with the weights before
-    assert apply(server, targets[version], pause_mode=mode).ok
+    calls: list = []
+    assert apply(server, targets[version], gateway_calls=calls, pause_mode=mode).ok
+    # wait: the gateway's requests all answered before vLLM pauses; abort: what vLLM queued
+    # instead of aborting taken back once it has paused; keep: requests go on, nothing asked
+    assert calls == {"wait": [("quiet", False)], "abort": [("recall", True)], "keep": []}[mode]
     assert generate(server, LONG, 8)["token_ids"] == hf_greedy(dirs[version], LONG, 8)
 
 

@@ -87,6 +87,7 @@ class Gateway:
         self._busy: set[_Upstream] = set()  # connections to vLLM with a request sent and not yet answered
         self._quiet = asyncio.Event()  # set while _busy is empty
         self._quiet.set()
+        self._answering = asyncio.Event()  # set when an answer of vLLM begins or a request settles
         self.max_connections = settings.max_connections
         self.refused = metrics.gateway_refused_connections.labels(server=name)
         self.timeouts = {Reading.HEAD: settings.head_timeout_s, Reading.BODY: settings.body_timeout_s,
@@ -139,13 +140,42 @@ class Gateway:
         except TimeoutError:
             return False
 
+    async def recall_unanswered(self, grace_s: float) -> int:
+        """Once vLLM has paused with ``abort``: take back every request it has not begun to
+        answer within ``grace_s``, to be sent again after the update. vLLM ends the requests it
+        was running as it pauses (their answers begin within moments), but one that reached its
+        engine after the pause began is queued there, and would run on the new weights as the
+        server resumes for its gate. Closing that connection makes vLLM drop the request; the
+        gateway sends it again as it sends any request that came during the update (held, or
+        refused with ``while_paused: reject``). Returns how many were taken back."""
+        if self.policy.serving:
+            return 0
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
+        while any(not up.started for up in self._busy) and (left := deadline - loop.time()) > 0:
+            self._answering.clear()
+            try:
+                async with asyncio.timeout(left):
+                    await self._answering.wait()
+            except TimeoutError:
+                break
+        unbegun = [up for up in self._busy if not up.started]
+        for up in unbegun:
+            up.transport.close()  # connection_lost sends the request again: not serving, so held
+        return len(unbegun)
+
     def sent(self, up: _Upstream) -> None:
         self._busy.add(up)
         self._quiet.clear()
 
+    def answering(self) -> None:
+        """An answer of vLLM began: its head went to the client."""
+        self._answering.set()
+
     def settled(self, up: _Upstream) -> None:
         """``up`` has no request in flight any more (answered, dropped, or closed)."""
         self._busy.discard(up)
+        self._answering.set()
         if not self._busy:
             self._quiet.set()
 
@@ -743,6 +773,7 @@ class _Upstream(asyncio.Protocol):
         lines.append(b"\r\n")
         ex.client.transport.write(b"".join(lines))
         self.started = True
+        self.gw.answering()
 
     def on_body(self, body: bytes) -> None:
         if self.discard:

@@ -36,6 +36,10 @@ from rolloutd.supervise.vllm_http import VllmClient, VllmError
 
 log = logging.getLogger("rolloutd.rollout.apply")
 
+# With pause_mode abort, how long the answers of the requests vLLM aborted may take to begin:
+# one not begun by then was queued by the paused engine, not aborted, and is taken back.
+RECALL_GRACE_S = 1.0
+
 
 class ApplyFailed(Exception):
     def __init__(self, message: str, *, restart: bool):
@@ -65,10 +69,12 @@ class Applier:
 
     def __init__(self, name: str, vllm: VllmClient, policy: Update, metrics: Metrics, *,
                  verify: Callable[[Target], Awaitable[Target]],
-                 quiet: Callable[[float], Awaitable[bool]] | None = None):
+                 quiet: Callable[[float], Awaitable[bool]] | None = None,
+                 recall: Callable[[float], Awaitable[int]] | None = None):
         self.name, self.vllm, self.policy, self.metrics = name, vllm, policy, metrics
         self._verify = verify
         self._quiet = quiet  # the gateway's: no request of it still unanswered by vLLM
+        self._recall = recall  # the gateway's: take back requests vLLM has not begun to answer
 
     async def apply(self, target: Target, record: UpdateRecord) -> Target:
         """Load ``target``; returns the target actually loaded (a re-pulled copy, possibly).
@@ -94,6 +100,10 @@ class Applier:
                           target.version, record.error)
                 await self._resume_untouched(record)
                 raise ApplyFailed(f"pause failed: {e}", restart=False) from None
+            if p.pause_mode == "abort" and self._recall is not None:
+                if taken := await self._recall(min(RECALL_GRACE_S, p.pause_timeout_s)):
+                    log.warning("apply %s: %d request(s) reached vLLM as it paused and were not begun; taken "
+                                "back, to be sent again after the update", self.name, taken)
             target = await self._load(target, record)
             try:
                 await self._phase(record, "check", self._check(target))

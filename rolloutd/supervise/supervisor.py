@@ -312,7 +312,8 @@ class Supervisor:
         record = UpdateRecord(target.version)
         self.last_update, self.loading = record, target
         applier = Applier(self.name, self.vllm, self._conf().update, self.metrics, verify=self.updater.verify,
-                          quiet=self.gateway.quiet if self.gateway is not None else None)
+                          quiet=self.gateway.quiet if self.gateway is not None else None,
+                          recall=self.gateway.recall_unanswered if self.gateway is not None else None)
         try:
             self._hold(await applier.apply(target, record))
         except ApplyFailed as e:
