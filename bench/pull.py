@@ -17,7 +17,16 @@ same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the
   (sendfile on) serving the same files from tmpfs;
 - ``curl-parallel``: the same with ``--parallel --parallel-max <files>`` (one connection per file);
 - ``aria2c``: ``aria2c -x8 -s8`` (``--connections``) for all files, from nginx;
-- ``cp``: ``cp -r`` of the source files (tmpfs to tmpfs), the memory-copy limit of this machine.
+- ``cp``: ``cp -r`` of the source files (tmpfs to tmpfs), the memory-copy limit of this machine;
+- ``loopback``: the same requests as the puller's (``--streams`` connections, ``--request-mib``
+  ranges, the pull workers' own source) from the same registry, the bodies spliced into
+  ``/dev/null`` (``streampull.py``): what this server and the loopback deliver to a client that
+  neither copies nor hashes, the ceiling of any client of this server on this machine.
+
+Beside each contender's own CPU (and its server's), the whole machine's busy time per GB is
+reported (``/proc/stat``, every CPU, interrupts included): on loopback the kernel charges much of
+a transfer to whichever core sends or receives, so only the machine's total shows what a
+transfer costs in all.
 
 Every contender but ``puller`` (and ``puller-copy``, ``puller-ref``) writes new files into the same tmpfs (the
 destination is removed before each run). Servers run pinned to one CPU, clients to the other
@@ -54,6 +63,7 @@ from registry_load import (
     display_path,
     find_tool,
     free_port,
+    machine_busy_s,
     parse_frame,
     pinned,
     process_cpu_s,
@@ -82,7 +92,8 @@ sys.path.insert(0, str(REPO))
 
 from rolloutd.wire.manifest import Manifest, verify_file  # noqa: E402
 
-CONTENDERS = ("puller", "puller-fresh", "puller-copy", "puller-ref", "curl", "curl-parallel", "aria2c", "cp")
+CONTENDERS = ("puller", "puller-fresh", "puller-copy", "puller-ref", "curl", "curl-parallel", "aria2c", "cp",
+              "loopback")
 DOWNLOADERS = ("curl", "curl-parallel", "aria2c")  # the "best of" the puller is compared with
 MIN_RATE_BPS = 20e6  # a transfer slower than this is broken: it sets every subprocess timeout
 SWEEP = [(s, r) for s in (2, 4, 8, 16) for r in (4, 16, 64)]  # (streams, request MiB)
@@ -254,7 +265,7 @@ def puller(urls: dict, names: list[str], dest: Path, args: argparse.Namespace,
     if r["bytes"] != args.size:
         raise RuntimeError(f"puller fetched {r['bytes']} bytes, expected {args.size}")
     return {"seconds": r["seconds"], "client_cpu_s": r["client_cpu_s"], "retries": r["retries"],
-            "files_dir": r["path"]}
+            "machine_cpu_s": r["machine_cpu_s"], "files_dir": r["path"]}
 
 
 def curl(urls: dict, names: list[str], dest: Path, args: argparse.Namespace, parallel: bool = False) -> dict:
@@ -290,6 +301,18 @@ def cp(urls: dict, names: list[str], dest: Path, args: argparse.Namespace) -> di
     return {"seconds": wall, "client_cpu_s": cpu, "files_dir": str(dest)}
 
 
+def loopback(urls: dict, names: list[str], dest: Path, args: argparse.Namespace) -> dict:
+    """The puller's requests from the same registry, bodies spliced into /dev/null."""
+    argv = [sys.executable, str(BENCH / "streampull.py"),
+            *(f"{urls['registry']}/v1/versions/1/files/{n}" for n in names), "--size", str(args.size // args.files),
+            "--chunk-mib", str(args.request_mib), "--concurrency", str(args.streams),
+            "--piece-kib", str(args.piece_kib)]
+    out, _, _ = run_timed(argv, args)
+    r = json.loads(out.stdout)  # its own time and CPU: the pull, not the interpreter's start
+    return {"seconds": r["seconds"], "client_cpu_s": r["client_cpu_s"], "machine_cpu_s": r["machine_cpu_s"],
+            "files_dir": None}
+
+
 def sweep_cpus(workers: int, args: argparse.Namespace) -> str:
     """The CPUs N workers may use: the load CPU first, then the others in order."""
     cpus = [args.load_cpu] + [c for c in range(os.cpu_count()) if c != args.load_cpu]  # this script is pinned
@@ -299,7 +322,7 @@ def sweep_cpus(workers: int, args: argparse.Namespace) -> str:
 RUN = {"puller": lambda *a, **kw: puller(*a, steady=True, **kw), "puller-fresh": puller,
        "puller-copy": lambda *a, **kw: puller(*a, copy=True, steady=True, **kw),
        "puller-ref": lambda *a: puller(*a, repo=a[3].ref_repo, steady=True), "curl": curl,
-       "curl-parallel": lambda *a: curl(*a, parallel=True), "aria2c": aria2c, "cp": cp}
+       "curl-parallel": lambda *a: curl(*a, parallel=True), "aria2c": aria2c, "cp": cp, "loopback": loopback}
 
 
 def label(name: str, args: argparse.Namespace) -> str:
@@ -311,7 +334,9 @@ def label(name: str, args: argparse.Namespace) -> str:
             "curl": "curl, files one after another",
             "curl-parallel": f"curl --parallel-max {args.files}",
             "aria2c": f"aria2c -x{args.connections} -s{args.connections} -j{args.aria2c_jobs}",
-            "cp": "cp -r (tmpfs to tmpfs)"}[name]
+            "cp": "cp -r (tmpfs to tmpfs)",
+            "loopback": f"loopback: the puller's {args.streams} streams x {args.request_mib} MiB from the registry "
+                        "into /dev/null"}[name]
 
 
 def check_files(files_dir: Path, manifest: Manifest) -> None:
@@ -325,10 +350,13 @@ def one_run(name: str, urls: dict, names: list[str], work: Path, args: argparse.
     """One run of a contender into a fresh destination, with the CPU its server used."""
     dest = work / "dest"
     shutil.rmtree(dest, ignore_errors=True)
-    srv = pids.get("registry" if name.startswith("puller") else "nginx", [])
-    srv0 = sum(_cpu(p) for p in srv)
+    srv = pids.get("registry" if name.startswith("puller") or name == "loopback" else "nginx", [])
+    srv0, machine0 = sum(_cpu(p) for p in srv), machine_busy_s()
     result = RUN[name](urls, names, dest, args, **settings)
-    used = sum(_cpu(p) for p in srv) - srv0
+    used, machine = sum(_cpu(p) for p in srv) - srv0, machine_busy_s() - machine0
+    machine = result.pop("machine_cpu_s", machine)  # a Python client's own window, without its start
+    if result["files_dir"] is None:  # bytes that were not kept: nothing to check
+        verify = False
     if verify:
         check_files(Path(result.pop("files_dir")), manifest)
     else:
@@ -336,7 +364,8 @@ def one_run(name: str, urls: dict, names: list[str], work: Path, args: argparse.
     gb = args.size / 1e9
     result.update(gb_per_s=round(gb / result["seconds"], 4), seconds=round(result["seconds"], 4),
                   client_cpu_s_per_gb=round(result["client_cpu_s"] / gb, 3),
-                  server_cpu_s_per_gb=round(used / gb, 3) if srv else None, verified=verify)
+                  server_cpu_s_per_gb=round(used / gb, 3) if srv else None,
+                  machine_cpu_s_per_gb=round(machine / gb, 3), verified=verify)
     shutil.rmtree(dest, ignore_errors=True)
     return result
 
@@ -466,7 +495,8 @@ def summarize(runs: dict) -> dict:
     out = {name: {"gb_per_s": stats([r["gb_per_s"] for r in rs]),
                   "client_cpu_s_per_gb": statistics.median(r["client_cpu_s_per_gb"] for r in rs),
                   "server_cpu_s_per_gb": (statistics.median(r["server_cpu_s_per_gb"] for r in rs)
-                                          if rs[0]["server_cpu_s_per_gb"] is not None else None)}
+                                          if rs[0]["server_cpu_s_per_gb"] is not None else None),
+                  "machine_cpu_s_per_gb": statistics.median(r["machine_cpu_s_per_gb"] for r in rs)}
            for name, rs in runs.items()}
     med = {name: s["gb_per_s"]["median"] for name, s in out.items()}
     downloaders = {n: med[n] for n in DOWNLOADERS if n in med}
@@ -483,6 +513,10 @@ def summarize(runs: dict) -> dict:
         ratios["puller_fresh_to_cp"] = round(med["puller-fresh"] / med["cp"], 3)
     if "puller" in med and "puller-copy" in med:
         ratios["puller_to_puller_copy"] = round(med["puller"] / med["puller-copy"], 3)
+    if "puller" in med and "loopback" in med:
+        ratios["puller_to_loopback"] = round(med["puller"] / med["loopback"], 3)
+    if "loopback" in med and "cp" in med:
+        ratios["loopback_to_cp"] = round(med["loopback"] / med["cp"], 3)
     if "puller" in out and "cp" in out:
         ratios["client_cpu_to_cp"] = round(out["puller"]["client_cpu_s_per_gb"] / out["cp"]["client_cpu_s_per_gb"], 3)
     if "puller-fresh" in out and "cp" in out:
@@ -497,17 +531,23 @@ def markdown(report: dict) -> str:
              "", f"{env['cpus']} CPUs ({env['cpu_model']}); {env['pinning']}; "
              f"registry bytes in {cfg.get('store', 'memory')}; "
              f"publish {report['publish_s']:.1f} s", "",
-             "| contender | GB/s median (min-max) | client s/GB | server s/GB |", "|---|---|---|---|"]
+             "| contender | GB/s median (min-max) | client s/GB | server s/GB | machine s/GB |",
+             "|---|---|---|---|---|"]
     for name, s in summ["contenders"].items():
         g = s["gb_per_s"]
         srv = f"{s['server_cpu_s_per_gb']:.2f}" if s["server_cpu_s_per_gb"] is not None else ""
         lines.append(f"| {report['labels'][name]} | {g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f}) | "
-                     f"{s['client_cpu_s_per_gb']:.2f} | {srv} |")
+                     f"{s['client_cpu_s_per_gb']:.2f} | {srv} | {s['machine_cpu_s_per_gb']:.2f} |")
     r = summ["ratios"]
     if "puller_to_best_downloader" in r:
         lines += ["", f"puller / best downloader ({r['best_downloader']}): **{r['puller_to_best_downloader']:.2f}**"]
     if "puller_to_cp" in r:
         lines.append(f"puller / cp: **{r['puller_to_cp']:.2f}**")
+    if "puller_to_loopback" in r:
+        lines.append(f"puller / loopback (the same server's bytes, discarded): **{r['puller_to_loopback']:.2f}**")
+    if "loopback_to_cp" in r:
+        lines.append(f"loopback / cp (the most any client of this server reaches here, over cp): "
+                     f"**{r['loopback_to_cp']:.2f}**")
     if "puller_fresh_to_cp" in r:
         lines.append(f"puller-fresh / cp: **{r['puller_fresh_to_cp']:.2f}**")
     if "puller_to_puller_ref" in r:

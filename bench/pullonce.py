@@ -21,6 +21,8 @@ from pathlib import Path
 _repo = sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(_repo))
 
+from registry_load import machine_busy_s  # noqa: E402
+
 from rolloutd.registry.client import RegistryClient, Timeouts  # noqa: E402
 from rolloutd.rollout.mirror import Mirror  # noqa: E402
 from rolloutd.rollout.puller import Puller  # noqa: E402
@@ -58,12 +60,13 @@ async def pull(args: argparse.Namespace) -> dict:
         puller = Puller(client, mirror, holder="bench-node",
                         streams=args.streams, request_bytes=args.request_mib << 20,
                         piece_bytes=args.piece_kib << 10, **workers(args))
-        cpu0 = _cpu()
+        cpu0, machine0 = _cpu(), machine_busy_s()
         result = await asyncio.wait_for(puller.pull(args.version), args.timeout_s)
-        cpu = _cpu() - cpu0
+        cpu, machine = _cpu() - cpu0, machine_busy_s() - machine0
     return {"bytes": result.bytes, "seconds": round(result.seconds, 4),
             "gb_per_s": round(result.bytes / result.seconds / 1e9, 4), "client_cpu_s": round(cpu, 3),
-            "retries": result.retries, "path": str(result.path), "digest": result.digest}
+            "machine_cpu_s": round(machine, 3), "retries": result.retries, "path": str(result.path),
+            "digest": result.digest}
 
 
 def workers(args: argparse.Namespace) -> dict:

@@ -1,12 +1,14 @@
-"""Pull one file with parallel ``Range`` requests exactly as a node's pull worker does, and
+"""Pull files with parallel ``Range`` requests exactly as a node's pull worker does, and
 discard the bytes: a client that costs the server's peer as little as the OS allows.
 
 ``--concurrency`` threads, each with its own :class:`rolloutd.rollout.sources.HttpRangeSource`
 (``http.client``, one kept-alive connection, bodies spliced from the socket) take
 ``--chunk-mib`` ranges in file order; the spliced bytes go to ``/dev/null`` (no copy, no hash),
 so the rate is the server's and the loopback's, not the client's copying. Every reply must be
-a 206 of exactly the length asked for (the source checks it). Prints one JSON object: bytes,
-seconds, GB/s, this process's CPU seconds. Used by ``registry_serve.py`` (client ``streams``)::
+a 206 of exactly the length asked for (the source checks it). Several URLs (files of the same
+size, one server) are taken one range after another, in order. Prints one JSON object: bytes,
+seconds, GB/s, this process's CPU seconds. Used by ``registry_serve.py`` (client ``streams``)
+and ``pull.py`` (contender ``loopback``)::
 
     python bench/streampull.py http://127.0.0.1:8700/v1/versions/1/files/model.safetensors \\
         --size 1073741824 --chunk-mib 64 --concurrency 8
@@ -24,6 +26,8 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from registry_load import machine_busy_s  # noqa: E402
 
 from rolloutd.rollout.sources import SourceSpec  # noqa: E402
 
@@ -45,8 +49,8 @@ class Discard:
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("url")
-    p.add_argument("--size", type=int, required=True, help="file size in bytes")
+    p.add_argument("urls", nargs="+", metavar="url", help="files of one server, each --size bytes")
+    p.add_argument("--size", type=int, required=True, help="size of each file in bytes")
     p.add_argument("--chunk-mib", type=int, default=64, help="bytes per Range request")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (threads)")
     p.add_argument("--piece-kib", type=int, default=1024, help="bytes spliced at a time")
@@ -59,10 +63,14 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    parts = urlsplit(args.url)
+    paths = [urlsplit(u).path for u in args.urls]
+    if len({urlsplit(u).netloc for u in args.urls}) != 1:
+        sys.exit("streampull: every URL must name the same server")
+    parts = urlsplit(args.urls[0])
     spec = SourceSpec("registry", f"{parts.scheme}://{parts.netloc}")
     chunk = args.chunk_mib * MiB
-    todo = [(s, min(args.size, s + chunk)) for _ in range(args.rounds) for s in range(0, args.size, chunk)][::-1]
+    todo = [(path, s, min(args.size, s + chunk)) for _ in range(args.rounds) for path in paths
+            for s in range(0, args.size, chunk)][::-1]
     lock, failures, done = threading.Lock(), [], [0]
     null_fd = os.open(os.devnull, os.O_WRONLY)
 
@@ -73,9 +81,9 @@ def main() -> None:
                 with lock:
                     if not todo or failures:
                         return
-                    start, end = todo.pop()
+                    path, start, end = todo.pop()
                 sink = Discard(null_fd, start)
-                source.fetch_path(parts.path, parts.path, start, end, sink)
+                source.fetch_path(path, path, start, end, sink)
                 if sink.offset != end:
                     raise RuntimeError(f"range {start}-{end - 1}: got {sink.offset - start} bytes")
                 with lock:
@@ -86,18 +94,20 @@ def main() -> None:
             source.close()
 
     threads = [threading.Thread(target=stream) for _ in range(args.concurrency)]
-    cpu0, t0 = time.process_time(), time.perf_counter()
+    cpu0, machine0, t0 = time.process_time(), machine_busy_s(), time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    seconds, cpu, machine = time.perf_counter() - t0, time.process_time() - cpu0, machine_busy_s() - machine0
     if failures:
         sys.exit(f"streampull: {failures[0]}")
-    if done[0] != args.size * args.rounds:
-        sys.exit(f"streampull: pulled {done[0]} bytes, expected {args.size * args.rounds}")
+    expected = args.size * args.rounds * len(paths)
+    if done[0] != expected:
+        sys.exit(f"streampull: pulled {done[0]} bytes, expected {expected}")
     print(json.dumps({"bytes": done[0], "seconds": round(seconds, 4), "gb_per_s": round(done[0] / seconds / 1e9, 4),
-                      "client_cpu_s": round(cpu, 3), "requests": len(range(0, args.size, chunk)) * args.rounds}))
+                      "client_cpu_s": round(cpu, 3), "machine_cpu_s": round(machine, 3),
+                      "requests": len(range(0, args.size, chunk)) * args.rounds * len(paths)}))
 
 
 if __name__ == "__main__":
