@@ -539,8 +539,9 @@ def markdown(report: dict) -> str:
         lines.append(f"| {report['labels'][name]} | {g['median']:.2f} ({g['min']:.2f}-{g['max']:.2f}) | "
                      f"{s['client_cpu_s_per_gb']:.2f} | {srv} | {s['machine_cpu_s_per_gb']:.2f} |")
     r = summ["ratios"]
+    lines.append("")
     if "puller_to_best_downloader" in r:
-        lines += ["", f"puller / best downloader ({r['best_downloader']}): **{r['puller_to_best_downloader']:.2f}**"]
+        lines.append(f"puller / best downloader ({r['best_downloader']}): **{r['puller_to_best_downloader']:.2f}**")
     if "puller_to_cp" in r:
         lines.append(f"puller / cp: **{r['puller_to_cp']:.2f}**")
     if "puller_to_loopback" in r:
