@@ -49,3 +49,31 @@ async def test_waiting_for_a_scope_to_empty_never_blocks_the_event_loop():
         tick.cancel()
     assert scope.looks == 3
     assert max(lateness) < 0.1, f"the loop stalled {max(lateness):.3f} s while a scope was looked at"
+
+
+class FailingScope(SlowScope):
+    """A FAKE scope whose first ``failures`` looks fail as a read of /proc can (a descriptor
+    closed under the read), then it is empty."""
+
+    def __init__(self, failures: int):
+        super().__init__()
+        self.failures = failures
+
+    def pids(self) -> list[int]:
+        self.looks += 1
+        if self.looks <= self.failures:
+            raise OSError(9, "Bad file descriptor")
+        return []
+
+
+async def test_a_look_that_fails_counts_as_not_empty_and_the_next_one_decides():
+    scope = FailingScope(failures=2)
+    assert await scope.wait_empty(5.0)
+    assert scope.looks == 3
+
+
+async def test_looks_that_keep_failing_end_at_the_deadline_without_raising():
+    scope = FailingScope(failures=10**6)
+    t0 = time.monotonic()
+    assert await scope.wait_empty(0.3) is False
+    assert 0.3 <= time.monotonic() - t0 < 3 and scope.looks >= 2

@@ -198,6 +198,36 @@ def test_a_bug_in_a_long_lived_task_is_logged_counted_and_retried():
     assert calls[2] - calls[1] >= 0.1 > calls[1] - calls[0] >= 0.05  # the delay grows
 
 
+def test_a_task_whose_cleanup_fails_as_the_daemon_stops_is_not_started_again():
+    """A server's loop stops its server when cancelled; if that cleanup raises, the crash policy
+    must not start the loop again (it would spawn a server while the daemon stops, and the stop
+    would wait for it forever): the error is logged and counted, the cancellation goes on."""
+    from rolloutd.node.daemon import keep
+    from rolloutd.node.metrics import Metrics
+
+    async def scenario():
+        metrics, calls = Metrics(), []
+
+        async def server_loop():
+            calls.append(time.monotonic())
+            if len(calls) > 1:
+                return  # started again: end at once (done() says so), so that the test ends too
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                raise OSError(9, "Bad file descriptor") from None  # the stop's look at /proc failed
+        task = asyncio.ensure_future(keep("server-s0", server_loop, metrics, initial_s=0.01, max_s=0.1,
+                                          done=lambda: len(calls) > 1))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return metrics, calls
+    metrics, calls = asyncio.run(scenario())
+    assert len(calls) == 1
+    assert metrics.task_errors.labels(task="server-s0")._value.get() == 1
+
+
 @pytest.mark.parametrize(("node", "servers", "message"), [
     ("node a", ["s0"], "node.name"),
     ("-node", ["s0"], "node.name"),

@@ -428,7 +428,9 @@ async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, 
     """Run the long-lived loop ``run`` until cancelled (or until it returns when ``done()`` says
     it was asked to). A crash is a bug or a peer's surprise, never a reason to take every server
     down with the daemon: log it with its traceback, count it in ``task_errors_total{task}``, wait
-    (``initial_s`` doubling up to ``max_s``), start it again."""
+    (``initial_s`` doubling up to ``max_s``), start it again. Never once it is being cancelled
+    (the daemon stops): a loop whose cleanup fails then is logged and counted, and the
+    cancellation goes on, so the stop is never held up by a loop started again."""
     delay = initial_s
     while True:
         started = time.monotonic()
@@ -438,9 +440,14 @@ async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, 
                 return
             raise RuntimeError("returned")  # these loops end only by being cancelled
         except Exception:
+            name = asyncio.current_task().get_name()
+            if asyncio.current_task().cancelling():
+                log.exception("crash in task %s while it was stopped", name)
+                metrics.task_errors.labels(task=task).inc()
+                raise asyncio.CancelledError() from None
             if time.monotonic() - started > max_s:  # it had run well for a while: back to the short delay
                 delay = initial_s
-            log.exception("crash in task %s; starting it again in %g s", asyncio.current_task().get_name(), delay)
+            log.exception("crash in task %s; starting it again in %g s", name, delay)
         metrics.task_errors.labels(task=task).inc()
         await asyncio.sleep(delay)
         delay = min(delay * 2, max_s)

@@ -55,6 +55,15 @@ class Scope(ABC):
     def empty(self) -> bool:
         return not self.pids()
 
+    def _looks_empty(self) -> bool:
+        """:meth:`empty`, where a look that failed (a read of /proc that errs) counts as not
+        empty: the next look, or the deadline, decides."""
+        try:
+            return self.empty()
+        except OSError as e:
+            log.warning("look at %s: %s; looking again", self, e)
+            return False
+
     @abstractmethod
     def release(self) -> None:
         """It is empty: give back what it held (its cgroup). Harmless if called again."""
@@ -65,7 +74,7 @@ class Scope(ABC):
         which must not hold up the loop that relays every token."""
         deadline = time.monotonic() + timeout_s
         pause = _POLL_S[0]
-        while not await asyncio.to_thread(self.empty):
+        while not await asyncio.to_thread(self._looks_empty):
             left = deadline - time.monotonic()
             if left <= 0 or (hurry is not None and hurry.is_set()):
                 return False
