@@ -118,7 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="runs per contender")
     p.add_argument("--contenders", default=",".join(c for c in CONTENDERS if c != "puller-ref"),
                    help=f"comma list of {', '.join(CONTENDERS)}")
-    p.add_argument("--streams", type=int, default=4, help="puller: concurrent chunk streams (the Puller default)")
+    p.add_argument("--streams", type=int, default=None,
+                   help="puller: concurrent chunk streams (default: two per worker, as the daemon's "
+                        "pull.streams: null)")
     p.add_argument("--workers", type=int, default=1, help="puller: pull worker processes (on the load CPU)")
     p.add_argument("--workers-sweep", default=None, help="comma list of worker counts: one more puller run each, "
                    "N workers allowed N CPUs (the load CPU first, then the others: on 2 cores, 2 workers "
@@ -158,6 +160,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("puller-ref needs --ref-repo")
     if unknown := set(args.contenders) - set(CONTENDERS):
         p.error(f"unknown contenders: {', '.join(sorted(unknown))}")
+    args.per_worker_streams = args.streams is None  # the daemon's default: two streams per worker
+    args.streams = args.streams or 2 * args.workers
     if min(args.size_mib, args.files, args.repeats, args.streams, args.request_mib, args.piece_kib,
            args.chunk_mib, args.connections) < 1:
         p.error("sizes, counts and settings must be positive")
@@ -407,7 +411,7 @@ def workers_sweep(urls: dict, names: list[str], work: Path, args: argparse.Names
     for rep in range(args.repeats):
         for w in args.workers_sweep:
             run = one_run("puller", urls, names, work, args, manifest, pids, verify=rep == 0, workers=w,
-                          streams=max(args.streams, 2 * w))
+                          streams=2 * w if args.per_worker_streams else max(args.streams, w))
             rows[w].append(run)
             print(f"  workers sweep [{rep + 1}/{args.repeats}]: {w} worker(s) on CPUs {sweep_cpus(w, args)}  "
                   f"{run['gb_per_s']:6.2f} GB/s  client {run['client_cpu_s_per_gb']:.2f} s/GB", flush=True)
