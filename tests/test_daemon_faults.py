@@ -161,6 +161,40 @@ def test_sigterm_kills_a_server_that_ignores_it_and_its_child(daemons):
     assert "killed by SIGKILL" in d.log_text()
 
 
+def test_no_descriptor_is_closed_twice_in_a_daemon_life(daemons, tmp_path):
+    """strace (attached to the running daemon, every thread and child) records each ``close`` that
+    fails: EBADF is a descriptor closed twice. Between the two closes another thread may open a
+    file under the same number and lose it to the second: uvloop closed each server's output pipe
+    itself and then closed the file object it was given too, and a scan of /proc in a worker
+    thread failed with EBADF during a stop, which then hung. The life traced: two servers
+    serving, one killed and started again, the daemon stopped."""
+    d = daemons(servers=2)
+    d.wait_versions({"s0": 1, "s1": 1}, 30)
+    trace = tmp_path / "close.trace"
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-Z", "-e", "trace=close", "-o", str(trace),
+                               "-p", str(d.proc.pid)], stderr=subprocess.DEVNULL)
+    try:
+        wait_until(lambda: _tracer(d.proc.pid) != 0, 10, "strace attached")
+        first = d.server("s0")["pid"]
+        os.killpg(first, signal.SIGKILL)
+        d.wait(lambda st: st["servers"][0]["state"] == "SERVING" and st["servers"][0]["pid"] != first, 30,
+               "s0 started again and serving")
+        assert d.stop(30) == 0
+        assert tracer.wait(30) == 0
+    finally:
+        tracer.kill()
+    closes = trace.read_text().splitlines()
+    assert not [line for line in closes if "EBADF" in line], "\n".join(closes[-20:])
+
+
+def _tracer(pid: int) -> int:
+    """The pid tracing ``pid`` (0: none)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("TracerPid:"):
+            return int(line.split()[1])
+    return 0
+
+
 def test_leftovers_of_a_killed_daemon_are_cleaned_at_the_next_start(daemons, tmp_path):
     first = daemons("ignore_term,spawn_child", servers=2, directory=tmp_path / "node")
     first.wait_versions({"s0": 1, "s1": 1}, 30)

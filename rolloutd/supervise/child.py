@@ -53,6 +53,15 @@ class ChildError(Exception):
     pass
 
 
+def _pipe_file(fd: int, loop: asyncio.AbstractEventLoop):
+    """The file object a read-pipe transport is given for ``fd``; the transport closes ``fd``.
+    uvloop closes the descriptor itself (libuv) and then closes the file object as well: with
+    ``closefd`` the same number would be closed twice, and the second close can take a
+    descriptor another thread has just opened under that number (a scan of /proc in a worker
+    thread then fails with EBADF). asyncio's own loop closes only the file object."""
+    return open(fd, "rb", buffering=0, closefd=not type(loop).__module__.startswith("uvloop"))
+
+
 async def _finish(aw: Awaitable[T]) -> T:
     """Await ``aw`` to its end even if the caller is cancelled meanwhile, then let the cancellation
     go on: a stop that was begun is never left half done (trio's run_process does the same)."""
@@ -219,16 +228,18 @@ class Child:
         self.scope = scope
         stream = asyncio.StreamReader(limit=2 * _READ_BYTES)
         loop = asyncio.get_running_loop()
-        pipe = open(r, "rb", buffering=0)
+        pipe = _pipe_file(r, loop)
         try:
             self._transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream), pipe)
         except FileExistsError:
             # The event loop still watches this descriptor number for a pipe closed a moment ago
             # (a restart right after a stop): the same pipe under another number.
-            moved = os.dup(pipe.fileno())
+            moved = os.dup(r)
             pipe.close()
+            if not pipe.closefd:
+                os.close(r)
             self._transport, _ = await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(stream),
-                                                              open(moved, "rb", buffering=0))
+                                                              _pipe_file(moved, loop))
         self._reader = asyncio.get_running_loop().create_task(self._forward(stream), name=f"output-{self}")
         self.containment.record(self)
 
