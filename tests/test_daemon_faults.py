@@ -167,14 +167,24 @@ def test_no_descriptor_is_closed_twice_in_a_daemon_life(daemons, tmp_path):
     file under the same number and lose it to the second: uvloop closed each server's output pipe
     itself and then closed the file object it was given too, and a scan of /proc in a worker
     thread failed with EBADF during a stop, which then hung. The life traced: two servers
-    serving, one killed and started again, the daemon stopped."""
-    d = daemons(servers=2)
+    serving, a version pulled (the pull workers) and loaded, one server killed and started
+    again, the daemon stopped."""
+    own = EmbeddedRegistry(port=0).start()  # its own: the version published here is no other test's
+    own.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
+    try:
+        _trace_a_life(daemons(servers=2, registry_url=own.url), own, tmp_path / "close.trace")
+    finally:
+        own.stop()
+
+
+def _trace_a_life(d: DaemonProcess, registry: EmbeddedRegistry, trace: Path) -> None:
     d.wait_versions({"s0": 1, "s1": 1}, 30)
-    trace = tmp_path / "close.trace"
     tracer = subprocess.Popen(["strace", "-f", "-qq", "-Z", "-e", "trace=close", "-o", str(trace),
                                "-p", str(d.proc.pid)], stderr=subprocess.DEVNULL)
     try:
         wait_until(lambda: _tracer(d.proc.pid) != 0, 10, "strace attached")
+        registry.publish(2, tinymodel.state_dict(tinymodel.TINY, 2), shard_bytes=600_000, chunk_bytes=1 << 16)
+        d.wait_versions({"s0": 2, "s1": 2}, 30)
         first = d.server("s0")["pid"]
         os.killpg(first, signal.SIGKILL)
         d.wait(lambda st: st["servers"][0]["state"] == "SERVING" and st["servers"][0]["pid"] != first, 30,
