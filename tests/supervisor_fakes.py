@@ -110,9 +110,16 @@ class FakeChild:
     def describe_exit(self) -> str:
         return describe_exit(self.returncode, sent=self._sent)
 
+    def kill_group(self, sig: int) -> None:
+        self._sent.add(sig)
+        if sig == signal.SIGKILL:
+            self.exit(-signal.SIGKILL)
+
     async def stop(self, grace_s: float, kill_wait_s: float = 10.0) -> str:
         if self.grace is None:
             self.grace = grace_s
+        if self.server.stop_error:
+            raise OSError(self.server.stop_error)  # e.g. a look at its processes that failed
         if self.running:
             self._sent.add(signal.SIGTERM)
             if not self.server.ignores_term:
@@ -141,6 +148,7 @@ class FakeVllm:
         self.health_ok = True          # False: a live process that fails /health
         self.spawn_error: str | None = None
         self.ignores_term = False
+        self.stop_error: str | None = None  # a stop of its processes raises OSError with this
         self.load_s = 0.5              # /update_weights takes this long
         self.label: str | None = None  # /weight_info of the current process
         self.at_spawn: list = []       # hooks(child), e.g. to clear faults for the next process

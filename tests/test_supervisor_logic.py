@@ -617,6 +617,25 @@ def test_a_stop_of_a_server_that_ignores_sigterm_waits_server_grace_s_then_kills
     assert took == 20.0 and rig.vllm.child.describe_exit() == "killed by SIGKILL"
 
 
+def test_a_stop_that_fails_as_the_daemon_stops_kills_the_group_and_ends_the_run(tmp_path, caplog):
+    """The daemon's stop cancels the supervisor; if the ordered stop of its processes raises, the
+    group still gets SIGKILL and the cancellation goes on (an error instead would have the crash
+    policy start the server again while the daemon stops)."""
+    async def scenario():
+        rig = Rig(tmp_path).start()
+        await serving(rig, 1)
+        rig.vllm.stop_error = "a look at its processes failed"
+        rig.task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await rig.task
+        return rig
+
+    rig = run(scenario())
+    child = rig.vllm.children[-1]
+    assert not child.running and child.describe_exit() == "killed by SIGKILL"
+    assert rig.sup.state is S.STOPPED and "stop s0" in caplog.text
+
+
 def test_a_restart_of_a_fatal_server_goes_through_stopped_and_counts_afresh(tmp_path):
     async def scenario():
         rig = Rig(tmp_path, restart={"max_retries": 1})

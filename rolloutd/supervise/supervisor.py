@@ -144,11 +144,12 @@ class Supervisor:
                 self.last_error = error
                 await self._back_off(error)
         except asyncio.CancelledError:
+            child = self.child  # _stop forgets it, also when it fails
             try:
                 await self._stop()
             except Exception:  # the stop itself failed: the group goes all the same, and so does the task
                 log.exception("stop %s", self.name)
-                self._kill_anyway()
+                self._kill_anyway(child)
             raise
         except Exception as e:
             await self._crashed(e)
@@ -161,17 +162,17 @@ class Supervisor:
             await self._terminate(self._conf().restart.failed_grace_s)
         except Exception:  # the same bug may be in the way: the group is killed all the same
             log.exception("stop %s after a crash", self.name)
-            self._kill_anyway()
+            self._kill_anyway(self.child)
         if self.state.running:
             with contextlib.suppress(Exception):
                 self.lifecycle.set(S.BACKOFF, self.last_error)
 
-    def _kill_anyway(self) -> None:
-        """SIGKILL to the server's group after its ordered stop failed (nothing to reap it with)."""
-        if self.child is None:
+    def _kill_anyway(self, child: Child | None) -> None:
+        """SIGKILL to a server's group after its ordered stop failed (nothing to reap it with)."""
+        if child is None:
             return
         try:
-            self.child.kill_group(signal.SIGKILL)
+            child.kill_group(signal.SIGKILL)
         except Exception:  # the caller goes on regardless: say so, and why
             log.exception("SIGKILL %s", self.name)
 
