@@ -224,6 +224,18 @@ def post_in_thread(url: str, **kw) -> dict:
     return result
 
 
+def stream_in_thread(url: str) -> dict:
+    """A streamed ``/inference/v1/generate`` from a thread; the result dict gets status and body."""
+    result: dict = {}
+
+    def run() -> None:
+        with httpx.stream("POST", url + "/inference/v1/generate", json=generate_body(stream=True), timeout=30) as r:
+            result.update(status=r.status_code, body=r.read())
+    result["thread"] = thread = threading.Thread(target=run)
+    thread.start()
+    return result
+
+
 def test_hold_while_paused_then_forward(vllm, gateway):
     gw = gateway(while_paused="hold", hold_max_s=30)
     expected = vllm.client().post("/inference/v1/generate", json=generate_body(), timeout=60).json()
@@ -368,16 +380,9 @@ def test_an_update_pauses_only_once_every_request_sent_before_it_is_answered():
     pause began, wait there, and run on the new weights before the gate has passed them."""
     with FakeUpstream() as fake:
         gw = GatewayThread(fake.socket, free_port(), while_paused="hold", hold_max_s=30).start()
-        answer: dict = {}
-
-        def stream() -> None:
-            with httpx.stream("POST", gw.url + "/inference/v1/generate", json=generate_body(stream=True),
-                              timeout=30) as r:
-                answer.update(status=r.status_code, body=r.read())
-        thread = threading.Thread(target=stream)
         try:
             assert gw._call(gw.gateway.quiet(0.1)) is True  # nothing sent yet
-            thread.start()
+            answer = stream_in_thread(gw.url)
             wait_until(fake.waiting.is_set, 10, "the request at the server")  # half answered
             gw.set_state(S.UPDATING)  # the update begins: nothing new is sent ...
             held = post_in_thread(gw.url + "/inference/v1/generate?plain=1", json=generate_body())
@@ -386,14 +391,14 @@ def test_an_update_pauses_only_once_every_request_sent_before_it_is_answered():
             assert gw._call(gw.gateway.quiet(0.3)) is False  # ... but one request is still unanswered
             fake.go.set()
             assert gw._call(gw.gateway.quiet(10)) is True  # answered: now the server may pause
-            thread.join(10)
+            answer["thread"].join(10)
             assert fake.seen == 1  # the held request never reached the server while it updated
             gw.set_state(S.SERVING)
             held["thread"].join(30)
         finally:
             fake.go.set()
             gw.stop()
-    assert answer == {"status": 200, "body": b"data: 1\n\ndata: 2\n\n"}
+    assert (answer["status"], answer["body"]) == (200, b"data: 1\n\ndata: 2\n\n")
     assert held["status"] == 200 and fake.seen == 2
 
 
@@ -404,15 +409,8 @@ def test_an_update_that_aborts_takes_back_what_vllm_queued_instead_of_aborting()
     passed them; it is sent again once the server serves. An answer already begun is left alone."""
     with FakeUpstream() as fake:
         gw = GatewayThread(fake.socket, free_port(), while_paused="hold", hold_max_s=30).start()
-        begun: dict = {}
-
-        def stream() -> None:
-            with httpx.stream("POST", gw.url + "/inference/v1/generate", json=generate_body(stream=True),
-                              timeout=30) as r:
-                begun.update(status=r.status_code, body=r.read())
-        thread = threading.Thread(target=stream)
         try:
-            thread.start()
+            begun = stream_in_thread(gw.url)
             wait_until(fake.waiting.is_set, 10, "an answer begun")
             queued = post_in_thread(gw.url + "/inference/v1/generate?queued=1", json=generate_body())
             wait_until(lambda: fake.queued == 1, 10, "a request at the server, not answered")
@@ -423,13 +421,13 @@ def test_an_update_that_aborts_takes_back_what_vllm_queued_instead_of_aborting()
                 "rolloutd_gateway_held_total", {"server": "gpu0"}) == 1, 10, "the request held")
             assert fake.queued == 1 and queued["thread"].is_alive()  # held: not sent again while updating
             fake.go.set()
-            thread.join(10)
+            begun["thread"].join(10)
             gw.set_state(S.SERVING)
             queued["thread"].join(30)
         finally:
             fake.go.set()
             gw.stop()
-    assert begun == {"status": 200, "body": b"data: 1\n\ndata: 2\n\n"}  # begun before: not taken back
+    assert (begun["status"], begun["body"]) == (200, b"data: 1\n\ndata: 2\n\n")  # begun before: not taken back
     assert queued["status"] == 200 and queued["json"]["choices"][0]["token_ids"] == [7, 7, 7]
     assert fake.queued == 2  # sent once more, after the update
 
