@@ -7,6 +7,7 @@ table, whatever process group or parent it ended up with.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,7 +15,7 @@ import sys
 import textwrap
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -237,3 +238,29 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str, every
             return
         time.sleep(every_s)
     raise AssertionError(f"not {what} after {timeout_s} s")
+
+
+@contextlib.contextmanager
+def failed_closes(pid: int, trace: Path) -> Iterator[list[str]]:
+    """strace attached to process ``pid``, every thread and child, for the block, which must end
+    with the process gone. Yields a list that gets every ``close`` that failed with EBADF: a
+    descriptor closed twice. Between two closes of one number another thread can open a file under
+    it and lose it to the second (uvloop did that with pipes)."""
+    tracer = subprocess.Popen(["strace", "-f", "-qq", "-Z", "-e", "trace=close", "-o", str(trace), "-p", str(pid)],
+                              stderr=subprocess.DEVNULL)
+    failed: list[str] = []
+    try:
+        wait_until(lambda: _tracer_of(pid) != 0, 10, "strace attached")
+        yield failed
+        assert tracer.wait(30) == 0, "strace did not end with the traced process"
+    finally:
+        tracer.kill()
+    failed.extend(line for line in trace.read_text().splitlines() if "EBADF" in line)
+
+
+def _tracer_of(pid: int) -> int:
+    """The pid tracing ``pid`` (0: none)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("TracerPid:"):
+            return int(line.split()[1])
+    return 0

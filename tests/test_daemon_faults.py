@@ -23,7 +23,7 @@ from rolloutd.demo import tinymodel
 from rolloutd.registry import EmbeddedRegistry
 
 from .cgroup_harness import cgroup_of, delegated_cgroup, inside, label
-from .daemon_harness import DaemonProcess, alive, config, tagged_pids, wait_until
+from .daemon_harness import DaemonProcess, alive, config, failed_closes, tagged_pids, wait_until
 from .registry_proxy import RegistryProxy
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -179,10 +179,7 @@ def test_no_descriptor_is_closed_twice_in_a_daemon_life(daemons, tmp_path):
 
 def _trace_a_life(d: DaemonProcess, registry: EmbeddedRegistry, trace: Path) -> None:
     d.wait_versions({"s0": 1, "s1": 1}, 30)
-    tracer = subprocess.Popen(["strace", "-f", "-qq", "-Z", "-e", "trace=close", "-o", str(trace),
-                               "-p", str(d.proc.pid)], stderr=subprocess.DEVNULL)
-    try:
-        wait_until(lambda: _tracer(d.proc.pid) != 0, 10, "strace attached")
+    with failed_closes(d.proc.pid, trace) as failed:
         registry.publish(2, tinymodel.state_dict(tinymodel.TINY, 2), shard_bytes=600_000, chunk_bytes=1 << 16)
         d.wait_versions({"s0": 2, "s1": 2}, 30)
         first = d.server("s0")["pid"]
@@ -190,19 +187,7 @@ def _trace_a_life(d: DaemonProcess, registry: EmbeddedRegistry, trace: Path) -> 
         d.wait(lambda st: st["servers"][0]["state"] == "SERVING" and st["servers"][0]["pid"] != first, 30,
                "s0 started again and serving")
         assert d.stop(30) == 0
-        assert tracer.wait(30) == 0
-    finally:
-        tracer.kill()
-    closes = trace.read_text().splitlines()
-    assert not [line for line in closes if "EBADF" in line], "\n".join(closes[-20:])
-
-
-def _tracer(pid: int) -> int:
-    """The pid tracing ``pid`` (0: none)."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("TracerPid:"):
-            return int(line.split()[1])
-    return 0
+    assert not failed, "\n".join(failed)
 
 
 def test_leftovers_of_a_killed_daemon_are_cleaned_at_the_next_start(daemons, tmp_path):

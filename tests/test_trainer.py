@@ -244,6 +244,32 @@ def test_cli_publish_to_a_standalone_registry_with_a_token(standalone, tmp_path)
     assert proc.wait(10) == 0
 
 
+@pytest.mark.slow  # real processes
+def test_no_descriptor_is_closed_twice_in_a_standalone_registry_life(standalone, tmp_path):
+    """The registry's process under strace (every thread): versions uploaded over HTTP, read back
+    whole and in ranges from its disk store (sendfile), then SIGTERM; no ``close`` of it may fail
+    with EBADF (a descriptor closed twice, as uvloop did with the daemon's pipes)."""
+    import torch
+
+    from .daemon_harness import failed_closes
+    url, proc = standalone("--data-dir", str(tmp_path / "data"))
+    with failed_closes(proc.pid, tmp_path / "close.trace") as failed:
+        reg = RegistryHTTP(url)
+        for version in (1, 2, 3):
+            sd = torch_state_dict(version)
+            reg.publish(version, sd, shard_bytes=50_000, chunk_bytes=4096)
+            got = read_version(url, reg.manifest(version))
+            assert all(torch.equal(got[k], sd[k]) for k in sd)
+            name = reg.manifest(version).files[0].name
+            with httpx.Client(base_url=url) as c:
+                r = c.get(f"/v1/versions/{version}/files/{name}", headers={"range": "bytes=100-4195"})
+            assert r.status_code == 206 and len(r.content) == 4096
+        reg.close()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    assert not failed, "\n".join(failed)
+
+
 @pytest.mark.slow  # real processes, as above
 def test_cli_publish_errors_are_one_line(tmp_path, standalone):
     url, _ = standalone()
