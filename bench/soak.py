@@ -14,15 +14,16 @@ What runs, all on this machine:
   kind happens on a slow host too), each kind once per round in a random order: kill -9 of a
   server's process group, of its engine core (also mid-update), a registry restart that loses
   every version, a corrupted chunk, a slow pull, SIGHUP after a server's entry changed, a
-  version the plugin must refuse;
+  version the plugin must refuse, kill -9 of the daemon itself (also mid-pull) and its restart;
 - a checker that asks every server claimed SERVING (by ``/status`` and by the registry's
   directory) for a greedy generation through its gateway, about once a second, and judges it.
 
 After ``--minutes``: a last version is published and every server must serve it (``converged``),
 the daemon is stopped with SIGTERM, and nothing of it may be left: no process carrying its tag,
 no ``/dev/shm`` segment its children mapped. The daemon's RSS and open fds are sampled every
-``--sample-every-s`` over the run (median of the first quarter against the last), and its event
-loop's longest lateness is read from its metrics (``rolloutd_loop_lag_max_seconds``).
+``--sample-every-s`` over the run (median of the first quarter against the last, over the
+daemon's longest life), and its event loop's longest lateness is read from its metrics
+(``rolloutd_loop_lag_max_seconds``, every life's).
 
 Progress lines go to stdout; the last line is one JSON object. Exit status 1 when a goal is
 missed (``goals_missed`` in the JSON says which). From the repository root::
@@ -55,10 +56,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bench.soak_check import FAMILY, PROMPTS, Checker, Claim, Trainer  # noqa: E402
-from bench.soak_faults import KINDS, Chaos, FakeFaultyPath, RegistryProcess  # noqa: E402
+from bench.soak_faults import KINDS, Chaos, FakeFaultyPath, RegistryProcess, daemon_metrics, over_lives  # noqa: E402
 from rolloutd.demo import families  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.daemon_harness import DaemonProcess, config, tagged_pids, vllm_server  # noqa: E402
@@ -78,16 +78,22 @@ class Sampler:
     """The daemon's RSS and open fds, the shared-memory segments its children map, the load."""
 
     daemon: DaemonProcess
-    samples: list[tuple[float, float, int]] = field(default_factory=list)  # (t, RSS MiB, fds)
+    samples: list[tuple[float, float, int, int]] = field(default_factory=list)  # (t, RSS MiB, fds, daemon pid)
     shm: set[str] = field(default_factory=set)
     load: list[float] = field(default_factory=list)
     states: Counter = field(default_factory=Counter)  # (server, state) -> samples
 
     def sample(self) -> None:
-        pid = self.daemon.proc.pid
-        status = Path(f"/proc/{pid}/status").read_text()
-        rss = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1)) / 1024
-        self.samples.append((time.monotonic(), rss, len(os.listdir(f"/proc/{pid}/fd"))))
+        proc = self.daemon.proc
+        if proc.poll() is not None:
+            return  # down: killed by a daemon_crash fault and not started again yet (or gone: the stop says why)
+        try:
+            status = Path(f"/proc/{proc.pid}/status").read_text()
+            rss = int(re.search(r"^VmRSS:\s+(\d+)", status, re.M).group(1)) / 1024
+            fds = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        except (OSError, AttributeError):  # it died between the two looks
+            return
+        self.samples.append((time.monotonic(), rss, fds, proc.pid))
         self.shm |= {n for n in shm_mapped(tagged_pids(self.daemon.tag)) if n.startswith("psm_")}
         self.load.append(os.getloadavg()[0])
         with contextlib.suppress(httpx.HTTPError, ValueError):
@@ -101,16 +107,18 @@ class Sampler:
 
     async def run(self, stop: asyncio.Event, every_s: float) -> None:
         while not stop.is_set():
-            try:
-                await asyncio.to_thread(self.sample)
-            except (OSError, AttributeError):  # the daemon is gone: the stop finds out why
-                return
+            await asyncio.to_thread(self.sample)
             await _wait(stop, every_s)
 
     def drift(self) -> dict:
-        """Median of the first quarter of the samples against the last quarter's."""
-        n = max(1, len(self.samples) // 4)
-        first, last = self.samples[:n], self.samples[-n:]
+        """Median of the first quarter of the samples against the last quarter's, over the
+        daemon's longest life (a restarted daemon warms up again: that is not a leak)."""
+        lives: dict[int, list] = {}
+        for row in self.samples:
+            lives.setdefault(row[3], []).append(row)
+        longest = max(lives.values(), key=len, default=[])
+        n = max(1, len(longest) // 4)
+        first, last = longest[:n], longest[-n:]
 
         def med(rows, i):
             return statistics.median(r[i] for r in rows) if rows else 0.0
@@ -118,10 +126,9 @@ class Sampler:
                 "rss_drift_mib": round(med(last, 1) - med(first, 1), 1),
                 "rss_max_mib": round(max((r[1] for r in self.samples), default=0.0), 1),
                 "fds_first": med(first, 2), "fds_last": med(last, 2), "fd_drift": med(last, 2) - med(first, 2),
-                "samples": len(self.samples),
-                # a dozen points over the run: a leak climbs to the end, an allocator warming up levels off
-                "rss_series_mib": [round(self.samples[i][1], 1)
-                                   for i in range(0, len(self.samples), max(1, len(self.samples) // 12))]}
+                "samples": len(self.samples), "samples_longest_life": len(longest),
+                # a dozen points over that life: a leak climbs to the end, an allocator warming up levels off
+                "rss_series_mib": [round(longest[i][1], 1) for i in range(0, len(longest), max(1, len(longest) // 12))]}
 
 
 # -- setup -------------------------------------------------------------------------------------------
@@ -247,21 +254,9 @@ class Soak:
 
     # -- the end ---------------------------------------------------------------------------------------
     def read_metrics(self) -> None:
-        text = httpx.get(self.daemon.url + "/metrics", timeout=10).text
-        values: dict[str, dict[str, float]] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                label = ",".join(f"{v}" for _, v in sorted(s.labels.items()))
-                values.setdefault(s.name, {})[label] = s.value
-        self.result.update(
-            updates=int(sum(values.get("rolloutd_updates_total", {}).values())),
-            update_failures={k: int(v) for k, v in values.get("rolloutd_update_failures_total", {}).items() if v},
-            restarts={k: int(v) for k, v in values.get("rolloutd_server_restarts_total", {}).items()},
-            task_errors=int(sum(values.get("rolloutd_task_errors_total", {}).values())),
-            loop_stall_max_s=round(values.get("rolloutd_loop_lag_max_seconds", {}).get("", float("nan")), 3),
-            loop_lag_samples=int(values.get("rolloutd_loop_lag_seconds_count", {}).get("", 0)),
-            loop_lag_over_100ms=int(values.get("rolloutd_loop_lag_seconds_count", {}).get("", 0)
-                                    - values.get("rolloutd_loop_lag_seconds_bucket", {}).get("0.1", 0)))
+        """The daemon's counters over all its lives (a daemon_crash fault read the killed ones')."""
+        lives = [*self.faults.lives, daemon_metrics(self.daemon.url)]
+        self.result.update(over_lives(lives), daemon_lives=len(lives))
 
     def stop(self) -> None:
         """SIGTERM; then nothing of the daemon may be left."""

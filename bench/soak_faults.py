@@ -16,7 +16,12 @@ next one of the round go first:
 - ``slow_pull``: the fake path delays every Range reply by 1 s for 15 s;
 - ``reload``: one server's entry changed in the config file (an environment variable), then
   SIGHUP: that server restarts;
-- ``bad_version``: a version lacking one tensor, without ``partial``: every server must refuse it.
+- ``bad_version``: a version lacking one tensor, without ``partial``: every server must refuse it;
+- ``daemon_crash``: ``kill -9`` of the daemon itself, half the time mid-pull (Range replies
+  delayed until its pull workers are seen moving a new version's bytes), then started again as
+  systemd would: its pull workers must exit with it, and the new daemon must stop every server
+  process the dead one left before it serves. A killed daemon takes its counters with it, so
+  they are read just before the kill (``lives``).
 
 Processes are signalled only when they carry the soak's tag in their environment: a pid read
 from ``/status`` a moment ago could belong to someone else by now.
@@ -38,17 +43,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import httpx
+import psutil
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from bench.soak_check import MISSING, Trainer
 from tests.conftest import wait_healthy
-from tests.daemon_harness import DaemonProcess
+from tests.daemon_harness import DaemonProcess, tagged_pids
 from tests.registry_proxy import RegistryProxy
 from tests.vllm_server import ROOT, engine_core
 
 KINDS = ("kill_group", "kill_engine", "kill_engine_mid_load", "registry_restart", "corrupt_chunk", "slow_pull",
-         "reload", "bad_version")
+         "reload", "bad_version", "daemon_crash")
 SLOW_DELAY_S, SLOW_FOR_S = 1.0, 15.0
+WORKERS_EXIT_S = 10.0  # a pull worker exits when its stdin closes with the daemon
+LEFTOVERS_STOPPED_S = 120.0  # the new daemon stops what the dead one left before starting servers
 
 
 class FakeFaultyPath(RegistryProxy):
@@ -124,6 +133,7 @@ class Chaos:
         self.uncaught: list[str] = []  # corrupted replies the puller did not notice
         self.rounds = 0
         self._reloads = 0
+        self.lives: list[dict] = []  # the counters of each daemon killed, read just before
 
     async def run(self, until: float, first_round_by: float) -> None:
         """Rounds until ``until``; the first round is completed even after it (every kind happens
@@ -257,6 +267,40 @@ class Chaos:
         version = await asyncio.to_thread(self.trainer.publish_bad)
         return f"v{version} lacks {MISSING}"
 
+    async def daemon_crash(self) -> str | None:
+        mid_pull = self.rng.random() < 0.5
+        try:
+            if mid_pull:
+                self.path.byte_delay_s = SLOW_DELAY_S  # the pull's bytes wait: its workers are caught moving them
+                version = await asyncio.to_thread(self.trainer.publish_next)
+                if not await self._until(lambda st: _pulling(st, version), 60):
+                    self.missed["daemon_crash"] += 1
+                    return None
+            st = await self._status()
+            if st is None:
+                return None
+            self.lives.append(await asyncio.to_thread(daemon_metrics, self.daemon.url))
+            workers = _processes((st.get("pull") or {}).get("workers") or [])  # listed only while they run
+            servers = _processes(tagged_pids(self.daemon.tag))
+            dead = self.daemon.proc.pid
+            self.daemon.proc.kill()
+            await asyncio.to_thread(self.daemon.proc.wait)
+        finally:
+            self.path.byte_delay_s = 0.0
+        if not await self._until_true(lambda: not _running(workers), WORKERS_EXIT_S):
+            self.errors.append(f"daemon_crash: pull workers {_running(workers)} outlived the daemon")
+        await asyncio.sleep(self.rng.uniform(0.5, 3))  # systemd's RestartSec
+        t0 = time.monotonic()
+        self.daemon.start()
+        if not await self._until_true(lambda: not _running(servers), LEFTOVERS_STOPPED_S):
+            self.errors.append(f"daemon_crash: processes {_running(servers)} the killed daemon left still run "
+                               f"{LEFTOVERS_STOPPED_S:g} s after its restart")
+        where = f"mid-pull of v{version}" if mid_pull else "while serving"
+        if workers:
+            where += f", {len(workers)} pull worker(s) gone with it"
+        return (f"SIGKILL to rolloutd {dead} ({where}); started again as {self.daemon.proc.pid}, which stopped the "
+                f"{len(servers)} server process(es) it left in {time.monotonic() - t0:.1f} s")
+
     # -- helpers -----------------------------------------------------------------------------------
     async def _status(self) -> dict | None:
         try:
@@ -304,3 +348,57 @@ class Chaos:
         with open(self.daemon.log, "rb") as f:
             f.seek(offset)
             return f.read().decode(errors="replace")
+
+
+def _pulling(st: dict | None, version: int) -> bool:
+    pull = (st or {}).get("pull") or {}
+    return pull.get("version") == version and pull.get("state") == "pulling" and bool(pull.get("workers"))
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    """The processes behind ``pids`` now (a pid reused later is not the same process)."""
+    found = []
+    for pid in pids:
+        try:
+            found.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _running(processes: list[psutil.Process]) -> list[int]:
+    return [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+
+
+def daemon_metrics(url: str) -> dict:
+    """The daemon's counters the soak reports, from its ``/metrics``."""
+    values: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text):
+        for s in family.samples:
+            values.setdefault(s.name, {})[",".join(f"{v}" for _, v in sorted(s.labels.items()))] = s.value
+    lag = values.get("rolloutd_loop_lag_seconds_count", {}).get("", 0)
+    return {
+        "updates": int(sum(values.get("rolloutd_updates_total", {}).values())),
+        "update_failures": {k: int(v) for k, v in values.get("rolloutd_update_failures_total", {}).items() if v},
+        "restarts": {k: int(v) for k, v in values.get("rolloutd_server_restarts_total", {}).items()},
+        "task_errors": int(sum(values.get("rolloutd_task_errors_total", {}).values())),
+        "loop_stall_max_s": round(values.get("rolloutd_loop_lag_max_seconds", {}).get("", float("nan")), 3),
+        "loop_lag_samples": int(lag),
+        "loop_lag_over_100ms": int(lag - values.get("rolloutd_loop_lag_seconds_bucket", {}).get("0.1", 0)),
+    }
+
+
+def over_lives(lives: list[dict]) -> dict:
+    """The counters of every life of the daemon together: sums, and the longest stall."""
+    total: dict = {}
+    for life in lives:
+        for k, v in life.items():
+            if isinstance(v, dict):
+                merged = total.setdefault(k, {})
+                for label, n in v.items():
+                    merged[label] = merged.get(label, 0) + n
+            elif k == "loop_stall_max_s":
+                total[k] = max(total.get(k, v), v)
+            else:
+                total[k] = total.get(k, 0) + v
+    return total
