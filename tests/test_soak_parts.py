@@ -67,3 +67,32 @@ def test_the_fake_path_flips_a_byte_of_exactly_one_range_reply():
     assert len(bad) == len(clean) == 65536 and after == clean
     assert sum(a != b for a, b in zip(bad, clean, strict=True)) == 1
     assert path.corrupted == [f"/v1/versions/1/files/{name} bytes=0-65535"]
+
+
+def test_a_killed_daemon_s_counters_count_and_its_restart_is_no_leak():
+    """The counters of every life add up (the longest stall is kept), and the footprint's drift is
+    taken over the longest life: a daemon started again warms up again, which is no leak."""
+    from bench.soak import Sampler
+    from bench.soak_faults import over_lives
+
+    first = {"updates": 3, "task_errors": 1, "update_failures": {"load": 1}, "restarts": {"s0": 1},
+             "loop_stall_max_s": 0.3, "loop_lag_samples": 10, "loop_lag_over_100ms": 2}
+    second = {"updates": 4, "task_errors": 0, "update_failures": {"load": 2, "pause": 1},
+              "restarts": {"s0": 2, "s1": 1},
+              "loop_stall_max_s": 0.1, "loop_lag_samples": 20, "loop_lag_over_100ms": 0}
+    assert over_lives([first, second]) == {
+        "updates": 7, "task_errors": 1, "update_failures": {"load": 3, "pause": 1}, "restarts": {"s0": 3, "s1": 1},
+        "loop_stall_max_s": 0.3, "loop_lag_samples": 30, "loop_lag_over_100ms": 2}
+
+    sampler = Sampler(daemon=None)
+    # a first life of 8 samples, killed before it held much; a second of 16, flat and larger:
+    # over the whole run that would read as +15 MiB and +6 fds
+    sampler.samples = [(t, 60.0, 18, 100) for t in range(8)]
+    sampler.samples += [(8 + t, 75.0, 24, 200) for t in range(16)]
+    drift = sampler.drift()
+    assert drift["samples_longest_life"] == 16 and drift["samples"] == 24
+    assert drift["rss_drift_mib"] == 0 and drift["fd_drift"] == 0
+    # a leak within that life is seen
+    sampler.samples += [(24 + t, 75.0 + 3 * t, 24 + 2 * t, 200) for t in range(8)]
+    drift = sampler.drift()
+    assert drift["rss_drift_mib"] > 10 and drift["fd_drift"] > 5
