@@ -367,7 +367,15 @@ def _processes(pids: list[int]) -> list[psutil.Process]:
 
 
 def _running(processes: list[psutil.Process]) -> list[int]:
-    return [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    """Those still alive (a zombie is not: it waits only to be reaped)."""
+    alive = []
+    for p in processes:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p.pid)
+        except psutil.NoSuchProcess:  # gone between the two looks
+            pass
+    return alive
 
 
 def daemon_metrics(url: str) -> dict:
