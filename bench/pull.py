@@ -11,24 +11,23 @@ same bytes (``--files`` random files, ``--size-mib`` in all) are fetched, in the
   server uses, so its files are recycled (``mirror.recycle``, on by default);
 - ``puller-fresh``: the same into a fresh mirror directory (a daemon's first pull, or
   ``recycle: false``): every page allocated new, as for curl, aria2c and cp;
-- ``puller-copy``: ``puller`` with the body read into the workers' memory and written, instead
-  of spliced from the socket into the file (the A/B of the one-copy path);
 - ``curl``: one ``curl`` for all files, one after the other over one connection, from nginx
   (sendfile on) serving the same files from tmpfs;
 - ``curl-parallel``: the same with ``--parallel --parallel-max <files>`` (one connection per file);
 - ``aria2c``: ``aria2c -x8 -s8`` (``--connections``) for all files, from nginx;
 - ``cp``: ``cp -r`` of the source files (tmpfs to tmpfs), the memory-copy limit of this machine;
 - ``loopback``: the same requests as the puller's (``--streams`` connections, ``--request-mib``
-  ranges, the pull workers' own source) from the same registry, the bodies spliced into
-  ``/dev/null`` (``streampull.py``): what this server and the loopback deliver to a client that
-  neither copies nor hashes, the ceiling of any client of this server on this machine.
+  ranges, the pull workers' own source) from the same registry, each body read into a reused
+  buffer and dropped (``streampull.py``): what this server and the loopback deliver to a client
+  that takes the bytes out of the kernel but neither hashes nor writes them, the ceiling of any
+  client of this server on this machine.
 
 Beside each contender's own CPU (and its server's), the whole machine's busy time per GB is
 reported (``/proc/stat``, every CPU, interrupts included): on loopback the kernel charges much of
 a transfer to whichever core sends or receives, so only the machine's total shows what a
 transfer costs in all.
 
-Every contender but ``puller`` (and ``puller-copy``, ``puller-ref``) writes new files into the same tmpfs (the
+Every contender but ``puller`` (and ``puller-ref``) writes new files into the same tmpfs (the
 destination is removed before each run). Servers run pinned to one CPU, clients to the other
 (``taskset``). Each contender runs ``--repeats`` times, interleaved; the medians and the ratios
 puller / best of curl and aria2c and puller / cp are reported. Every file a contender wrote is
@@ -92,7 +91,7 @@ sys.path.insert(0, str(REPO))
 
 from rolloutd.wire.manifest import Manifest, verify_file  # noqa: E402
 
-CONTENDERS = ("puller", "puller-fresh", "puller-copy", "puller-ref", "curl", "curl-parallel", "aria2c", "cp",
+CONTENDERS = ("puller", "puller-fresh", "puller-ref", "curl", "curl-parallel", "aria2c", "cp",
               "loopback")
 DOWNLOADERS = ("curl", "curl-parallel", "aria2c")  # the "best of" the puller is compared with
 MIN_RATE_BPS = 20e6  # a transfer slower than this is broken: it sets every subprocess timeout
@@ -185,7 +184,7 @@ def missing_tools(args: argparse.Namespace) -> list[str]:
 def check_room(args: argparse.Namespace) -> str | None:
     """The source, the registry's copy (plus its upload buffer), one destination and the
     steady pullers' mirrors: refuse early unless memory and tmpfs have room for them."""
-    need = (5 + sum(c in args.contenders for c in ("puller", "puller-ref"))) * args.size  # -copy shares puller's
+    need = (5 + sum(c in args.contenders for c in ("puller", "puller-ref"))) * args.size
     meminfo = dict(re.findall(r"^(\w+):\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M))
     available = min(int(meminfo.get("MemAvailable", 0)) << 10, shutil.disk_usage(args.tmp_dir).free)
     if available < need:
@@ -242,19 +241,17 @@ def run_timed(argv: list[str], args: argparse.Namespace, cpus: str | None = None
 
 
 def pull_argv(urls: dict, dest: Path, args: argparse.Namespace, streams: int, request_mib: int,
-              repo: Path | None = None, workers: int | None = None, copy: bool = False,
-              again: bool = False) -> list[str]:
+              repo: Path | None = None, workers: int | None = None, again: bool = False) -> list[str]:
     return [sys.executable, str(BENCH / "pullonce.py"), urls["registry"], "--mirror", str(dest),
             *(["--again"] if again else []),
             "--version", "1", "--streams", str(streams), "--request-mib", str(request_mib),
             "--piece-kib", str(args.piece_kib), "--loop", args.loop, "--workers", str(workers or args.workers),
-            "--timeout-s", f"{transfer_timeout_s(args.size):.0f}", *(["--repo", str(repo)] if repo else []),
-            *(["--copy"] if copy else [])]
+            "--timeout-s", f"{transfer_timeout_s(args.size):.0f}", *(["--repo", str(repo)] if repo else [])]
 
 
 def puller(urls: dict, names: list[str], dest: Path, args: argparse.Namespace,
            streams: int | None = None, request_mib: int | None = None, repo: Path | None = None,
-           workers: int | None = None, copy: bool = False, steady: bool = False) -> dict:
+           workers: int | None = None, steady: bool = False) -> dict:
     """One pull into ``dest`` (fresh), or with ``steady`` into a mirror of its own that keeps the
     version between runs (pulled once untimed first) and removes it before the timed pull."""
     workers = workers or args.workers
@@ -263,7 +260,7 @@ def puller(urls: dict, names: list[str], dest: Path, args: argparse.Namespace,
         dest = dest.parent / f"mirror-{'ref' if repo else 'shipped'}"
         if not dest.exists():
             run_timed(pull_argv(urls, dest, args, streams, request_mib or args.request_mib, repo, workers), args)
-    argv = pull_argv(urls, dest, args, streams, request_mib or args.request_mib, repo, workers, copy, again=steady)
+    argv = pull_argv(urls, dest, args, streams, request_mib or args.request_mib, repo, workers, again=steady)
     out, _, _ = run_timed(argv, args, cpus=sweep_cpus(workers, args) if workers > 1 else None)
     r = json.loads(out.stdout)  # its own time and CPU: the pull, not the interpreter's start
     if r["bytes"] != args.size:
@@ -306,7 +303,7 @@ def cp(urls: dict, names: list[str], dest: Path, args: argparse.Namespace) -> di
 
 
 def loopback(urls: dict, names: list[str], dest: Path, args: argparse.Namespace) -> dict:
-    """The puller's requests from the same registry, bodies spliced into /dev/null."""
+    """The puller's requests from the same registry, the bodies read and dropped."""
     argv = [sys.executable, str(BENCH / "streampull.py"),
             *(f"{urls['registry']}/v1/versions/1/files/{n}" for n in names), "--size", str(args.size // args.files),
             "--chunk-mib", str(args.request_mib), "--concurrency", str(args.streams),
@@ -324,7 +321,6 @@ def sweep_cpus(workers: int, args: argparse.Namespace) -> str:
 
 
 RUN = {"puller": lambda *a, **kw: puller(*a, steady=True, **kw), "puller-fresh": puller,
-       "puller-copy": lambda *a, **kw: puller(*a, copy=True, steady=True, **kw),
        "puller-ref": lambda *a: puller(*a, repo=a[3].ref_repo, steady=True), "curl": curl,
        "curl-parallel": lambda *a: curl(*a, parallel=True), "aria2c": aria2c, "cp": cp, "loopback": loopback}
 
@@ -333,14 +329,13 @@ def label(name: str, args: argparse.Namespace) -> str:
     return {"puller": f"puller {args.workers} worker(s), {args.streams} streams x {args.request_mib} MiB requests, "
                       "into the files of the version removed (as shipped, between steps)",
             "puller-fresh": "the same into a fresh mirror (every page new)",
-            "puller-copy": "puller, bodies through the workers' memory (not spliced)",
             "puller-ref": f"the same, rolloutd from {args.ref_repo}",
             "curl": "curl, files one after another",
             "curl-parallel": f"curl --parallel-max {args.files}",
             "aria2c": f"aria2c -x{args.connections} -s{args.connections} -j{args.aria2c_jobs}",
             "cp": "cp -r (tmpfs to tmpfs)",
-            "loopback": f"loopback: the puller's {args.streams} streams x {args.request_mib} MiB from the registry "
-                        "into /dev/null"}[name]
+            "loopback": f"loopback: the puller's {args.streams} streams x {args.request_mib} MiB from the registry, "
+                        "read and dropped"}[name]
 
 
 def check_files(files_dir: Path, manifest: Manifest) -> None:
@@ -515,8 +510,6 @@ def summarize(runs: dict) -> dict:
         ratios["puller_to_puller_ref"] = round(med["puller"] / med["puller-ref"], 3)
     if "puller-fresh" in med and "cp" in med:
         ratios["puller_fresh_to_cp"] = round(med["puller-fresh"] / med["cp"], 3)
-    if "puller" in med and "puller-copy" in med:
-        ratios["puller_to_puller_copy"] = round(med["puller"] / med["puller-copy"], 3)
     if "puller" in med and "loopback" in med:
         ratios["puller_to_loopback"] = round(med["puller"] / med["loopback"], 3)
     if "loopback" in med and "cp" in med:
@@ -557,8 +550,6 @@ def markdown(report: dict) -> str:
         lines.append(f"puller-fresh / cp: **{r['puller_fresh_to_cp']:.2f}**")
     if "puller_to_puller_ref" in r:
         lines.append(f"puller / puller-ref: **{r['puller_to_puller_ref']:.2f}**")
-    if "puller_to_puller_copy" in r:
-        lines.append(f"puller (spliced) / puller-copy: **{r['puller_to_puller_copy']:.2f}**")
     if "client_cpu_to_cp" in r:
         lines.append(f"puller client CPU per GB / cp's: **{r['client_cpu_to_cp']:.2f}**")
     if "fresh_client_cpu_to_cp" in r:

@@ -37,7 +37,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--workers", type=int, default=1, help="pull worker processes")
     p.add_argument("--priority", choices=("idle", "low", "normal"), default="normal",
                    help="CPU priority of the pull workers")
-    p.add_argument("--copy", action="store_true", help="bytes through the workers' memory, not spliced")
     p.add_argument("--again", action="store_true",
                    help="remove the versions the mirror holds first (not timed), as the daemon's gc removes "
                         "one no server uses: a build that recycles overwrites their files")
@@ -73,8 +72,7 @@ def workers(args: argparse.Namespace) -> dict:
     """Worker settings, for builds of the puller that have them (``--repo``: an older one may not)."""
     import inspect
     params = inspect.signature(Puller).parameters
-    args.zero_copy = not args.copy
-    return {k: getattr(args, k) for k in ("workers", "priority", "zero_copy") if k in params}
+    return {k: getattr(args, k) for k in ("workers", "priority") if k in params}
 
 
 def _cpu() -> float:

@@ -14,8 +14,8 @@ test file in tmpfs is served, in the same run, by:
 Clients: ``curl`` (one stream), ``aria2c -x N -s N -k piece``, ``rangepull.py`` (``ranges``:
 aiohttp, N concurrent 64 MiB ``Range`` requests, bytes discarded: how the daemon pulled before
 its pull workers) and ``streampull.py`` (``streams``: N threads fetching 64 MiB ranges with the
-pull workers' own source, bodies spliced to /dev/null: how the daemon pulls, at nearly no cost
-to the client, so that the servers set the rate). Servers run
+pull workers' own source, each body read into a reused buffer and dropped: how the daemon
+pulls, at little cost to the client, so that the servers set the rate). Servers run
 pinned to one CPU, clients to the other (``taskset``). Every (server, client) pair is measured
 ``--repeats`` times, interleaved, and reported as median and spread, with the ratio to nginx
 for the same client. Before the servers start, ``dd``/``cp`` into tmpfs give this machine's

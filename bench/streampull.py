@@ -2,9 +2,9 @@
 discard the bytes: a client that costs the server's peer as little as the OS allows.
 
 ``--concurrency`` threads, each with its own :class:`rolloutd.rollout.sources.HttpRangeSource`
-(``http.client``, one kept-alive connection, bodies spliced from the socket) take
-``--chunk-mib`` ranges in file order; the spliced bytes go to ``/dev/null`` (no copy, no hash),
-so the rate is the server's and the loopback's, not the client's copying. Every reply must be
+(``http.client``, one kept-alive connection, each body read into one reused buffer) take
+``--chunk-mib`` ranges in file order and drop the bytes (one copy out of the kernel, no hash,
+no write), so the rate is the server's and the loopback's, not the client's work on the bytes. Every reply must be
 a 206 of exactly the length asked for (the source checks it). Several URLs (files of the same
 size, one server) are taken one range after another, in order. Prints one JSON object: bytes,
 seconds, GB/s, this process's CPU seconds. Used by ``registry_serve.py`` (client ``streams``)
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 import time
@@ -35,16 +34,13 @@ MiB = 1 << 20
 
 
 class Discard:
-    """A sink that drops every byte: spliced runs go to /dev/null, copied pieces nowhere."""
+    """A sink that counts the bytes and drops them."""
 
-    def __init__(self, null_fd: int, start: int):
-        self.fd, self.offset = null_fd, start
+    def __init__(self, start: int):
+        self.offset = start
 
     def write(self, piece: memoryview) -> None:
         self.offset += len(piece)
-
-    def spliced(self, n: int) -> None:
-        self.offset += n
 
 
 def parse_args() -> argparse.Namespace:
@@ -53,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--size", type=int, required=True, help="size of each file in bytes")
     p.add_argument("--chunk-mib", type=int, default=64, help="bytes per Range request")
     p.add_argument("--concurrency", type=int, default=8, help="requests in flight (threads)")
-    p.add_argument("--piece-kib", type=int, default=1024, help="bytes spliced at a time")
+    p.add_argument("--piece-kib", type=int, default=1024, help="bytes read from a reply at a time")
     p.add_argument("--rounds", type=int, default=1, help="pull the file this many times")
     args = p.parse_args()
     if min(args.size, args.chunk_mib, args.concurrency, args.piece_kib, args.rounds) < 1:
@@ -72,7 +68,6 @@ def main() -> None:
     todo = [(path, s, min(args.size, s + chunk)) for _ in range(args.rounds) for path in paths
             for s in range(0, args.size, chunk)][::-1]
     lock, failures, done = threading.Lock(), [], [0]
-    null_fd = os.open(os.devnull, os.O_WRONLY)
 
     def stream() -> None:
         source = spec.open(args.piece_kib << 10)
@@ -82,7 +77,7 @@ def main() -> None:
                     if not todo or failures:
                         return
                     path, start, end = todo.pop()
-                sink = Discard(null_fd, start)
+                sink = Discard(start)
                 source.fetch_path(path, path, start, end, sink)
                 if sink.offset != end:
                     raise RuntimeError(f"range {start}-{end - 1}: got {sink.offset - start} bytes")

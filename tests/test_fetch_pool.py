@@ -82,53 +82,53 @@ async def test_a_source_that_cannot_be_built_fails_its_chunk_and_the_worker_goes
         assert pool.pids == pid  # the same worker, still there
 
 
-def test_spliced_bytes_are_hashed_as_the_file_holds_them_in_runs_of_any_length(tmp_path: Path):
-    """Bytes a source spliced into the file are read back from it to be hashed: runs longer
-    than the read-back buffer, shorter, and not aligned to pages all hash like the bytes
-    themselves, and a byte changed in the file after it landed changes the digest."""
-    import os
-
-    import xxhash
-
-    from rolloutd.rollout.fetch_worker import READBACK_BYTES, ChunkWriter
-
-    data = os.urandom(3 * READBACK_BYTES + 12345)
-    start = 4097  # neither page- nor buffer-aligned
-    path = tmp_path / "part"
-    path.write_bytes(b"\0" * (start + len(data) + 100))
-
-    def digest_of_spliced(tamper_at: int | None = None) -> str:
-        fd = os.open(path, os.O_RDWR)
-        try:
-            hasher = xxhash.xxh3_128()
-            with ChunkWriter(fd, start, start + len(data), hasher, lambda n: None, 1 << 20) as sink:
-                for run in (READBACK_BYTES + 1, 10, 2 * READBACK_BYTES, len(data) - 3 * READBACK_BYTES - 11):
-                    os.pwrite(fd, data[sink.offset - start:sink.offset - start + run], sink.offset)  # the "splice"
-                    if tamper_at is not None and sink.offset <= start + tamper_at < sink.offset + run:
-                        os.pwrite(fd, bytes([data[tamper_at] ^ 1]), start + tamper_at)
-                    sink.spliced(run)
-            assert sink.offset == start + len(data)
-            return hasher.hexdigest()
-        finally:
-            os.close(fd)
-
-    assert digest_of_spliced() == xxhash.xxh3_128(data).hexdigest()
-    assert digest_of_spliced(tamper_at=2 * READBACK_BYTES + 7) != xxhash.xxh3_128(data).hexdigest()
-
-
-def test_spliced_bytes_past_the_end_of_the_file_are_an_error_not_a_short_digest(tmp_path: Path):
+def test_pieces_of_any_length_land_at_their_offsets_and_are_hashed_in_order(tmp_path: Path):
+    """Pieces longer and shorter than a page, not aligned to one, land where they belong and
+    hash like the bytes themselves; the bytes around the chunk are left alone."""
     import os
 
     import xxhash
 
     from rolloutd.rollout.fetch_worker import ChunkWriter
 
+    data = os.urandom(3 * (1 << 20) + 12345)
+    start = 4097  # not page-aligned
     path = tmp_path / "part"
-    path.write_bytes(b"x" * 1000)
+    path.write_bytes(b"\xaa" * (start + len(data) + 100))
+    fd = os.open(path, os.O_RDWR)
+    try:
+        hasher, reported = xxhash.xxh3_128(), []
+        with ChunkWriter(fd, start, start + len(data), hasher, reported.append, 1 << 20) as sink:
+            at = 0
+            for n in (1, 4095, 1 << 20, 10, 2 << 20, len(data)):
+                piece = memoryview(data)[at:at + n]
+                sink.write(piece)
+                at += len(piece)
+        assert sink.offset == start + len(data)
+    finally:
+        os.close(fd)
+    held = path.read_bytes()
+    assert held[start:start + len(data)] == data
+    assert held[:start] == b"\xaa" * start and held[start + len(data):] == b"\xaa" * 100
+    assert hasher.hexdigest() == xxhash.xxh3_128(data).hexdigest()
+    assert sum(reported) == len(data)  # progress covers every byte, the last piece included
+
+
+def test_bytes_past_the_end_of_the_chunk_are_an_error_and_are_not_written(tmp_path: Path):
+    import os
+
+    import xxhash
+
+    from rolloutd.rollout.fetch_worker import ChunkWriter, _Corrupt
+
+    path = tmp_path / "part"
+    path.write_bytes(b"x" * 3000)
     fd = os.open(path, os.O_RDWR)
     try:
         with ChunkWriter(fd, 0, 2000, xxhash.xxh3_128(), lambda n: None, 1 << 20) as sink:
-            with pytest.raises(OSError, match="ended at 1000"):
-                sink.spliced(2000)  # the file was cut under the worker
+            sink.write(memoryview(b"a" * 1500))
+            with pytest.raises(_Corrupt, match="more than the 2000 bytes"):
+                sink.write(memoryview(b"b" * 600))  # the next chunk's bytes are not this one's to write
     finally:
         os.close(fd)
+    assert path.read_bytes() == b"a" * 1500 + b"x" * 1500

@@ -134,11 +134,10 @@ def nothing_left(mirror: Mirror, registry) -> None:
 
 # -- pulls that work ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["spliced", "copied"])
-async def test_pull_is_byte_identical_and_complete(registry, proxy, client, mirror, zero_copy):
+async def test_pull_is_byte_identical_and_complete(registry, proxy, client, mirror):
     manifest, files = publish(registry, 1)
     assert len(files) >= 3 and sum(len(f.chunks) for f in manifest.files) >= 40
-    puller = make_puller(client, mirror, streams=1, request_bytes=1 << 30, zero_copy=zero_copy)
+    puller = make_puller(client, mirror, streams=1, request_bytes=1 << 30)
     result = await puller.pull(1)
     assert (result.version, result.path, result.digest) == (1, mirror.path(1), manifest.digest)
     assert result.bytes == manifest.total_bytes and result.retries == 0 and not result.reused
@@ -263,13 +262,12 @@ async def test_progress_is_readable_while_pulling(registry, proxy, client, mirro
 
 # -- corruption -----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["spliced", "copied"])
-async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, mirror, caplog, zero_copy):
+async def test_a_chunk_corrupted_once_is_fetched_again(registry, proxy, client, mirror, caplog):
     manifest, files = publish(registry, 1)
     entry = manifest.files[1]
     proxy.flip(entry.name, 2 * CHUNK)
     with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
-        result = await make_puller(client, mirror, zero_copy=zero_copy).pull(1)
+        result = await make_puller(client, mirror).pull(1)
     assert proxy.flipped == 1 and result.retries == 1
     assert result.bytes == manifest.total_bytes  # the bad attempt's bytes are not counted twice
     assert_pulled(mirror, 1, files, manifest)
@@ -534,7 +532,7 @@ async def test_room_is_made_from_versions_no_server_uses(registry, proxy, client
 
 
 async def test_each_pull_overwrites_the_files_of_the_version_removed_before_it(registry):
-    """Pull workers splice into recycled tmpfs files (the mirror's default) and every version
+    """Pull workers write into recycled tmpfs files (the mirror's default) and every version
     comes out byte for byte as published: 1, 2, 3, 4, each pull making room from the one two
     back, with a server still mapping one file of a removed version."""
     shm = Path(tempfile.mkdtemp(prefix="rolloutd-test-pull-", dir="/dev/shm"))

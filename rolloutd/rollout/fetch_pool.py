@@ -88,15 +88,13 @@ class _Worker:
 class FetchPool:
     def __init__(self, *, workers: int, streams: int, piece_bytes: int = 1 * MiB,
                  request_bytes: int = 16 * MiB, priority: str = "normal", progress_bytes: int = 8 * MiB,
-                 zero_copy: bool = True,
                  on_restart: Callable[[list[int]], None] | None = None, restart_initial_s: float = 0.1,
                  restart_max_s: float = 5.0, start_timeout_s: float = 30.0, stop_grace_s: float = 2.0):
         if workers < 1 or streams < workers:
             raise ValueError(f"need at least one worker and one stream per worker (workers {workers}, "
                              f"streams {streams})")
-        self._hello = {"hello": {"piece_bytes": piece_bytes,
-                                 "request_bytes": request_bytes, "priority": priority, "progress_bytes": progress_bytes,
-                                 "zero_copy": zero_copy}}
+        self._hello = {"hello": {"piece_bytes": piece_bytes, "request_bytes": request_bytes,
+                                 "priority": priority, "progress_bytes": progress_bytes}}
         # streams spread over the workers as evenly as they go
         self._workers = [_Worker(i, streams // workers + (i < streams % workers)) for i in range(workers)]
         self._on_restart = on_restart or (lambda pids: None)

@@ -37,7 +37,6 @@ import xxhash
 from rolloutd.rollout.sources import Source, SourceError, SourceSpec
 
 MiB = 1 << 20
-READBACK_BYTES = 256 << 10  # spliced bytes are read back in pieces this size to be hashed
 KEPT_SOURCES = 8  # per stream: the places it fetched from last, their connections kept open
 
 
@@ -50,7 +49,6 @@ class Worker:
         self.piece_bytes = int(hello["piece_bytes"])
         self.request_bytes = int(hello["request_bytes"])
         self.progress_bytes = int(hello.get("progress_bytes", 8 * MiB))
-        self.zero_copy = bool(hello.get("zero_copy", True))
         self.jobs: queue.Queue[dict] = queue.Queue()
         self._out, self._out_lock = out, threading.Lock()
         for i in range(int(hello["streams"])):
@@ -82,7 +80,7 @@ class Worker:
     def _source(self, sources: dict[SourceSpec, Source], spec: SourceSpec) -> Source:
         source = sources.pop(spec, None)
         if source is None:
-            source = spec.open(self.piece_bytes, self.zero_copy)
+            source = spec.open(self.piece_bytes)
             if len(sources) >= KEPT_SOURCES:
                 sources.pop(next(iter(sources))).close()  # the one used longest ago
         sources[spec] = source  # now the newest
@@ -111,17 +109,14 @@ class Worker:
 
 
 class ChunkWriter:
-    """A chunk's region of a mirror file, as a source's sink: every byte hashed, in order, as
-    it lands. Pieces that come through memory are hashed, then written at their offset; bytes a
-    source spliced into the file are read back into a small buffer and hashed there (pages just
-    written, still in cache)."""
+    """A chunk's region of a mirror file, as a source's sink: every piece hashed, in order,
+    while it is in cache, then written at its offset."""
 
     def __init__(self, fd: int, start: int, end: int, hasher, report, report_every: int,
                  deadline: float | None = None):
         self.fd, self.offset, self._start, self._end = fd, start, start, end
         self._deadline = deadline
         self._hasher, self._report, self._every, self._unreported = hasher, report, report_every, 0
-        self._scratch: memoryview | None = None
 
     def __enter__(self) -> ChunkWriter:
         return self
@@ -131,27 +126,15 @@ class ChunkWriter:
             self._report(self._unreported)
 
     def write(self, piece: memoryview) -> None:
+        if self.offset + len(piece) > self._end:
+            raise _Corrupt(f"the source sent more than the {self._end - self._start} bytes asked for")
         self._hasher.update(piece)  # xxhash and hashlib release the GIL for large pieces
         done = 0
         while done < len(piece):  # a regular file takes it all at once, unless it is full
             done += os.pwrite(self.fd, piece[done:], self.offset + done)
         self._advance(done)
 
-    def spliced(self, n: int) -> None:
-        if self._scratch is None:
-            self._scratch = memoryview(bytearray(READBACK_BYTES))
-        at, end = self.offset, self.offset + n
-        while at < end:
-            got = os.preadv(self.fd, [self._scratch[:min(READBACK_BYTES, end - at)]], at)
-            if got <= 0:
-                raise OSError(f"the mirror's file ended at {at}, inside bytes just written")
-            self._hasher.update(self._scratch[:got])
-            at += got
-        self._advance(n)
-
     def _advance(self, n: int) -> None:
-        if self.offset + n > self._end:
-            raise _Corrupt(f"the source sent more than the {self._end - self._start} bytes asked for")
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise SourceError("unavailable", "the chunk was not done in time")
         self.offset += n

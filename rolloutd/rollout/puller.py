@@ -196,7 +196,7 @@ class Puller:
                  workers: int = 1, priority: str = "normal", request_bytes: int = 16 * MiB, max_chunk_retries: int = 3,
                  lease_ttl_s: float = 60.0, renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES,
                  retry_delay_s: float = 0.1, in_use: Callable[[], set[int]] = set,
-                 on_worker_restart: Callable[[], None] | None = None, zero_copy: bool = True,
+                 on_worker_restart: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None):
         if streams < 1 or workers < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0:
             raise ValueError("streams, workers and request_bytes must be positive, max_chunk_retries >= 0, "
@@ -206,7 +206,6 @@ class Puller:
         self.workers = min(workers, streams)  # a worker without a stream would do nothing
         self.priority = priority  # the workers' CPU priority: idle, low or normal
         self.on_worker_restart = on_worker_restart
-        self.zero_copy = zero_copy  # False: bytes through the workers' memory (only to compare, in bench/)
         self.max_chunk_retries = max_chunk_retries
         self.lease_ttl_s = lease_ttl_s
         self.renew_every_s = renew_every_s if renew_every_s is not None else lease_ttl_s / 3
@@ -379,7 +378,7 @@ class Puller:
             return  # only empty files: they exist at their size already
         failures: dict[int, int] = {}  # chunk -> failed attempts from the origin
         pool = FetchPool(workers=workers, streams=streams, piece_bytes=self.piece_bytes,
-                         request_bytes=self.request_bytes, priority=self.priority, zero_copy=self.zero_copy,
+                         request_bytes=self.request_bytes, priority=self.priority,
                          on_restart=self._worker_restarted)
         try:
             async with asyncio.TaskGroup() as tg:

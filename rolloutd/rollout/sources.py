@@ -23,34 +23,21 @@ source may help is the daemon's call: a failed peer is dropped and its chunk fet
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import http.client
 import json
-import os
-import select
 import socket
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote, urlsplit
 
 MiB = 1 << 20
-_F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, named only from Python 3.10 on some builds
 
 
 class Sink(Protocol):
-    """Where fetched bytes go, in order, from the first byte of the range.
-
-    ``write`` takes a piece through memory (the view is reused afterwards). A sink that is a
-    file region also gives ``fd`` and ``offset`` (where the next byte goes): a source may then
-    move bytes into the file itself, without them passing through the process (``splice``),
-    and report each such run with ``spliced(n)``."""
-
-    fd: int | None
-    offset: int
+    """Where fetched bytes go, in order, from the first byte of the range: ``write`` takes
+    each piece (the view is reused afterwards)."""
 
     def write(self, piece: memoryview) -> None: ...
-    def spliced(self, n: int) -> None: ...
 
 
 class SourceError(Exception):
@@ -105,9 +92,9 @@ class SourceSpec:
     def from_json(cls, data: dict) -> SourceSpec:
         return cls(**data)
 
-    def open(self, piece_bytes: int, zero_copy: bool = True) -> Source:
+    def open(self, piece_bytes: int) -> Source:
         if self.kind in ("registry", "peer"):
-            return HttpRangeSource(self, piece_bytes, zero_copy)
+            return HttpRangeSource(self, piece_bytes)
         if self.kind == "s3":
             return ObjectSource(self, piece_bytes)
         raise ValueError(f"unknown source kind {self.kind!r}")
@@ -121,13 +108,12 @@ class HttpRangeSource:
     the registry or a peer
     (``http.client`` sends the request and parses the reply's head).
 
-    The body goes into the sink's file with ``splice`` (socket -> pipe -> file: the bytes are
-    copied once, by the kernel, into the file's pages, and never pass through this process)
-    when the connection is plain TCP and the sink is a file; otherwise, or where the kernel
-    refuses ``splice``, it is read with ``readinto`` into one reused buffer (one copy out of
-    the kernel, one into the file)."""
+    The body is read with ``readinto`` into one reused buffer (one copy out of the kernel, no
+    allocation per read), which the sink hashes while it is in cache and writes. Splicing the
+    socket into the file instead (and reading the bytes back to hash them) was slower:
+    bench/README.md, "Node pull"."""
 
-    def __init__(self, spec: SourceSpec, piece_bytes: int, zero_copy: bool = True):
+    def __init__(self, spec: SourceSpec, piece_bytes: int):
         parts = urlsplit(spec.url)
         self._https = parts.scheme == "https"
         self._host, self._port = parts.hostname, parts.port
@@ -137,10 +123,9 @@ class HttpRangeSource:
         self._piece_bytes = piece_bytes
         self._buffer = memoryview(bytearray(piece_bytes))
         self._conn: http.client.HTTPConnection | None = None
-        self._pipe = _pipe(piece_bytes) if zero_copy and not self._https and hasattr(os, "splice") else None
 
     def close(self) -> None:
-        """Drop the connection (the next fetch opens another); the pipe stays."""
+        """Drop the connection (the next fetch opens another)."""
         if self._conn is not None:
             self._conn.close()
             self._conn = None
@@ -202,22 +187,8 @@ class HttpRangeSource:
                               f"with {response.length} bytes", status=502)
 
     def _read_body(self, response: http.client.HTTPResponse, length: int, sink: Sink) -> None:
-        done = 0
+        done, buffer = 0, self._buffer
         try:
-            if self._pipe is not None and sink.fd is not None:
-                # What the reply's head arrived with is already in the reader's buffer: hand it
-                # over first; from then on the socket holds the rest of the body, and only it.
-                head = response.read1(length)
-                sink.write(memoryview(head))
-                done = len(head)
-                try:
-                    done += self._splice(sink, length - done)
-                except _NoSplice:
-                    self._close_pipe()  # refused here (a sandbox, an old kernel): copy from now on
-                response.length = length - done
-                if not response.length:
-                    response.close()  # read to its end: the connection can be used again
-            buffer = self._buffer
             while done < length:
                 want = min(len(buffer), length - done)
                 got = response.readinto(buffer[:want])  # loops in C until ``want`` bytes or the end
@@ -228,59 +199,6 @@ class HttpRangeSource:
         except (OSError, http.client.HTTPException) as e:
             raise SourceError("unavailable", f"reading the body: {_describe(e)} after {done} of "
                               f"{length} bytes") from None
-
-    def _splice(self, sink: Sink, length: int) -> int:
-        """Move ``length`` bytes from the socket into the sink's file; returns how many moved
-        (all of them, unless it raises). Waits at most ``read_timeout_s`` for each piece."""
-        sock, (pipe_r, pipe_w) = self._conn.sock.fileno(), self._pipe
-        poll = select.poll()
-        poll.register(sock, select.POLLIN)
-        timeout_ms = int(self._spec.read_timeout_s * 1000)
-        moved = 0
-        try:
-            while moved < length:
-                moved += self._splice_once(sock, pipe_r, pipe_w, poll, timeout_ms, sink, length - moved)
-        except BaseException as e:
-            if not isinstance(e, _NoSplice):  # bytes may be left in the pipe: never let them out
-                self._close_pipe()
-                self._pipe = _pipe(self._piece_bytes)
-            raise
-        return moved
-
-    def _splice_once(self, sock: int, pipe_r: int, pipe_w: int, poll, timeout_ms: int, sink: Sink,
-                     length: int) -> int:
-        """Fill the pipe from the socket (up to a piece), then empty it into the file in one
-        go: one hash update and few system calls per piece, however small the socket's reads."""
-        want, filled = min(self._piece_bytes, length), 0
-        while filled < want:
-            try:  # the socket is non-blocking (it has a timeout): wait for bytes ourselves
-                n = os.splice(sock, pipe_w, want - filled, flags=os.SPLICE_F_MOVE | os.SPLICE_F_NONBLOCK)
-            except BlockingIOError:
-                if filled:
-                    break  # the socket has nothing more right now, or the pipe is full: write what came
-                if not poll.poll(timeout_ms):
-                    raise TimeoutError("no bytes within read_timeout_s") from None
-                continue
-            except OSError as e:
-                if not filled and e.errno in (errno.EINVAL, errno.ENOSYS, errno.EPERM, errno.EOPNOTSUPP):
-                    raise _NoSplice() from None  # nothing moved yet: the copy path takes over
-                raise
-            if n == 0:
-                if filled:
-                    break
-                raise SourceError("unavailable", f"the body ended {length} bytes short")
-            filled += n
-        offset, left = sink.offset, filled
-        while left:  # empty the pipe into the file before the next read
-            left -= os.splice(pipe_r, sink.fd, left, offset_dst=offset + filled - left, flags=os.SPLICE_F_MOVE)
-        sink.spliced(filled)
-        return filled
-
-    def _close_pipe(self) -> None:
-        if self._pipe is not None:
-            for fd in self._pipe:
-                os.close(fd)
-            self._pipe = None
 
 
 class ObjectSource:
@@ -326,20 +244,6 @@ class ObjectSource:
             raise SourceError("unavailable", f"{where}: {type(e).__name__}: {first}") from None
         if done != end - start:
             raise SourceError("unavailable", f"{where}: got {done} of the {end - start} bytes asked for")
-
-
-class _NoSplice(Exception):
-    """The kernel refused splice for this socket or file."""
-
-
-def _pipe(size: int) -> tuple[int, int] | None:
-    """A pipe for splice, as large as the pieces (None where pipes cannot be sized)."""
-    r, w = os.pipe2(os.O_CLOEXEC)
-    try:
-        fcntl.fcntl(w, _F_SETPIPE_SZ, size)
-    except OSError:  # over /proc/sys/fs/pipe-max-size: the default size still works, in more steps
-        pass
-    return r, w
 
 
 def _describe(e: BaseException) -> str:
