@@ -4,11 +4,11 @@ discard the bytes: a client that costs the server's peer as little as the OS all
 ``--concurrency`` threads, each with its own :class:`rolloutd.rollout.sources.HttpRangeSource`
 (``http.client``, one kept-alive connection, each body read into one reused buffer) take
 ``--chunk-mib`` ranges in file order and drop the bytes (one copy out of the kernel, no hash,
-no write), so the rate is the server's and the loopback's, not the client's work on the bytes. Every reply must be
-a 206 of exactly the length asked for (the source checks it). Several URLs (files of the same
-size, one server) are taken one range after another, in order. Prints one JSON object: bytes,
-seconds, GB/s, this process's CPU seconds. Used by ``registry_serve.py`` (client ``streams``)
-and ``pull.py`` (contender ``loopback``)::
+no write), so the rate is the server's and the loopback's, not the client's work on the
+bytes. Every reply must be a 206 of exactly the length asked for (the source checks it).
+Several URLs (files of the same size, one server) are taken one range after another, in
+order. Prints one JSON object: bytes, seconds, GB/s, this process's CPU seconds. Used by
+``registry_serve.py`` (client ``streams``) and ``pull.py`` (contender ``loopback``)::
 
     python bench/streampull.py http://127.0.0.1:8700/v1/versions/1/files/model.safetensors \\
         --size 1073741824 --chunk-mib 64 --concurrency 8

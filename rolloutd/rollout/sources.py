@@ -120,7 +120,6 @@ class HttpRangeSource:
         self._base = parts.path.rstrip("/")
         self._spec = spec
         self._headers = {"authorization": f"Bearer {spec.token}"} if spec.token else {}
-        self._piece_bytes = piece_bytes
         self._buffer = memoryview(bytearray(piece_bytes))
         self._conn: http.client.HTTPConnection | None = None
 
