@@ -124,6 +124,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers-sweep", default=None, help="comma list of worker counts: one more puller run each, "
                    "N workers allowed N CPUs (the load CPU first, then the others: on 2 cores, 2 workers "
                    "share the registry's core)")
+    p.add_argument("--priority", choices=("idle", "low", "normal"), default="low",
+                   help="puller: the pull workers' CPU priority (default: the daemon's pull.cpu_priority, low)")
     p.add_argument("--request-mib", type=int, default=16, help="puller: largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="puller: largest piece read from a response at once")
     p.add_argument("--chunk-mib", type=int, default=64, help="digest chunk size of the published version")
@@ -246,6 +248,7 @@ def pull_argv(urls: dict, dest: Path, args: argparse.Namespace, streams: int, re
             *(["--again"] if again else []),
             "--version", "1", "--streams", str(streams), "--request-mib", str(request_mib),
             "--piece-kib", str(args.piece_kib), "--loop", args.loop, "--workers", str(workers or args.workers),
+            "--priority", args.priority,
             "--timeout-s", f"{transfer_timeout_s(args.size):.0f}", *(["--repo", str(repo)] if repo else [])]
 
 
