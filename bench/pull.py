@@ -268,7 +268,8 @@ def puller(urls: dict, names: list[str], dest: Path, args: argparse.Namespace,
     r = json.loads(out.stdout)  # its own time and CPU: the pull, not the interpreter's start
     if r["bytes"] != args.size:
         raise RuntimeError(f"puller fetched {r['bytes']} bytes, expected {args.size}")
-    return {"seconds": r["seconds"], "client_cpu_s": r["client_cpu_s"], "retries": r["retries"],
+    return {"seconds": r["seconds"], "client_cpu_s": r["client_cpu_s"], "puller_cpu_s": r.get("puller_cpu_s"),
+            "retries": r["retries"],
             "machine_cpu_s": r["machine_cpu_s"], "files_dir": r["path"]}
 
 
@@ -364,8 +365,10 @@ def one_run(name: str, urls: dict, names: list[str], work: Path, args: argparse.
     else:
         result.pop("files_dir")
     gb = args.size / 1e9
+    loop_cpu = result.pop("puller_cpu_s", None)
     result.update(gb_per_s=round(gb / result["seconds"], 4), seconds=round(result["seconds"], 4),
                   client_cpu_s_per_gb=round(result["client_cpu_s"] / gb, 3),
+                  puller_loop_s_per_gb=round(loop_cpu / gb, 3) if loop_cpu is not None else None,
                   server_cpu_s_per_gb=round(used / gb, 3) if srv else None,
                   machine_cpu_s_per_gb=round(machine / gb, 3), verified=verify)
     shutil.rmtree(dest, ignore_errors=True)
@@ -388,8 +391,10 @@ def measure(urls: dict, names: list[str], work: Path, args: argparse.Namespace, 
             run = one_run(name, urls, names, work, args, manifest, pids,
                           verify=rep == 0 or name.startswith("puller"))
             runs[name].append(run)
+            loop = run.get("puller_loop_s_per_gb")
             print(f"  [{rep + 1}/{args.repeats}] {name:<14} {run['gb_per_s']:6.2f} GB/s  "
-                  f"client {run['client_cpu_s_per_gb']:.2f} s/GB", flush=True)
+                  f"client {run['client_cpu_s_per_gb']:.2f} s/GB"
+                  + (f" (the puller's loop {loop:.2f}, its workers the rest)" if loop is not None else ""), flush=True)
     return runs
 
 

@@ -59,12 +59,13 @@ async def pull(args: argparse.Namespace) -> dict:
         puller = Puller(client, mirror, holder="bench-node",
                         streams=args.streams, request_bytes=args.request_mib << 20,
                         piece_bytes=args.piece_kib << 10, **workers(args))
-        cpu0, machine0 = _cpu(), machine_busy_s()
+        cpu0, own0, machine0 = _cpu(), _own_cpu(), machine_busy_s()
         result = await asyncio.wait_for(puller.pull(args.version), args.timeout_s)
-        cpu, machine = _cpu() - cpu0, machine_busy_s() - machine0
+        cpu, own, machine = _cpu() - cpu0, _own_cpu() - own0, machine_busy_s() - machine0
     return {"bytes": result.bytes, "seconds": round(result.seconds, 4),
             "gb_per_s": round(result.bytes / result.seconds / 1e9, 4), "client_cpu_s": round(cpu, 3),
-            "machine_cpu_s": round(machine, 3), "retries": result.retries, "path": str(result.path),
+            "puller_cpu_s": round(own, 3), "machine_cpu_s": round(machine, 3), "retries": result.retries,
+            "path": str(result.path),
             "digest": result.digest}
 
 
@@ -79,6 +80,12 @@ def _cpu() -> float:
     """CPU seconds of this process and of its children reaped so far (the pull workers)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
+
+
+def _own_cpu() -> float:
+    """CPU seconds of this process alone: the puller's loop, without its workers."""
+    t = os.times()
+    return t.user + t.system
 
 
 def main() -> None:
