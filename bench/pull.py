@@ -89,6 +89,7 @@ RESULTS = BENCH / "results"
 HOST = "127.0.0.1"  # only loopback is ever targeted
 sys.path.insert(0, str(REPO))
 
+from rolloutd.config import Pull  # noqa: E402
 from rolloutd.wire.manifest import Manifest, verify_file  # noqa: E402
 
 CONTENDERS = ("puller", "puller-fresh", "puller-ref", "curl", "curl-parallel", "aria2c", "cp",
@@ -124,8 +125,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workers-sweep", default=None, help="comma list of worker counts: one more puller run each, "
                    "N workers allowed N CPUs (the load CPU first, then the others: on 2 cores, 2 workers "
                    "share the registry's core)")
-    p.add_argument("--priority", choices=("idle", "low", "normal"), default="low",
-                   help="puller: the pull workers' CPU priority (default: the daemon's pull.cpu_priority, low)")
+    p.add_argument("--priority", choices=("idle", "low", "normal"), default=Pull.model_fields["cpu_priority"].default,
+                   help="puller: the pull workers' CPU priority (default: the daemon's pull.cpu_priority)")
     p.add_argument("--request-mib", type=int, default=16, help="puller: largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="puller: largest piece read from a response at once")
     p.add_argument("--chunk-mib", type=int, default=64, help="digest chunk size of the published version")

@@ -27,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -36,12 +35,14 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from registry_load import free_port, pinned, stop  # noqa: E402
+from registry_serve import wait_up  # noqa: E402
+
 from rolloutd.rollout.fetch_worker import ChunkWriter  # noqa: E402
 from rolloutd.rollout.sources import SourceSpec  # noqa: E402
 
 MiB = 1 << 20
 CHUNK, REQUEST, PIECE = 64 * MiB, 16 * MiB, MiB
-PORT = 8793
 MODES = ("full", "nofalloc", "nowrite", "nothing", "full:1")
 
 
@@ -102,23 +103,21 @@ def main() -> None:
     p.add_argument("--tmp-dir", default="/dev/shm")
     args = p.parse_args()
     rolloutd = str(Path(sys.executable).with_name("rolloutd"))
-    url = f"http://127.0.0.1:{PORT}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryDirectory(dir=args.tmp_dir, prefix="rolloutd-parts-") as tmp:
         src = Path(tmp) / "src"
         src.mkdir()
         save_file({"w": np.frombuffer(os.urandom(args.size_mib * MiB - 4096), dtype=np.uint8)},
                   str(src / "f.safetensors"))
         size = (src / "f.safetensors").stat().st_size
-        registry = subprocess.Popen(["taskset", "-c", "0", rolloutd, "registry", "--host", "127.0.0.1",
-                                     "--port", str(PORT)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log_path = Path(tmp) / "registry.log"
+        with open(log_path, "wb") as log:
+            registry = subprocess.Popen(pinned(0, [rolloutd, "registry", "--host", "127.0.0.1", "--port", str(port)]),
+                                        stdout=log, stderr=subprocess.STDOUT)
         try:
             os.sched_setaffinity(0, {1 % (os.cpu_count() or 1)})
-            for _ in range(200):
-                try:
-                    urllib.request.urlopen(f"{url}/healthz", timeout=1).close()
-                    break
-                except OSError:
-                    time.sleep(0.1)
+            wait_up(registry, f"{url}/healthz", log_path)
             subprocess.run([rolloutd, "publish", "1", str(src), "--registry", url, "--chunk-bytes", str(CHUNK)],
                            check=True, capture_output=True)
             fd = os.open(Path(tmp) / "dest", os.O_RDWR | os.O_CREAT, 0o600)
@@ -131,8 +130,7 @@ def main() -> None:
                     runs[m].append(one_pull(name, int(threads or args.streams), size, fd, spec))
             os.close(fd)
         finally:
-            registry.terminate()
-            registry.wait()
+            stop(registry)
     print(f"# bench/pull_parts.py: {size / MiB:.0f} MiB, {args.streams} streams, median of {args.repeats}\n")
     print("| mode | GB/s | client s/GB |\n|---|---|---|")
     for m, rs in runs.items():
