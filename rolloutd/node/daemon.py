@@ -205,13 +205,17 @@ class Daemon:
     async def _main(self) -> None:
         """Tick until a stop is asked; never await anything slow here: the watchdog and /healthz
         read this loop's liveness, and a stuck tick gets the daemon (and every server) killed."""
+        period = min(self.notifier.watchdog_interval_s or 1.0, 1.0)
+        due = time.monotonic()
         while not self._stop.is_set():
             self._tick = time.monotonic()
             self.notifier.watchdog()
             self._report()
-            interval = self.notifier.watchdog_interval_s or 1.0
+            # A fixed rate, not a fixed sleep: a tick delayed by a busy loop does not push every
+            # later one back, and one that falls a whole period behind starts afresh, no burst.
+            due = max(due + period, time.monotonic())
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(min(interval, 1.0)):
+                async with asyncio.timeout(due - time.monotonic()):
                     await self._stop.wait()
 
     async def _reloader(self) -> None:
