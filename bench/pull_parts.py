@@ -5,8 +5,9 @@ process, on CPU 1, fetches it as a pull worker does (``HttpRangeSource``, 16 MiB
 chunks, ``ChunkWriter`` over a tmpfs file whose pages exist, as a recycled file's do), on
 ``--streams`` threads, in these modes, interleaved, ``--repeats`` times (medians):
 
-- ``full``: as shipped (``posix_fallocate`` of each chunk, then read, xxh3, ``pwrite``);
-- ``nofalloc``: without the ``posix_fallocate`` (the file's pages exist already);
+- ``full``: as shipped into a recycled file (read, xxh3, ``pwrite``; no ``posix_fallocate``, as
+  the pages exist);
+- ``falloc``: with a ``posix_fallocate`` of each chunk all the same (the build before);
 - ``nowrite``: read and hash, nothing written;
 - ``nothing``: read and dropped;
 - ``full:1``: as shipped on one thread.
@@ -43,7 +44,7 @@ from rolloutd.rollout.sources import SourceSpec  # noqa: E402
 
 MiB = 1 << 20
 CHUNK, REQUEST, PIECE = 64 * MiB, 16 * MiB, MiB
-MODES = ("full", "nofalloc", "nowrite", "nothing", "full:1")
+MODES = ("full", "falloc", "nowrite", "nothing", "full:1")
 
 
 class _Hash:
@@ -71,8 +72,8 @@ def one_pull(mode: str, streams: int, size: int, fd: int, spec: SourceSpec) -> t
                         return
                     start = chunks.pop(0)
                 end, hasher = min(size, start + CHUNK), xxhash.xxh3_128()
-                if mode in ("full", "nofalloc"):
-                    if mode == "full":
+                if mode in ("full", "falloc"):
+                    if mode == "falloc":
                         os.posix_fallocate(fd, start, end - start)
                     with ChunkWriter(fd, start, end, hasher, lambda n: None, 8 * MiB) as sink:
                         fetch(source, start, end, sink)
@@ -122,7 +123,7 @@ def main() -> None:
                            check=True, capture_output=True)
             fd = os.open(Path(tmp) / "dest", os.O_RDWR | os.O_CREAT, 0o600)
             spec = SourceSpec("registry", url)
-            one_pull("full", args.streams, size, fd, spec)  # allocates the destination's pages, untimed
+            one_pull("falloc", args.streams, size, fd, spec)  # allocates the destination's pages, untimed
             runs: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
             for _ in range(args.repeats):
                 for m in MODES:

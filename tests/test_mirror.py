@@ -402,6 +402,9 @@ def test_a_removed_versions_files_are_overwritten_by_the_next_version_a_b_c(shm_
     manifest4 = make_manifest(4, files4)
     partial = mirror.begin(manifest4)
     assert {p.name: p.stat().st_size for p in partial.dir.iterdir()} == {n: len(d) for n, d in files4.items()}
+    # The larger file grew from the larger spare: only its first 10,000 bytes have pages; the
+    # small one fits in the other spare whole; the new file has none.
+    assert partial.allocated == {"model-00001-of-00002.safetensors": 10_000, "model-00002-of-00002.safetensors": 77}
     for name, data in files4.items():
         write(partial, name, data)
     mirror.commit(partial)

@@ -531,16 +531,33 @@ async def test_room_is_made_from_versions_no_server_uses(registry, proxy, client
     assert_pulled(mirror, 3, files3, m3)
 
 
-async def test_each_pull_overwrites_the_files_of_the_version_removed_before_it(registry):
+async def test_each_pull_overwrites_the_files_of_the_version_removed_before_it(registry, monkeypatch):
     """Pull workers write into recycled tmpfs files (the mirror's default) and every version
     comes out byte for byte as published: 1, 2, 3, 4, each pull making room from the one two
-    back, with a server still mapping one file of a removed version."""
+    back, with a server still mapping one file of a removed version. A recycled file's chunks
+    are not allocated again; a new file's are."""
+    from rolloutd.rollout.fetch_pool import FetchPool
+
+    allocate: dict[int, dict[str, set[bool]]] = {}  # version -> file -> the chunks' allocate flags
+    real_fetch = FetchPool.fetch
+
+    async def fetch(self, job, progress):
+        allocate.setdefault(job.version, {}).setdefault(job.name, set()).add(job.allocate)
+        if not job.allocate:  # only over pages that exist: written bytes, no hole
+            fd = os.open(job.path, os.O_RDONLY)
+            try:
+                assert os.lseek(fd, job.start, os.SEEK_HOLE) >= job.end, job
+            finally:
+                os.close(fd)
+        return await real_fetch(self, job, progress)
+    monkeypatch.setattr(FetchPool, "fetch", fetch)
     shm = Path(tempfile.mkdtemp(prefix="rolloutd-test-pull-", dir="/dev/shm"))
     try:
         published = {1: publish(registry, 1)}
         mirror = Mirror(shm / "m", max_bytes=int(2.5 * published[1][0].total_bytes))
         async with RegistryClient(registry.url) as client:
             await make_puller(client, mirror, workers=2).pull(1)
+            assert allocate[1] == {name: {True} for name in published[1][1]}  # a first pull: every page new
             published[2] = publish(registry, 2)
             await make_puller(client, mirror, workers=2, in_use=lambda: {1}).pull(2)
             seen = {p.stat().st_ino for p in mirror.path(1).iterdir()}
@@ -559,8 +576,13 @@ async def test_each_pull_overwrites_the_files_of_the_version_removed_before_it(r
                     now = {p.stat().st_ino for p in mirror.path(v).iterdir() if p.name != MANIFEST_NAME}
                     if v == 3:  # the pages of version 1, overwritten
                         assert now <= seen, "version 3 was not written into version 1's files"
+                        assert allocate[3] == {name: {False} for name in files}, allocate[3]
                     else:  # version 2's files, but the one still mapped
                         assert mapped_ino not in now and len(now & seen2) == len(now) - 1
+                        assert any(False in flags for flags in allocate[4].values()), allocate[4]
+                        new = [p.name for p in mirror.path(4).iterdir() if p.name != MANIFEST_NAME
+                               and p.stat().st_ino not in seen2]
+                        assert new and all(allocate[4][name] == {True} for name in new), (new, allocate[4])
                 assert mapped[:] == published[2][1][kept_name]
             finally:
                 mapped.close()

@@ -67,6 +67,7 @@ class ChunkJob:
     hash: str
     digest: str
     timeout_s: float | None = None  # the whole chunk's time limit (a peer); None: only read timeouts
+    allocate: bool = True  # the worker allocates the range's pages first; False: they exist (recycled)
 
 
 @dataclass
@@ -252,7 +253,8 @@ class FetchPool:
         try:
             line = {"job": {"id": job_id, "source": job.source.as_json(), "version": job.version,
                             "name": job.name, "path": str(job.path), "start": job.start, "end": job.end,
-                            "hash": job.hash, "digest": job.digest, "timeout_s": job.timeout_s}}
+                            "hash": job.hash, "digest": job.digest, "timeout_s": job.timeout_s,
+                            "allocate": job.allocate}}
             try:
                 w.proc.stdin.write(json.dumps(line).encode() + b"\n")
                 await w.proc.stdin.drain()

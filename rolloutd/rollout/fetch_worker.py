@@ -7,11 +7,13 @@ or admin API. Standard library and xxhash only: it starts in a few tens of milli
 
 Protocol, one JSON object per line. On stdin, first ``{"hello": {"streams", "piece_bytes",
 "request_bytes", "priority", "progress_bytes"}}``, then any number of ``{"job": {"id",
-"source", "version", "name", "path", "start", "end", "hash", "digest", "timeout_s"}}``: fetch
-bytes [start, end) of file ``name`` of ``version`` from ``source`` (a
+"source", "version", "name", "path", "start", "end", "hash", "digest", "timeout_s",
+"allocate"}}``: fetch bytes [start, end) of file ``name`` of ``version`` from ``source`` (a
 :class:`~rolloutd.rollout.sources.SourceSpec`), write them at the same offsets into ``path`` (a
 file of the mirror's partial directory, already at full size), and check them against
-``digest``, all within ``timeout_s`` if given (a peer slower than that is as good as gone). On stdout:
+``digest``, all within ``timeout_s`` if given (a peer slower than that is as good as gone);
+``allocate`` (default true) says to allocate the range's pages first, false that they exist
+(a recycled file's). On stdout:
 ``{"ready": pid}`` once, then per job ``{"id", "bytes"}`` as bytes are written, and one
 ``{"id", "done": true}`` or ``{"id", "error": {"kind", "message", "status", "body"}}``; kinds:
 ``unavailable``, ``http`` (the source's error reply), ``corrupt`` (digest or length),
@@ -93,8 +95,10 @@ class Worker:
         fd = os.open(job["path"], os.O_RDWR | os.O_CLOEXEC)
         try:
             # The chunk's pages in one call, here at the worker's priority: the mirror left the
-            # file sparse (allocating it there would be the daemon's CPU time).
-            os.posix_fallocate(fd, start, end - start)
+            # file sparse (allocating it there would be the daemon's CPU time). Not over pages
+            # that exist: posix_fallocate walks each of them all the same (bench/README.md).
+            if job.get("allocate", True):
+                os.posix_fallocate(fd, start, end - start)
             with ChunkWriter(fd, start, end, hasher, lambda n: self.emit({"id": job["id"], "bytes": n}),
                              self.progress_bytes, deadline=deadline) as sink:
                 for req_start in range(start, end, self.request_bytes):

@@ -48,7 +48,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -72,10 +72,13 @@ class MirrorFull(Exception):
 
 @dataclass(frozen=True)
 class Partial:
-    """A version being written: its hidden directory, every file already at full size."""
+    """A version being written: its hidden directory, every file already at full size.
+    ``allocated``: per file, how many of its first bytes already have pages (a recycled file's:
+    a complete version's, every byte written), which its writer need not allocate again."""
 
     manifest: Manifest
     dir: Path
+    allocated: dict[str, int] = field(default_factory=dict)
 
     def path(self, name: str) -> Path:
         return self.dir / name
@@ -199,7 +202,8 @@ class Mirror:
                 path = pdir / entry.name
                 if (spare := _best_fit(spares, entry.size)) is not None:
                     os.rename(spare, path)
-                    recycled += min(spares.pop(spare), entry.size)
+                    partial.allocated[entry.name] = min(spares.pop(spare), entry.size)
+                    recycled += partial.allocated[entry.name]
                     fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 else:
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
