@@ -83,6 +83,10 @@ class Partial:
     def path(self, name: str) -> Path:
         return self.dir / name
 
+    def has_pages(self, name: str, end: int) -> bool:
+        """Whether the first ``end`` bytes of file ``name`` have pages already (no need to allocate them)."""
+        return end <= self.allocated.get(name, 0)
+
     def open(self, name: str) -> int:
         """A descriptor to ``os.pwrite`` into file ``name``; the caller closes it. Files are
         opened per use, not held: a version may have thousands of them."""

@@ -420,7 +420,7 @@ class Puller:
         start, end = manifest.chunk_span(entry, index)
         job = ChunkJob(source, manifest.version, entry.name, partial.path(entry.name), start, end, manifest.hash,
                        entry.chunks[index], timeout_s=self.peer_chunk_timeout_s if source.is_peer else None,
-                       allocate=end > partial.allocated.get(entry.name, 0))
+                       allocate=not partial.has_pages(entry.name, end))
         try:
             await self._attempt(pool, job)
         except OSError as e:  # the mirror's file: no other source helps
