@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 from pathlib import Path
+
+import psutil
 
 # The repo's rolloutd (not the venv's installed copy), or another checkout's with --repo DIR
 _repo = sys.argv[sys.argv.index("--repo") + 1] if "--repo" in sys.argv else Path(__file__).resolve().parent.parent
@@ -23,6 +26,7 @@ sys.path.insert(0, str(_repo))
 
 from registry_load import machine_busy_s  # noqa: E402
 
+from rolloutd.config import Pull  # noqa: E402
 from rolloutd.registry.client import RegistryClient, Timeouts  # noqa: E402
 from rolloutd.rollout.mirror import Mirror  # noqa: E402
 from rolloutd.rollout.puller import Puller  # noqa: E402
@@ -38,8 +42,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--priority", choices=("idle", "low", "normal"), default="normal",
                    help="CPU priority of the pull workers")
     p.add_argument("--again", action="store_true",
-                   help="remove the versions the mirror holds first (not timed), as the daemon's gc removes "
-                        "one no server uses: a build that recycles overwrites their files")
+                   help="as the daemon between two RL steps: pull the version once more (not timed), so that "
+                        "the workers of that pull are kept as the daemon keeps its last pull's (a build that "
+                        "keeps them), and remove it, as the daemon's gc removes one no server uses (a build "
+                        "that recycles overwrites its files); then the timed pull")
+    p.add_argument("--keep-workers-s", type=float, default=Pull.model_fields["keep_workers_s"].default,
+                   help="how long the puller keeps its workers after a pull (default: the daemon's)")
     p.add_argument("--request-mib", type=int, default=16, help="largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="largest piece read from a response at once")
     p.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop")
@@ -53,15 +61,22 @@ def parse_args() -> argparse.Namespace:
 async def pull(args: argparse.Namespace) -> dict:
     async with RegistryClient(args.url, timeouts=Timeouts(read_s=60.0), max_connections=args.streams + 2) as client:
         mirror = Mirror(args.mirror, max_bytes=1 << 50)
-        if args.again:
-            for v in mirror.versions():
-                mirror.remove(v, "pulled again")
         puller = Puller(client, mirror, holder="bench-node",
                         streams=args.streams, request_bytes=args.request_mib << 20,
                         piece_bytes=args.piece_kib << 10, **workers(args))
-        cpu0, own0, machine0 = _cpu(), _own_cpu(), machine_busy_s()
-        result = await asyncio.wait_for(puller.pull(args.version), args.timeout_s)
-        cpu, own, machine = _cpu() - cpu0, _own_cpu() - own0, machine_busy_s() - machine0
+        try:
+            if args.again:  # as the daemon between two RL steps
+                remove_all(mirror)
+                await asyncio.wait_for(puller.pull(args.version), args.timeout_s)  # the step before: workers kept
+                remove_all(mirror)  # gc: the timed pull overwrites these files
+            kept = set(getattr(puller, "kept_worker_pids", []))  # workers alive before the pull
+            cpu0, own0, machine0 = _cpu() + _live_cpu(kept), _own_cpu(), machine_busy_s()
+            result = await asyncio.wait_for(puller.pull(args.version), args.timeout_s)
+            kept |= set(getattr(puller, "kept_worker_pids", []))  # and those alive after it
+            cpu, own, machine = _cpu() + _live_cpu(kept) - cpu0, _own_cpu() - own0, machine_busy_s() - machine0
+        finally:
+            if hasattr(puller, "close"):
+                await puller.close()
     return {"bytes": result.bytes, "seconds": round(result.seconds, 4),
             "gb_per_s": round(result.bytes / result.seconds / 1e9, 4), "client_cpu_s": round(cpu, 3),
             "puller_cpu_s": round(own, 3), "machine_cpu_s": round(machine, 3), "retries": result.retries,
@@ -69,15 +84,32 @@ async def pull(args: argparse.Namespace) -> dict:
             "digest": result.digest}
 
 
+def remove_all(mirror: Mirror) -> None:
+    for v in mirror.versions():
+        mirror.remove(v, "pulled again")
+
+
 def workers(args: argparse.Namespace) -> dict:
     """Worker settings, for builds of the puller that have them (``--repo``: an older one may not)."""
     import inspect
     params = inspect.signature(Puller).parameters
-    return {k: getattr(args, k) for k in ("workers", "priority") if k in params}
+    return {k: getattr(args, k) for k in ("workers", "priority", "keep_workers_s") if k in params}
+
+
+def _live_cpu(pids: set[int]) -> float:
+    """CPU seconds of pull workers that are alive (kept between pulls: not reaped, so not in
+    ``os.times``' children)."""
+    total = 0.0
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            t = psutil.Process(pid).cpu_times()
+            total += t.user + t.system
+    return total
 
 
 def _cpu() -> float:
-    """CPU seconds of this process and of its children reaped so far (the pull workers)."""
+    """CPU seconds of this process and of its children reaped so far (the pull workers that
+    were not kept)."""
     t = os.times()
     return t.user + t.system + t.children_user + t.children_system
 

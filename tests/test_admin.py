@@ -53,6 +53,7 @@ STATUS = {
              "bytes_total": 4 << 30, "bytes_resumed": 0, "rate_bytes_per_s": 512.0 * (1 << 20), "eta_s": 6.0,
              "retries": 1,
              "workers": [4400, 4401], "worker_restarts": 1, "seconds": 2.0, "error": None},
+    "pull_workers_kept": [],
     "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
                      "url": "http://10.0.0.7:9300", "served_bytes": 9 << 30, "served_requests": 1152},
     "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "spare_bytes": 0,

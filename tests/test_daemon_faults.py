@@ -213,9 +213,10 @@ def test_leftovers_of_a_killed_daemon_are_cleaned_at_the_next_start(daemons, tmp
 def test_a_daemon_killed_mid_pull_into_recycled_files_leaves_nothing_and_the_next_serves_the_version(
         daemons, tmp_path):
     """kill -9 of the daemon and of everything it started, as systemd does (KillMode=mixed), while
-    it pulls a version into the files of one it removed: its pull workers end with it, and the
-    next daemon removes the half-written version, pulls it whole and serves it. The served bytes
-    are checked against the tensors published, not against the daemon's own account."""
+    it pulls a version into the files of one it removed, with the pull workers it kept from the
+    pulls before: they end with it, and the next daemon removes the half-written version, pulls
+    it whole and serves it. The served bytes are checked against the tensors published, not
+    against the daemon's own account."""
     from safetensors.numpy import load_file
 
     with EmbeddedRegistry(port=0) as reg:
@@ -230,14 +231,17 @@ def test_a_daemon_killed_mid_pull_into_recycled_files_leaves_nothing_and_the_nex
             for version in (2, 3):
                 publish(version)
                 first.wait_versions({"s0": version}, 30)
-            first.wait(lambda st: st["mirror"]["spare_bytes"] > 0, 10, "a removed version's files kept as spares")
+            st = first.wait(lambda st: st["mirror"]["spare_bytes"] > 0, 10, "a removed version's files kept as spares")
+            kept = st["pull_workers_kept"]
+            assert len(kept) == 1 and alive(kept[0]) and st["pull"]["workers"] == []  # idle between pulls
             mirror = Path(first.cfg["mirror"]["dir"])
             proxy.byte_delay_s = 0.2  # per 64 KiB chunk: the pull of version 4 takes seconds
             publish(4)
             st = first.wait(lambda st: (st["pull"] or {}).get("version") == 4 and st["pull"]["bytes_done"] > 0,
                             30, "version 4 partly pulled")
             workers = st["pull"]["workers"]
-            assert workers and (mirror / ".4.partial").is_dir() and not (mirror / ".spare").exists()
+            assert workers == kept, "the kept worker takes up the next pull"
+            assert (mirror / ".4.partial").is_dir() and not (mirror / ".spare").exists()
             servers = tagged_pids(first.tag)
             first.kill_everything()  # the daemon, then every process of its servers: SIGKILL
             wait_until(lambda: not any(alive(p) for p in workers), 10, "the pull workers gone with their daemon")

@@ -588,3 +588,129 @@ async def test_each_pull_overwrites_the_files_of_the_version_removed_before_it(r
                 mapped.close()
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+# -- workers kept between pulls ---------------------------------------------------------------------------------
+
+def started(pid: int) -> int:
+    """A process's start time in clock ticks: a pid reused by a new process has another."""
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+
+
+def watch_workers(proxy, puller) -> dict[int, set[int]]:
+    """version -> pids of the workers that moved its bytes, seen at each byte request."""
+    seen: dict[int, set[int]] = {}
+
+    async def look(n: int) -> None:
+        seen.setdefault(puller.progress.version, set()).update(puller.progress.worker_pids)
+    proxy.on_bytes = look
+    return seen
+
+
+async def wait_for(predicate, timeout_s: float, what: str) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.02)
+    assert predicate(), what
+
+
+async def test_the_workers_are_kept_for_the_next_pull_and_close_stops_them(registry, proxy, client, mirror):
+    """Versions 1, 2, 3 pulled by one set of workers, started once: the later pulls start no
+    process, and each version comes out byte for byte as published. close() reaps them."""
+    puller = make_puller(client, mirror, workers=2, streams=4, keep_workers_s=60)
+    seen = watch_workers(proxy, puller)
+    try:
+        for version in (1, 2, 3):
+            manifest, files = publish(registry, version)
+            result = await puller.pull(version)
+            assert result.bytes == manifest.total_bytes
+            assert_pulled(mirror, version, files, manifest)
+            kept = puller.kept_worker_pids
+            assert len(kept) == 2 and set(kept) == seen[version] and not any(gone(p) for p in kept)
+            assert puller.progress.worker_pids == []  # the pull's own list ends with it
+            if version == 1:
+                first = {pid: started(pid) for pid in kept}
+        assert seen[1] == seen[2] == seen[3] and {pid: started(pid) for pid in seen[3]} == first
+        assert puller.progress.worker_restarts == 0 and registry.service.store.lease_count() == 0
+    finally:
+        await puller.close()
+    assert puller.kept_worker_pids == [] and all(gone(pid) for pid in first)
+    await puller.close()  # twice is fine
+
+
+async def test_kept_workers_that_idle_keep_workers_s_are_stopped(registry, proxy, client, mirror):
+    puller = make_puller(client, mirror, workers=1, streams=2, keep_workers_s=0.3)
+    seen = watch_workers(proxy, puller)
+    try:
+        publish(registry, 1)
+        await puller.pull(1)
+        kept = puller.kept_worker_pids
+        assert kept and not any(gone(p) for p in kept)
+        await wait_for(lambda: all(gone(p) for p in kept), 10, "idle workers stopped")
+        assert puller.kept_worker_pids == []
+        manifest, files = publish(registry, 2)
+        await puller.pull(2)  # with new workers
+        assert_pulled(mirror, 2, files, manifest)
+        assert seen[2] and seen[2].isdisjoint(kept)
+    finally:
+        await puller.close()
+
+
+async def test_a_pull_that_fails_or_is_cancelled_stops_the_kept_workers(registry, proxy, client, mirror):
+    """Workers that served a failed pull are not trusted with the next: it starts fresh ones."""
+    puller = make_puller(client, mirror, workers=1, streams=2, keep_workers_s=60, max_chunk_retries=0)
+    seen = watch_workers(proxy, puller)
+    try:
+        publish(registry, 1)
+        await puller.pull(1)
+        kept = puller.kept_worker_pids
+        manifest, files = publish(registry, 2)
+        proxy.flip(manifest.files[0].name, 0, times=None)  # every time: the pull fails
+        with pytest.raises(PullError, match="digest"):
+            await puller.pull(2)
+        assert seen.pop(2) == set(kept) and puller.kept_worker_pids == [] and all(gone(p) for p in kept)
+
+        proxy.flips.clear()
+        reached = asyncio.Event()
+
+        async def stall(n: int) -> None:
+            reached.set()
+            await asyncio.Event().wait()  # held until the pull is cancelled
+        await puller.pull(2)  # fresh workers, kept again
+        assert_pulled(mirror, 2, files, manifest)
+        kept = puller.kept_worker_pids
+        assert kept and seen[2] == set(kept) and set(kept).isdisjoint(seen[1])  # new processes
+        publish(registry, 3)
+        proxy.on_bytes = stall
+        task = asyncio.create_task(puller.pull(3))
+        await asyncio.wait_for(reached.wait(), 10)
+        assert puller.progress.worker_pids == kept  # the kept workers took the pull up
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert puller.kept_worker_pids == [] and all(gone(p) for p in kept)
+    finally:
+        await puller.close()
+
+
+async def test_a_kept_worker_that_dies_between_pulls_is_started_again(registry, proxy, client, mirror, caplog):
+    restarts = []
+    puller = make_puller(client, mirror, workers=1, streams=2, keep_workers_s=60,
+                         on_worker_restart=lambda: restarts.append(1))
+    seen = watch_workers(proxy, puller)
+    try:
+        publish(registry, 1)
+        await puller.pull(1)
+        [old] = puller.kept_worker_pids
+        with caplog.at_level(logging.WARNING):
+            os.kill(old, signal.SIGKILL)
+            await wait_for(lambda: restarts == [1], 10, "the worker started again")
+        assert f"pid {old} exited (killed by SIGKILL" in caplog.text
+        [new] = puller.kept_worker_pids
+        assert new != old and not gone(new)
+        manifest, files = publish(registry, 2)
+        result = await puller.pull(2)
+        assert_pulled(mirror, 2, files, manifest)
+        assert seen[2] == {new} and result.retries == 0
+    finally:
+        await puller.close()

@@ -87,15 +87,22 @@ class Node:
         """The unit's cgroup, as the guest names it."""
         return self.unit("ControlGroup")["ControlGroup"]
 
+    def pull_workers(self) -> list[int]:
+        """The daemon's pull workers: those of a pull in progress, or kept for the next one."""
+        st = self.status()
+        return sorted({*((st["pull"] or {}).get("workers") or []), *st["pull_workers_kept"]})
+
     def contained(self) -> dict[str, list[int]]:
-        """Every process of the unit by cgroup; fails unless the daemon is alone in its leaf and
-        every other process is in the server's cgroup and process group."""
-        main, server = int(self.unit("MainPID")["MainPID"]), self.server()
+        """Every process of the unit by cgroup; fails unless the daemon's leaf holds the daemon
+        and its own pull workers (children of it) alone, and every other process is in the
+        server's cgroup and process group."""
+        main, server, workers = int(self.unit("MainPID")["MainPID"]), self.server(), self.pull_workers()
         where: dict[str, list[int]] = {}
         for pid in self.machine.unit_pids(UNIT):
             where.setdefault(self.machine.cgroup(pid) or "gone", []).append(pid)
-        assert where == {f"{self.cgroup()}/daemon": [main],
+        assert where == {f"{self.cgroup()}/daemon": sorted([main, *workers]),
                          f"{self.cgroup()}/server-gpu0": where.get(f"{self.cgroup()}/server-gpu0", [])}, where
+        assert all(_ppid(self.machine, p) == main for p in workers), workers
         assert {_pgid(self.machine, p) for p in where[f"{self.cgroup()}/server-gpu0"]} == {server["pid"]}, where
         return where
 
@@ -188,10 +195,12 @@ def test_the_servers_socket_is_the_service_users_alone(node):
 
 
 def test_each_server_is_in_its_own_cgroup(node):
-    """Delegate=yes: the daemon in <unit>/daemon, vLLM's processes (its API server, engine core)
-    in <unit>/server-gpu0, none in the unit's own cgroup."""
+    """Delegate=yes: the daemon in <unit>/daemon with the pull workers it keeps for the next
+    pull, vLLM's processes (its API server, engine core) in <unit>/server-gpu0, none in the
+    unit's own cgroup."""
     node.wait("gpu0 SERVING", node.serving, 300)
     where = node.contained()
+    assert node.pull_workers(), "the first pull's workers are kept for the next one"
     assert len(where[f"{node.cgroup()}/server-gpu0"]) >= 2, where  # vLLM's API server and its engine core
     assert node.machine.run("cat", f"/sys/fs/cgroup{node.cgroup()}/cgroup.procs").stdout == ""
     assert f"contain: each server in its own cgroup under {node.cgroup()} (delegated)" in node.machine.journal(UNIT)
@@ -222,12 +231,13 @@ def test_frozen_daemon_is_restarted_by_the_watchdog(node):
     assert "Watchdog timeout" in journal
     assert "Fatal Python error: Aborted" in journal  # the frozen daemon's stacks, for a post-mortem
     # Exactly one vLLM for the one configured server; nothing of the old daemon's is left in
-    # the unit: every process is the daemon or in its server's process group.
+    # the unit: every process is the new daemon, its pull workers, or in its server's process group.
     server = node.server()
     assert server["pid"] != old_server["pid"]
     assert len(node.vllm_serve_processes()) == 1, node.vllm_serve_processes()
+    own = {int(after["MainPID"]), *node.pull_workers()}
     groups = {pid: _pgid(node.machine, pid) for pid in node.machine.unit_pids(UNIT)}
-    assert {g for p, g in groups.items() if p != int(after["MainPID"])} == {server["pid"]}, groups
+    assert {g for p, g in groups.items() if p not in own} == {server["pid"]}, groups
     node.contained()
 
 
@@ -289,6 +299,11 @@ def test_what_a_killed_daemon_left_is_found_by_cgroup(node):
 
 def _pgid(machine: Machine, pid: int) -> int:
     out = machine.run("ps", "-o", "pgid=", "-p", str(pid), check=False).stdout.strip()
+    return int(out) if out else -1
+
+
+def _ppid(machine: Machine, pid: int) -> int:
+    out = machine.run("ps", "-o", "ppid=", "-p", str(pid), check=False).stdout.strip()
     return int(out) if out else -1
 
 

@@ -1,6 +1,8 @@
 """The updater's loop owns everything it starts: a long-poll in flight is no task of its own
 (a wake ends it through a cancel scope), and a pull's rate reporter is awaited once cancelled.
-A real registry (embedded, in its own thread) and a real mirror."""
+The one set of tasks that outlives a pull is its puller's: the workers kept for the next pull
+(their keepers, the idle timer), stopped by ``Puller.close``. A real registry (embedded, in its
+own thread) and a real mirror."""
 
 from __future__ import annotations
 
@@ -28,9 +30,17 @@ async def until(predicate, timeout_s: float, what: str) -> None:
         raise AssertionError(f"not {what} after {timeout_s} s") from None
 
 
+KEPT_WORKERS = ("pull-worker-", "pull-workers-idle")  # the puller's, while it keeps its workers
+
+
 def others() -> set[asyncio.Task]:
-    """Tasks of the loop other than the test's own and the updater's."""
-    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t.get_name() != "updater"}
+    """Tasks of the loop other than the test's own, the updater's and its puller's kept workers'."""
+    return {t for t in asyncio.all_tasks() if t is not asyncio.current_task() and t.get_name() != "updater"
+            and not t.get_name().startswith(KEPT_WORKERS)}
+
+
+def kept() -> set[asyncio.Task]:
+    return {t for t in asyncio.all_tasks() if t.get_name().startswith(KEPT_WORKERS)}
 
 
 async def test_a_long_poll_is_no_task_of_its_own_and_a_poke_ends_it(tmp_path):
@@ -52,8 +62,10 @@ async def test_a_long_poll_is_no_task_of_its_own_and_a_poke_ends_it(tmp_path):
                     updater.poke(asked=True)  # a person's "update now": the long-poll ends at once
                     await until(lambda c=contact: updater.registry.last_contact != c, 5, "asked again")
                 assert not run.done()
+                assert updater.puller.kept_worker_pids and kept()
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
+                await updater.puller.close()  # as the daemon's stop does
         mirror.close()
-    assert others() == set()
+    assert others() == set() and kept() == set()

@@ -157,6 +157,9 @@ class NodeStatus(_Model):
     registry: RegistryStatus
     target: TargetStatus | None = Field(description="the version every server is moving to (null: none yet)")
     pull: PullStatus | None = Field(description="the current or last pull (null: none yet)")
+    pull_workers_kept: list[int] = Field([], description="pids of the pull workers kept idle for the next "
+                                         "pull (pull.keep_workers_s); while a pull runs they are its "
+                                         "`pull.workers`")
     pull_sources: PullSources | None = Field(None, description="where the last pull's bytes came from; what "
                                               "peers took")
     mirror: MirrorStatus

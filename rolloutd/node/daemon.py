@@ -172,6 +172,7 @@ class Daemon:
                 await _cancel(lag)
             self.shm.forget()
         finally:
+            await self.updater.puller.close()  # on every path: no pull worker outlives the run
             if self.peer_server is not None:
                 self.peer_server.stop()
             await self.client.close()
@@ -371,6 +372,7 @@ class Daemon:
             await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
             await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
             await _cancel(updater)
+            await self.updater.puller.close()  # the pull workers kept for the next pull
             await asyncio.to_thread(self.updater.puller.discard_kept)  # a pull cut short kept its chunks
             await _cancel(announcer)  # the tracker forgets this node's chunks
             self.admin.stop()
@@ -401,6 +403,7 @@ class Daemon:
             "registry": self.updater.registry.as_dict(now),
             "target": {"version": target.version, "digest": target.digest} if target else None,
             "pull": progress.as_dict() if progress is not None else None,
+            "pull_workers_kept": self.updater.puller.kept_worker_pids,
             "pull_sources": self._pull_sources(),
             "mirror": {"dir": str(self.mirror.dir), "max_bytes": self.mirror.max_bytes,
                        "usage_bytes": self.mirror.usage_bytes(), "spare_bytes": self.mirror.spare_bytes(),

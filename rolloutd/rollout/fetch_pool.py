@@ -8,7 +8,8 @@ and one per ``progress_bytes`` written.
 
 Contract:
 
-- ``async with FetchPool(...) as pool`` starts the workers (in the daemon's cgroup, each
+- ``async with FetchPool(...) as pool`` (or ``await pool.start()`` ... ``await pool.close()``,
+  for a pool kept between pulls) starts the workers (in the daemon's cgroup, each
   in its own session so a terminal's Ctrl-C reaches only the daemon, at ``priority``) and returns
   once each said it is ready; leaving the block stops and reaps every one, on every path
   (cancellation included): stdin closed (a worker exits at once at its end), then SIGKILL after
@@ -111,8 +112,19 @@ class FetchPool:
     def pids(self) -> list[int]:
         return [w.proc.pid for w in self._workers if w.proc is not None and w.proc.returncode is None]
 
+    @property
+    def size(self) -> tuple[int, int]:
+        """(workers, streams)."""
+        return len(self._workers), sum(w.capacity for w in self._workers)
+
+    @property
+    def usable(self) -> bool:
+        """Not closed, and its last start of a worker did not fail: worth keeping for a next pull."""
+        return not self._closing and self._broken is None
+
     # -- life -------------------------------------------------------------------------------------------
-    async def __aenter__(self) -> FetchPool:
+    async def start(self) -> FetchPool:
+        """Start every worker; returns once each said it is ready (``async with`` does this)."""
         try:
             await asyncio.gather(*(self._spawn(w) for w in self._workers))
         except BaseException:
@@ -121,6 +133,9 @@ class FetchPool:
         for w in self._workers:
             w.keeper = asyncio.create_task(self._keep(w), name=f"pull-worker-{w.index}")  # awaited in close
         return self
+
+    async def __aenter__(self) -> FetchPool:
+        return await self.start()
 
     async def __aexit__(self, *exc) -> None:
         await self.close()

@@ -123,7 +123,7 @@ class Updater:
                              request_bytes=int(cfg.pull.request_bytes),
                              max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
                              in_use=in_use, on_worker_restart=metrics.pull_worker_restarts.inc,
-                             swarm=swarm)
+                             swarm=swarm, keep_workers_s=cfg.pull.keep_workers_s)
         self.target: Target | None = None
         self.settled = asyncio.Event()   # the first decision was made (a target, or nothing to load)
         self._changed = asyncio.Condition()
