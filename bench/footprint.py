@@ -19,6 +19,8 @@ daemon's wake-ups per second while idle (times any of its threads was put on a C
 shows on a machine where each wake-up is expensive. Then ``--requests`` one-token completions,
 one after another, through the first server's gateway: the daemon's CPU per request relayed,
 and the lines its log gained per request (vLLM's access log reaches the journal through it).
+The pull workers the daemon keeps for its next pull (``pull.keep_workers_s``) are its children,
+not counted in its RSS: their RSS and idle CPU are printed beside.
 
 Limits (ratios printed against them): RSS <= 150 MiB; idle CPU <= 0.5 % of one core.
 """
@@ -137,11 +139,14 @@ def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str)
         try:
             wait_serving(admin, 1, args.servers, 300)
             time.sleep(5)  # let start-up work settle
+            kept = kept_workers(admin)  # the first pull's workers, kept for the next (a build that keeps them)
             c0, w0, t0 = cpu_s(daemon.pid), wakeups(daemon.pid), time.monotonic()
+            kc0 = sum(cpu_s(p) for p in kept)
             time.sleep(args.idle_s)
             elapsed = time.monotonic() - t0
             idle = (cpu_s(daemon.pid) - c0) / elapsed
             idle_wakeups = (wakeups(daemon.pid) - w0) / elapsed
+            kept_idle = (sum(cpu_s(p) for p in kept) - kc0) / elapsed
             rss_idle, _ = rss_mib(daemon.pid)
             per_request, lines_per_request = relay(cfg, model, daemon.pid, run_dir / "rolloutd.log", args.requests)
             c0 = cpu_s(daemon.pid)
@@ -150,6 +155,8 @@ def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str)
                 wait_serving(admin, v, args.servers, 60)
             per_update = (cpu_s(daemon.pid) - c0) / max(args.updates, 1)
             rss_now, rss_peak = rss_mib(daemon.pid)
+            kept = kept_workers(admin)
+            kept_rss = [rss_mib(p)[0] for p in kept]
         finally:
             daemon.send_signal(signal.SIGTERM)
             daemon.wait(60)
@@ -161,14 +168,23 @@ def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str)
               "rss_peak_vs_limit": round(rss_peak / RSS_LIMIT_MIB, 3), "updates": args.updates,
               "requests": args.requests, "daemon_cpu_ms_per_request": round(per_request * 1000, 3),
               "log_lines_per_request": round(lines_per_request, 2),
-              "daemon_cpu_s_per_update": round(per_update, 4)}
+              "daemon_cpu_s_per_update": round(per_update, 4),
+              "kept_pull_workers": len(kept), "kept_pull_workers_idle_cpu_fraction": round(kept_idle, 5),
+              "kept_pull_workers_rss_mib": [round(r, 1) for r in kept_rss]}
     print(f"{label}: daemon idle CPU {idle * 100:.3f} % of a core (limit {IDLE_CPU_LIMIT * 100:.1f} %: ratio "
           f"{result['idle_cpu_vs_limit']}), {idle_wakeups:.1f} wake-ups/s; RSS {rss_idle:.1f} MiB idle, "
           f"{rss_now:.1f} MiB after {args.updates} updates, peak {rss_peak:.1f} MiB (limit {RSS_LIMIT_MIB:.0f} MiB: "
           f"ratio {result['rss_peak_vs_limit']}); {per_update * 1000:.1f} ms of daemon CPU per update of "
           f"{args.servers} server(s); {per_request * 1000:.2f} ms of daemon CPU and {lines_per_request:.2f} log "
-          f"lines per relayed request", flush=True)
+          f"lines per relayed request; {len(kept)} pull worker(s) kept for the next pull: RSS "
+          f"{', '.join(f'{r:.1f}' for r in kept_rss) or '-'} MiB, idle CPU {kept_idle * 100:.3f} % of a core",
+          flush=True)
     return result
+
+
+def kept_workers(admin: str) -> list[int]:
+    """The pull workers the daemon keeps idle for its next pull (none in a build without them)."""
+    return httpx.get(admin + "/status", timeout=5).json().get("pull_workers_kept", [])
 
 
 def main() -> int:

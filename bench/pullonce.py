@@ -46,7 +46,8 @@ def parse_args() -> argparse.Namespace:
                         "the workers of that pull are kept as the daemon keeps its last pull's (a build that "
                         "keeps them), and remove it, as the daemon's gc removes one no server uses (a build "
                         "that recycles overwrites its files); then the timed pull")
-    p.add_argument("--keep-workers-s", type=float, default=Pull.model_fields["keep_workers_s"].default,
+    keep = Pull.model_fields.get("keep_workers_s")  # None in a build (--repo) that starts them per pull
+    p.add_argument("--keep-workers-s", type=float, default=keep.default if keep else 0.0,
                    help="how long the puller keeps its workers after a pull (default: the daemon's)")
     p.add_argument("--request-mib", type=int, default=16, help="largest Range request")
     p.add_argument("--piece-kib", type=int, default=1024, help="largest piece read from a response at once")

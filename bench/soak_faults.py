@@ -19,8 +19,9 @@ next one of the round go first:
 - ``bad_version``: a version lacking one tensor, without ``partial``: every server must refuse it;
 - ``daemon_crash``: ``kill -9`` of the daemon itself, half the time mid-pull (Range replies
   delayed until its pull workers are seen moving a new version's bytes), then started again as
-  systemd would: its pull workers must exit with it, and the new daemon must stop every server
-  process the dead one left before it serves. A killed daemon takes its counters with it, so
+  systemd would: its pull workers (moving bytes, or kept idle for the next pull) must exit
+  with it, and the new daemon must stop every server process the dead one left before it
+  serves. A killed daemon takes its counters with it, so
   they are read just before the kill (``lives``).
 
 Processes are signalled only when they carry the soak's tag in their environment: a pid read
@@ -280,7 +281,8 @@ class Chaos:
             if st is None:
                 return None
             self.lives.append(await asyncio.to_thread(daemon_metrics, self.daemon.url))
-            workers = _processes((st.get("pull") or {}).get("workers") or [])  # listed only while they run
+            # a pull's workers, and those kept idle for the next pull (while serving)
+            workers = _processes([*((st.get("pull") or {}).get("workers") or []), *st.get("pull_workers_kept", [])])
             servers = _processes(tagged_pids(self.daemon.tag))
             dead = self.daemon.proc.pid
             self.daemon.proc.kill()

@@ -299,7 +299,7 @@ class Pull(_Section):
     keep_workers_s: float = Field(600.0, ge=0, description="how long the pull workers are kept after a pull "
                                   "for the next one: a node that pulls every RL step starts them once, not "
                                   "at every pull (a start costs a 2 GiB pull about 7 % of its time); an idle "
-                                  "worker takes no CPU and about 12 MiB; 0 stops them after each pull")
+                                  "worker takes no CPU and about 23 MiB of memory; 0 stops them after each pull")
 
     def worker_count(self) -> int:
         return self.workers or max(1, min(os.cpu_count() or 1, 16))
