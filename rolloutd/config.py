@@ -663,8 +663,13 @@ def parse_config(text: str, source: str = "<string>", *, check_files: bool = Fal
         problems += [(_line_of(root, loc), f"{format_path(loc)}: {msg}") for loc, msg in _file_problems(cfg)]
     if problems:
         problems.sort(key=lambda p: p[0])  # stable: pydantic's order within a line
-        raise ConfigError([f"{source}:{line}: {msg}" for line, msg in problems])
+        raise ConfigError([f"{source}:{line}: {_printable(msg)}" for line, msg in problems])
     return cfg
+
+
+def _printable(msg: str) -> str:
+    """One line per problem, whatever a value held: a newline in it shows as ``\\n``."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in msg)
 
 
 def _unreadable(source: str, e: yaml.reader.ReaderError) -> ConfigError:

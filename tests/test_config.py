@@ -446,3 +446,12 @@ def test_the_peer_listener_needs_a_port_of_its_own():
     with pytest.raises(ConfigError, match=r"peers\.port: 9300 is also the admin API's port"):
         parse_config(text)
     assert parse_config(text.replace("enabled: true", "enabled: false")).peers.port == 9300  # off: unused
+
+
+def test_a_value_with_a_newline_is_reported_on_one_line():
+    """Found by the mutation test: one problem is one line, whatever the value held."""
+    text = ("registry: {url: 'http://trainer:8700'}\nstate_dir: \"\\n\"\n"
+            "servers: [{name: gpu0, model: /m, public_port: 9001}]\n")
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "m.yaml")
+    assert info.value.lines == ["m.yaml:2: state_dir: must be an absolute path, got '\\n'"]
