@@ -21,18 +21,10 @@ from rolloutd.supervise.supervisor import Supervisor
 
 from .daemon_harness import config
 from .test_process import alive_in_group
+from .waiting import until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 S = ServerState
-
-
-async def until(predicate, timeout_s: float, what: str) -> None:
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                await asyncio.sleep(0.05)
-    except TimeoutError:
-        raise AssertionError(f"not {what} after {timeout_s} s") from None
 
 
 def serving(daemon: Daemon, name: str) -> bool:

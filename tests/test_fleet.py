@@ -26,6 +26,7 @@ from rolloutd.wire import version_contract as contract
 
 from .conftest import free_port
 from .fake_replica import FakeReplica
+from .waiting import until
 
 PROMPT = [1, 5, 9]
 
@@ -56,13 +57,6 @@ def publish(registry, version: int) -> None:
 
 def fleet_of(registry, **kw) -> Fleet:
     return Fleet(registry.url, **{"refresh_s": 0.1, "wait_s": 2.0, "timeout_s": 20.0, **kw})
-
-
-async def until(predicate, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.02)
 
 
 # -- discovery ---------------------------------------------------------------------------------------

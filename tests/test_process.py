@@ -23,6 +23,8 @@ import uvloop
 from rolloutd.supervise.child import MAX_LINE_BYTES, Child, ChildError, describe_exit
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 
+from .waiting import until
+
 pytestmark = pytest.mark.timeout(60)
 
 PY = sys.executable
@@ -66,13 +68,6 @@ def proc_start_time(pid: int) -> float:
     """Seconds from boot to the start of ``pid``: field 22 of ``/proc/<pid>/stat`` (clock ticks)."""
     stat = Path(f"/proc/{pid}/stat").read_text()
     return int(stat[stat.rindex(")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
-
-
-async def until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"not {what} within {timeout_s} s"
-        await asyncio.sleep(0.02)
 
 
 def lines_of(caplog, name: str) -> list[str]:

@@ -25,6 +25,7 @@ from rolloutd.rollout.puller import Puller, PullError, PullState
 from rolloutd.wire import errors
 
 from .registry_proxy import InLoopProxy
+from .waiting import until
 
 CHUNK = 64 << 10
 SHARD = 1 << 20
@@ -607,13 +608,6 @@ def watch_workers(proxy, puller) -> dict[int, set[int]]:
     return seen
 
 
-async def wait_for(predicate, timeout_s: float, what: str) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.02)
-    assert predicate(), what
-
-
 async def test_the_workers_are_kept_for_the_next_pull_and_close_stops_them(registry, proxy, client, mirror):
     """Versions 1, 2, 3 pulled by one set of workers, started once: the later pulls start no
     process, and each version comes out byte for byte as published. close() reaps them."""
@@ -646,7 +640,7 @@ async def test_kept_workers_that_idle_keep_workers_s_are_stopped(registry, proxy
         await puller.pull(1)
         kept = puller.kept_worker_pids
         assert kept and not any(gone(p) for p in kept)
-        await wait_for(lambda: all(gone(p) for p in kept), 10, "idle workers stopped")
+        await until(lambda: all(gone(p) for p in kept), 10, "idle workers stopped")
         assert puller.kept_worker_pids == []
         manifest, files = publish(registry, 2)
         await puller.pull(2)  # with new workers
@@ -704,7 +698,7 @@ async def test_a_kept_worker_that_dies_between_pulls_is_started_again(registry, 
         [old] = puller.kept_worker_pids
         with caplog.at_level(logging.WARNING):
             os.kill(old, signal.SIGKILL)
-            await wait_for(lambda: restarts == [1], 10, "the worker started again")
+            await until(lambda: restarts == [1], 10, "the worker started again")
         assert f"pid {old} exited (killed by SIGKILL" in caplog.text
         [new] = puller.kept_worker_pids
         assert new != old and not gone(new)

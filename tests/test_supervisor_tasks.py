@@ -26,6 +26,7 @@ from rolloutd.supervise.supervisor import Supervisor
 
 from .conftest import free_port
 from .test_process import alive_in_group
+from .waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 FAKE = Path(__file__).parent / "fake_vllm.py"
@@ -57,12 +58,6 @@ def supervisor(tmp_path: Path, faults: str) -> Supervisor:
     return Supervisor(cfg.servers[0], lambda: cfg, NoTarget(), slots=lambda: sem,
                       containment=ProcessGroups(ChildRecords(tmp_path / "children")), plugin_dir=tmp_path,
                       metrics=Metrics())
-
-
-async def until(predicate, timeout_s: float, what: str) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.05)
 
 
 def test_cancelling_a_supervisor_mid_stop_waits_for_the_stop_and_leaves_no_task(tmp_path, caplog):

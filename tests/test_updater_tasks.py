@@ -18,16 +18,9 @@ from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.updater import Updater
 
+from .waiting import until
+
 pytestmark = pytest.mark.timeout(60)
-
-
-async def until(predicate, timeout_s: float, what: str) -> None:
-    try:
-        async with asyncio.timeout(timeout_s):
-            while not predicate():
-                await asyncio.sleep(0.02)
-    except TimeoutError:
-        raise AssertionError(f"not {what} after {timeout_s} s") from None
 
 
 KEPT_WORKERS = ("pull-worker-", "pull-workers-idle")  # the puller's, while it keeps its workers

@@ -172,7 +172,7 @@ class Daemon:
                 await _cancel(lag)
             self.shm.forget()
         finally:
-            await self.updater.puller.close()  # on every path: no pull worker outlives the run
+            await self.updater.puller.close()  # the pull workers kept for a next pull, on every path
             if self.peer_server is not None:
                 self.peer_server.stop()
             await self.client.close()
@@ -372,7 +372,6 @@ class Daemon:
             await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
             await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
             await _cancel(updater)
-            await self.updater.puller.close()  # the pull workers kept for the next pull
             await asyncio.to_thread(self.updater.puller.discard_kept)  # a pull cut short kept its chunks
             await _cancel(announcer)  # the tracker forgets this node's chunks
             self.admin.stop()
