@@ -7,7 +7,9 @@ import os
 import threading
 import weakref
 
-from rolloutd.registry.server.blobs import DiskStore, MemoryStore
+import pytest
+
+from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped
 from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks
 
 from .test_mirror import wait_until, where_rmtree_runs
@@ -101,3 +103,21 @@ def test_memory_is_let_go_of_at_once_when_the_freeing_thread_takes_no_more_work(
     where = freed_on(held["model.safetensors"])
     blobs.let_go(held)
     assert where == [threading.current_thread().name]
+
+
+@pytest.mark.parametrize("kind", ["memory", "disk"])
+def test_a_version_whose_staged_files_were_dropped_is_never_committed(tmp_path, kind):
+    """Staged files dropped (``DELETE /v1/uploads``, a cancelled embedded publish) before the
+    commit: the commit refuses, and no version appears, not even an empty one."""
+    store = DiskStore(tmp_path) if kind == "disk" else MemoryStore()
+    manifest = stage(store, 1)
+    assert store.verify_staged(manifest) == {}
+    store.discard_staging(1)
+    with pytest.raises(StagingDropped):
+        store.verify_staged(manifest)
+    with pytest.raises(StagingDropped):
+        store.commit(manifest)
+    if kind == "disk":
+        assert os.listdir(tmp_path / "versions") == []
+        assert store.load_committed() == []
+        store.close()

@@ -624,6 +624,44 @@ def test_upload_cut_off_halfway_leaves_nothing(tmp_path, store, sent):
         assert blob_fds() == before + (store == "memory")
 
 
+@pytest.mark.parametrize("store", ["memory", "disk"])
+def test_uploads_cannot_be_dropped_while_their_version_is_published(tmp_path, store, monkeypatch):
+    """``DELETE /v1/uploads/{v}`` while v's bytes are being checked: refused (409), and the
+    publish goes on with the uploaded bytes (a disk store committed an empty version before)."""
+    data = os.urandom(300_000)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(data)
+    m = build_manifest(1, [src / "model.safetensors"], chunk_bytes=CHUNK)
+    data_dir = tmp_path / "data" if store == "disk" else None
+    with EmbeddedRegistry(port=0, data_dir=data_dir) as reg, httpx.Client(base_url=reg.url, timeout=30) as http:
+        assert http.put("/v1/uploads/1/files/model.safetensors", content=data).status_code == 201
+        verifying, go_on = threading.Event(), threading.Event()
+        real_verify = reg.service.blobs.verify_staged
+
+        def fake_slow_verify(manifest):  # holds the publish between its start and its commit
+            verifying.set()
+            go_on.wait(10)
+            return real_verify(manifest)
+
+        monkeypatch.setattr(reg.service.blobs, "verify_staged", fake_slow_verify)
+        published = {}
+        poster = threading.Thread(target=lambda: published.update(
+            r=httpx.post(f"{reg.url}/v1/versions", content=m.model_dump_json(), timeout=30)))
+        poster.start()
+        try:
+            assert verifying.wait(10)
+            dropped = http.delete("/v1/uploads/1")
+        finally:
+            go_on.set()
+            poster.join(30)
+        assert dropped.status_code == 409 and code(dropped) == "version_conflict", dropped.text
+        assert "being published" in dropped.json()["error"]["message"]
+        assert published["r"].status_code == 201, published["r"].text
+        assert http.get("/v1/versions/1/files/model.safetensors").content == data
+        assert http.delete("/v1/uploads/1").status_code == 204  # once published: nothing staged, nothing done
+
+
 # -- auth, limits, errors ------------------------------------------------------------------------
 
 def test_bearer_token_required_everywhere_but_healthz(tmp_path):

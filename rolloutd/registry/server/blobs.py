@@ -10,7 +10,9 @@ Both stores follow one rule: bytes are *staged* per version while they arrive, a
     <root>/trash/                      versions and dropped staging being deleted (renamed away
                                        first, never half-visible)
 
-A disk store reloads its committed versions at start; staging and trash are cleared.
+A disk store reloads its committed versions at start; staging and trash are cleared. A commit
+whose staged files are not all there (dropped before or while it runs) raises
+:class:`StagingDropped`: a version without its bytes is never made.
 ``reclaim`` and ``discard_staging`` are called on the service's event loop: they only rename
 (one quick step, the bytes gone from view at once); the store's own worker thread deletes.
 """
@@ -277,7 +279,10 @@ class MemoryStore:
         return _MemoryStaged(self._staging, version, name, size)
 
     def read_staged(self, version: int, name: str, offset: int, length: int) -> bytes:
-        return bytes(self._staging[version][name][offset:offset + length])
+        try:
+            return bytes(self._staging[version][name][offset:offset + length])
+        except KeyError:
+            raise StagingDropped(f"version {version}: {name} no longer staged") from None
 
     def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
         self._staging.setdefault(version, {})[name] = bytearray(data) if isinstance(data, bytes) else data
@@ -289,15 +294,24 @@ class MemoryStore:
         return {n: len(b) for n, b in self._staging.get(version, {}).items()}
 
     def verify_staged(self, manifest: Manifest) -> dict[str, list[int]]:
-        staged = self._staging.get(manifest.version, {})
+        staged = self._staged_files(manifest)
         return {f.name: bad for f in manifest.files
                 if (bad := bad_chunks(memoryview(staged[f.name]), f, manifest))}
 
     def commit(self, manifest: Manifest) -> dict[str, Blob]:
-        staged = self._staging.pop(manifest.version, {})
         if manifest.source is not None:  # bytes in an object store: nothing of them here
+            self._staging.pop(manifest.version, None)
             return {}
+        staged = self._staged_files(manifest)
+        self._staging.pop(manifest.version, None)
         return {f.name: MemoryBlob(staged[f.name]) for f in manifest.files}
+
+    def _staged_files(self, manifest: Manifest) -> dict[str, bytearray]:
+        """The version's staged files; StagingDropped when one the manifest lists is gone."""
+        staged = self._staging.get(manifest.version, {})
+        if missing := [f.name for f in manifest.files if f.name not in staged]:
+            raise StagingDropped(f"version {manifest.version}: {', '.join(missing[:5])} no longer staged")
+        return staged
 
     def discard_staging(self, version: int) -> None:
         let_go(self._staging.pop(version, {}))
@@ -459,7 +473,10 @@ class DiskStore:
         return {p.name: p.stat().st_size for p in d.iterdir() if not p.name.startswith(".")}
 
     def read_staged(self, version: int, name: str, offset: int, length: int) -> bytes:
-        fd = os.open(self._staging / str(version) / name, os.O_RDONLY)
+        try:
+            fd = os.open(self._staging / str(version) / name, os.O_RDONLY)
+        except FileNotFoundError:
+            raise StagingDropped(f"version {version}: {name} no longer staged") from None
         try:
             return os.pread(fd, length, offset)
         finally:
@@ -467,19 +484,31 @@ class DiskStore:
 
     def verify_staged(self, manifest: Manifest) -> dict[str, list[int]]:
         d = self._staging / str(manifest.version)
-        return {f.name: bad for f in manifest.files if (bad := verify_file(d / f.name, f, manifest))}
+        if missing := [f.name for f in manifest.files if not (d / f.name).is_file()]:
+            raise StagingDropped(f"version {manifest.version}: {', '.join(missing[:5])} no longer staged")
+        try:
+            return {f.name: bad for f in manifest.files if (bad := verify_file(d / f.name, f, manifest))}
+        except FileNotFoundError:  # dropped while being read
+            raise StagingDropped(f"the staged files of version {manifest.version} were dropped") from None
 
     def commit(self, manifest: Manifest) -> dict[str, Blob]:
-        src = self.staging_dir(manifest.version)
+        """Make the staged files the version, in one rename; StagingDropped when a file it lists
+        is not staged (dropped before or during the commit): an empty directory is never a version."""
         # A version whose bytes are in an object store keeps only its manifest here.
         keep = {f.name for f in manifest.files} if manifest.source is None else set()
-        for p in src.iterdir():  # uploads the manifest does not list are not part of the version
-            if p.name not in keep:
-                p.unlink()
-        (src / "manifest.json").write_text(manifest.model_dump_json(indent=1))
-        _fsync_dir(src)
-        dst = self._versions / str(manifest.version)
-        os.rename(src, dst)
+        src = self.staging_dir(manifest.version) if not keep else self._staging / str(manifest.version)
+        try:
+            present = {p.name for p in src.iterdir()}
+            if missing := sorted(keep - present):
+                raise StagingDropped(f"version {manifest.version}: {', '.join(missing[:5])} not staged")
+            for name in present - keep:  # uploads the manifest does not list are not part of the version
+                (src / name).unlink()
+            (src / "manifest.json").write_text(manifest.model_dump_json(indent=1))
+            _fsync_dir(src)
+            dst = self._versions / str(manifest.version)
+            os.rename(src, dst)  # a drop renames src away first, or finds it gone: never both
+        except FileNotFoundError:
+            raise StagingDropped(f"the staged files of version {manifest.version} were dropped") from None
         _fsync_dir(self._versions)
         return {f.name: DiskBlob(dst / f.name, f.size) for f in keep_entries(manifest)}
 

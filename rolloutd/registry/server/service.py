@@ -212,6 +212,8 @@ class RegistryService:
                     raise errors.DuplicateTensor(f"version {manifest.version} gives a tensor name more than "
                                                  f"once: {'; '.join(dups[:5])}{'; ...' if len(dups) > 5 else ''}")
                 blobs = await asyncio.to_thread(self.blobs.commit, manifest)
+            except StagingDropped as e:  # dropped in-process (an embedded publish cancelled): never an empty version
+                raise errors.UploadIncomplete(f"{e}; upload the version's files again") from None
             finally:
                 self._publishing.discard(manifest.version)
             return self._publish_committed(manifest, blobs), True
@@ -240,4 +242,9 @@ class RegistryService:
         return duplicate_tensors((f.name, names(f)) for f in manifest.files)
 
     def abort_upload(self, version: int) -> None:
+        """Drop a version's staged files, unless it is being published: its files are final then
+        (dropped mid-publish, the commit would find them gone)."""
+        if version in self._publishing:
+            raise errors.VersionConflict(f"version {version} is being published; its uploads cannot be "
+                                         "dropped now")
         self.blobs.discard_staging(version)
