@@ -80,6 +80,12 @@ class ConfigError(ValueError):
         self.lines = [lines] if isinstance(lines, str) else list(lines)
         super().__init__("\n".join(self.lines))
 
+    @property
+    def where(self) -> str | None:
+        """``FILE:LINE`` of the first problem, or None when it names no line (a missing file)."""
+        m = re.match(r"(.+?):(\d+)(?::\d+)?: ", self.lines[0]) if self.lines else None
+        return f"{m[1]}:{m[2]}" if m else None
+
 
 # -- field types ---------------------------------------------------------------------------------
 
@@ -208,10 +214,26 @@ class Registry(_Section):
 
 class Admin(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="address of the admin API (status, metrics, "
-                      "actions); keep it on loopback unless a token is set")
+                      "actions); a host other than loopback needs token_file or allow_unauthenticated")
     port: int = Field(9100, ge=1, le=65535, description="TCP port of the admin API")
-    token_file: LaxPath | None = Field(None, description="file holding the admin token; when set, actions "
-                                       "need `Authorization: Bearer <token>`")
+    token_file: LaxPath | None = Field(None, description="file holding the admin token: the actions (restart, "
+                                       "update, reload) need `Authorization: Bearer <token>`; reads (status, "
+                                       "metrics, healthz) need none; null: the daemon writes a new random token "
+                                       "at every start to <state_dir>/admin.token (mode 0600: only rolloutd's "
+                                       "user and root can read it; the rolloutd CLI reads it there)")
+    allow_unauthenticated: bool = Field(False, description="without token_file: actions need no token, from "
+                                        "anyone who can reach the admin API (every local user on loopback), "
+                                        "and a host other than loopback is allowed")
+
+    @model_validator(mode="after")
+    def _check_open(self) -> Admin:
+        # Fail closed, as the gateway: a generated token reaches local users only, so another host
+        # needs a token the operator chose, or an explicit choice to let anyone act.
+        if self.token_file is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise _problems([(("token_file",), f"required when admin.host ({self.host}) is not loopback: "
+                              "set a token file, or admin.allow_unauthenticated: true to let anyone who can "
+                              "reach it restart, update and reload")])
+        return self
 
 
 class Gateway(_Section):
@@ -729,6 +751,9 @@ def _error_lines(e: ValidationError) -> Iterator[tuple[Loc, str]]:
             yield loc, _unknown_key(loc)
         elif "[key]" in err["loc"]:
             yield loc, f"{err['msg']} (the key)"
+        elif err["type"] == "byte_size" and str(err["input"]).lstrip().startswith("-"):
+            # pydantic cannot parse a sign and says so as if the unit were unknown
+            yield loc, f"a size must be positive, got {err['input']!r}"
         else:
             yield loc, _MESSAGES.get(err["type"]) or err["msg"].removeprefix("Value error, ")
 

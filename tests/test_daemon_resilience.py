@@ -147,6 +147,58 @@ def test_a_reload_of_slow_to_stop_servers_keeps_the_watchdog_and_healthz_alive(d
         listener.close()
 
 
+def test_a_refused_reload_stays_visible_until_one_succeeds_and_a_restart_keeps_counting(daemons, tmp_path):
+    """A SIGHUP with a bad file keeps the running configuration, and monitoring sees it until a
+    reload succeeds: ``STATUS=`` on every tick (not replaced by the routine line), ``/status``
+    ``reload``, the metrics. A reload that restarts a server goes on counting its incarnations."""
+    listener = NotifyListener(str(tmp_path / "notify.sock"))
+    try:
+        d = daemons(servers=1, env={"NOTIFY_SOCKET": listener.sock.getsockname(), "WATCHDOG_USEC": "1000000"})
+        before = d.wait_versions({"s0": 1}, 30)
+        assert before["reload"] == {"last_attempt_unix": None, "ok": None, "error": None, "where": None}
+        good = d.path.read_text()
+        line = next(i for i, text in enumerate(good.splitlines(), 1) if text.strip() == "failures: 3")
+        where = f"{d.path}:{line}"
+        d.path.write_text(good.replace("failures: 3", "failures: many"))
+        t0 = time.time()
+        d.signal(signal.SIGHUP)
+        st = d.wait(lambda s: s["reload"]["ok"] is False, 10, "the refused reload in /status")
+        assert st["reload"]["where"] == where and "health.failures" in st["reload"]["error"], st["reload"]
+        assert st["reload"]["last_attempt_unix"] >= t0
+        assert metric(d, "reload_failures_total") == 1 and metric(d, "reload_ok") == 0
+        refused = f"STATUS=configuration error at {where}, running the previous one; s0 SERVING v1; registry ok"
+
+        def statuses_after(t: float) -> list[str]:
+            return [m for at, m in listener.got if at >= t and m.startswith("STATUS=")]
+        deadline = time.monotonic() + 10
+        while refused not in statuses_after(0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert refused in statuses_after(0), statuses_after(0)
+        shown = next(at for at, m in listener.got if m == refused)
+        while len(listener.pings(shown, time.monotonic())) < 5 and time.monotonic() < deadline:
+            time.sleep(0.05)  # five ticks of the main loop, each of which sets STATUS=
+        assert len(listener.pings(shown, time.monotonic())) >= 5
+        assert statuses_after(shown) == [refused], statuses_after(shown)
+        assert d.status()["servers"][0]["pid"] == before["servers"][0]["pid"]
+
+        d.path.write_text(good)  # a reload that succeeds clears it everywhere
+        d.signal(signal.SIGHUP)
+        st = d.wait(lambda s: s["reload"]["ok"] is True, 10, "the reload that succeeded in /status")
+        assert st["reload"]["error"] is None and st["reload"]["where"] is None
+        assert metric(d, "reload_failures_total") == 1 and metric(d, "reload_ok") == 1
+        assert [at for at, m in listener.got if m == "STATUS=s0 SERVING v1; registry ok" and at > shown]
+
+        cfg = {**d.cfg, "servers": [{**s, "env": {**s["env"], "CHANGED": "1"}} for s in d.cfg["servers"]]}
+        d.write(cfg)  # the server's entry changed: a reload restarts it, as a new process of the same server
+        d.signal(signal.SIGHUP)
+        old = before["servers"][0]
+        after = d.wait(lambda s: s["servers"][0]["pid"] not in (None, old["pid"])
+                       and s["servers"][0]["state"] == "SERVING", 30, "s0 restarted by the reload")
+        assert after["servers"][0]["incarnation"] == old["incarnation"] + 1, (old, after["servers"][0])
+    finally:
+        listener.close()
+
+
 # -- 2. an unusable registry reply is an error value, never the end of the daemon ---------------------
 def test_garbage_from_the_registry_is_counted_and_served_through_until_it_answers_again(daemons, proxy):
     d = daemons(servers=2, registry_url=proxy.url)

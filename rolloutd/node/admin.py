@@ -101,6 +101,15 @@ class MirrorStatus(_Model):
     versions: list[int] = Field(description="complete versions it holds")
 
 
+class ReloadStatus(_Model):
+    last_attempt_unix: float | None = Field(description="when the last reload was asked for (Unix time; null: "
+                                            "none since start)")
+    ok: bool | None = Field(description="the last reload succeeded; false: its file was refused and the "
+                            "configuration before it still runs (until a reload succeeds)")
+    error: str | None = Field(description="why the last reload was refused, one line per problem")
+    where: str | None = Field(description="FILE:LINE of its first problem (the file alone when no line is known)")
+
+
 class PullSources(_Model):
     peers: bool = Field(description="the chunk swarm is on (peers.enabled)")
     last_pull: dict[str, int] = Field(description="bytes of the last pull by kind of source: origin (the "
@@ -140,7 +149,8 @@ class ServerStatus(_Model):
     endpoint: str = Field(description="URL the registry lists for it")
     version: int | None = Field(description="version loaded (null: the base model)")
     target: int | None = Field(description="version it is moving to")
-    incarnation: int = Field(description="starts of its process so far")
+    incarnation: int = Field(description="processes of this server started since the daemon started (a "
+                             "reload that restarts it counts on)")
     restarts: int = Field(description="restarts after a failure")
     state_age_s: float = Field(description="seconds in the current state")
     last_error: str | None = Field(description="the last failure, if any")
@@ -162,6 +172,7 @@ class NodeStatus(_Model):
                                          "`pull.workers`")
     pull_sources: PullSources | None = Field(None, description="where the last pull's bytes came from; what "
                                               "peers took")
+    reload: ReloadStatus | None = Field(None, description="the last reload (SIGHUP or POST /reload)")
     mirror: MirrorStatus
     servers: list[ServerStatus]
 

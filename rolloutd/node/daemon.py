@@ -90,6 +90,20 @@ class Running:
     beats: asyncio.Task | None = None
 
 
+@dataclass
+class LastReload:
+    """The last reload asked for: ``/status`` shows it, and ``STATUS=`` names its error until a
+    reload succeeds (a refused file stays visible to monitoring, not only in the log)."""
+
+    attempt_unix: float | None = None
+    ok: bool | None = None
+    error: str | None = None
+    where: str | None = None  # FILE:LINE of the first problem (the file alone when it names no line)
+
+    def as_dict(self) -> dict:
+        return {"last_attempt_unix": self.attempt_unix, "ok": self.ok, "error": self.error, "where": self.where}
+
+
 class Daemon:
     def __init__(self, cfg: Config, config_path: Path | None = None, *, notifier: Notifier | None = None):
         self.cfg, self.config_path = cfg, config_path
@@ -105,6 +119,7 @@ class Daemon:
         self._tick = time.monotonic()
         self._slots = RolloutSlots(1)  # one for the daemon's life: a reload resizes it (rollout/slots.py)
         self._tg: asyncio.TaskGroup | None = None
+        self.last_reload = LastReload()
 
     def conf(self) -> Config:
         return self.cfg
@@ -237,6 +252,8 @@ class Daemon:
 
     def _status_line(self) -> str:
         parts = []
+        if self.last_reload.ok is False:  # first: systemctl shows the start of the line
+            parts.append(f"configuration error at {self.last_reload.where}, running the previous one")
         for r in self.servers.values():
             s = r.supervisor
             version = f" v{s.loaded.version}" if s.loaded else ""
@@ -314,11 +331,11 @@ class Daemon:
     async def _reload_now(self) -> dict:
         if self.config_path is None:
             return {"ok": False, "message": "no config file to reload (started with an embedded config)"}
+        self.last_reload.attempt_unix = time.time()
         try:
             new = await asyncio.to_thread(load_config, self.config_path)
         except (ConfigError, RecursionError, MemoryError) as e:  # a reload never takes the daemon down
-            log.error("reload failed, the running configuration stays: %s", e)
-            self.notifier.status(f"reload failed: {str(e).splitlines()[0]}"[:200])
+            self._reload_refused(e)
             return {"ok": False, "message": f"the running configuration stays: {e}"}
         self.notifier.reloading()
         old = self.cfg
@@ -334,8 +351,21 @@ class Daemon:
         if kept:
             message += f"; needs a restart of rolloutd: {', '.join(kept)}"
         log.info("reload: %s", message)
+        self.last_reload.ok, self.last_reload.error, self.last_reload.where = True, None, None
+        self.metrics.reload_ok.set(1)
         self.notifier.ready()
+        self.notifier.status(self._status_line())
         return {"ok": True, "message": message}
+
+    def _reload_refused(self, e: Exception) -> None:
+        """Log it, and keep it visible until a reload succeeds: ``/status``, the metrics, ``STATUS=``."""
+        log.error("reload failed, the running configuration stays: %s", e)
+        r = self.last_reload
+        r.ok, r.error = False, str(e) or type(e).__name__
+        r.where = (e.where if isinstance(e, ConfigError) else None) or str(self.config_path)
+        self.metrics.reload_failures.inc()
+        self.metrics.reload_ok.set(0)
+        self.notifier.status(self._status_line())
 
     async def _apply_servers(self, old: Config, new: Config) -> str:
         before = {name: r.supervisor.spec for name, r in self.servers.items()}  # what runs (a failed start: not)
@@ -346,6 +376,9 @@ class Daemon:
         # All at once, each bounded by its own stop grace; kept in self.servers meanwhile, so a
         # second SIGTERM still reaches their process groups.
         await asyncio.gather(*(self._stop_server(self.servers[n]) for n in removed + changed))
+        # A restarted server is the same server: its count of processes started goes on (the
+        # registry and the fleet view tell a new process by a new incarnation).
+        started = {n: self.servers[n].supervisor.incarnation for n in changed}
         for n in removed + changed:
             del self.servers[n]
         for n in removed:
@@ -353,7 +386,8 @@ class Daemon:
         failed = []
         for n in changed + added:
             try:
-                self._start_server(after[n], await self._open_gateway(after[n]))
+                running = self._start_server(after[n], await self._open_gateway(after[n]))
+                running.supervisor.incarnation = started.get(n, 0)
             except GatewayError as e:
                 log.error("reload: server %s not started: %s", n, e)
                 failed.append(f"{n} ({e})")
@@ -404,6 +438,7 @@ class Daemon:
             "pull": progress.as_dict() if progress is not None else None,
             "pull_workers_kept": self.updater.puller.kept_worker_pids,
             "pull_sources": self._pull_sources(),
+            "reload": self.last_reload.as_dict(),
             "mirror": {"dir": str(self.mirror.dir), "max_bytes": self.mirror.max_bytes,
                        "usage_bytes": self.mirror.usage_bytes(), "spare_bytes": self.mirror.spare_bytes(),
                        "versions": self.mirror.versions()},

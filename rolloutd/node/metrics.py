@@ -84,6 +84,11 @@ class Metrics:
         self.gateway_refused_connections = Counter("rolloutd_gateway_refused_connections", "Client connections "
                                                    "a gateway refused (503 and closed) at gateway.max_connections",
                                                    ["server"], registry=r)
+        self.reload_failures = Counter("rolloutd_reload_failures", "Reloads refused because the new "
+                                       "configuration file was bad (the running configuration stays)", registry=r)
+        self.reload_ok = Gauge("rolloutd_reload_ok", "0 while the last reload was refused (the file on disk is "
+                               "not what runs), 1 once one succeeds or when none was tried", registry=r)
+        self.reload_ok.set(1)
         for result in PULL_RESULTS:
             self.pulls.labels(result=result)
         for phase in UPDATE_PHASES:
