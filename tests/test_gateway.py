@@ -510,7 +510,8 @@ def test_pipelined_requests_are_answered_in_order(vllm, gateway):
     expected = [vllm.client().post("/tokenize", json={"model": model, "prompt": w}).json()["tokens"]
                 for w in words]
     data = talk(gw.url, b"".join([post("/tokenize", {"model": model, "prompt": words[0]}, extra=auth),
-                                  b"POST /pause HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n\r\n",  # 404, in turn
+                                  b"POST /pause HTTP/1.1\r\nHost: node\r\nContent-Length: 0\r\n"  # 404, in turn
+                                  + auth.encode() + b"\r\n",
                                   post("/tokenize", {"model": model, "prompt": words[2]}, extra=auth),
                                   post("/tokenize", {"model": model, "prompt": words[1]},
                                        extra=auth + "Connection: close\r\n")]))
@@ -947,6 +948,161 @@ def test_expect_100_continue_behind_another_request_gets_its_continue_in_turn():
                 assert chunk, data
                 data += chunk
             assert data == b"HTTP/1.1 200 OK\r\nContent-Length: 7\r\n\r\nokhello"
+    finally:
+        gw.stop()
+        fake.close()
+
+
+
+# -- trailers, and clients without the token ---------------------------------------------------
+
+CHUNKED_HEAD = b"POST /tokenize HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+
+
+def recording(fake_requests: list):
+    """A kept-alive server that answers every request at once and keeps what it was sent."""
+    async def script(fake, n, reader, writer):
+        while True:
+            fake_requests.append(await read_request(reader))
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+    return script
+
+
+def send_forever(sock, first: bytes, filler: bytes, stop: threading.Event) -> threading.Thread:
+    """Send ``first``, then ``filler`` again and again until ``stop`` or the gateway closes."""
+    def go() -> None:
+        try:
+            sock.sendall(first)
+            while not stop.is_set():
+                sock.sendall(filler)
+        except OSError:
+            pass
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_trailers_are_bounded_dropped_and_not_counted_against_the_next_head():
+    """A chunked body's trailer section is never passed on as headers, does not count against
+    the next request's head, and is bounded like a head: 64 KiB of framing or trailers in a
+    row, or 128 trailer fields, is 431 and the end of the connection, whoever sends it."""
+    seen: list[bytes] = []
+    fake = FakeRawUpstream(recording(seen))
+    gw = GatewayThread(fake.socket, free_port()).start()  # no token: every local client may send
+    try:
+        trailers = (b"X-Sneak: 1\r\nAuthorization: Bearer other\r\nHost: elsewhere\r\n"
+                    + b"".join(b"X-Pad-%d: %s\r\n" % (i, b"p" * 1000) for i in range(40)))  # 40 KiB
+        big_head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"h" * 40_000 + b"\r\nConnection: close\r\n\r\n"
+        data = talk(gw.url, CHUNKED_HEAD + b"\r\n5\r\nhello\r\n0\r\n" + trailers + b"\r\n" + big_head)
+        assert [status for status, _, _ in responses(data)] == [200, 200], data[:200]
+        head, _, body = seen[0].partition(b"\r\n\r\n")
+        assert body == b"hello" and head.endswith(b"\r\nContent-Length: 5")
+        assert not any(name in head.lower() for name in (b"x-sneak", b"x-pad", b"authorization", b"elsewhere")), head
+        # A trailer bomb: one field whose value never ends.
+        n = len(seen)
+        with connect(gw) as s:
+            stop = threading.Event()
+            sender = send_forever(s, CHUNKED_HEAD + b"\r\n5\r\nhello\r\n0\r\nX-Bomb: ", b"a" * 65536, stop)
+            data, took = read_until_closed(s, timeout_s=10)
+            stop.set()
+            sender.join(10)
+        [(status, headers, body)] = responses(data)
+        assert (status, headers["connection"], json.loads(body)["error"]["code"]) == (431, "close", "too_large")
+        # Many small fields.
+        many = b"".join(b"X-T: %d\r\n" % i for i in range(200))
+        [(status, headers, _)] = responses(talk(gw.url, CHUNKED_HEAD + b"\r\n5\r\nhello\r\n0\r\n" + many + b"\r\n"))
+        assert (status, headers["connection"]) == (431, "close")
+        # Chunk extensions that never end are framing too.
+        with connect(gw) as s:
+            stop = threading.Event()
+            sender = send_forever(s, CHUNKED_HEAD + b"\r\n5;ext=", b"e" * 65536, stop)
+            data, _ = read_until_closed(s, timeout_s=10)
+            stop.set()
+            sender.join(10)
+        assert data.startswith(b"HTTP/1.1 431 "), data[:100]
+        assert len(seen) == n and gw.requests("/tokenize", 431) == 3
+        assert httpx.get(gw.url + "/health").text == "ok"
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_a_client_without_the_token_is_answered_once_and_closed():
+    """A request without the token (401, or 404 off the list) ends its connection: nothing after
+    it is read or parsed, not a pipelined request, not the rest of a body that never ends."""
+    seen: list[bytes] = []
+    fake = FakeRawUpstream(recording(seen))
+    gw = GatewayThread(fake.socket, free_port(), token=TOKEN).start()
+    auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
+    try:
+        for first in (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /pause HTTP/1.1\r\nHost: x\r\n\r\n",
+                      b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n\r\n"):
+            with connect(gw) as s:
+                s.sendall(first + b"GET /health HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
+                data, took = read_until_closed(s, timeout_s=5)
+            [(status, headers, _)] = responses(data)
+            assert status in (401, 404) and headers["connection"] == "close" and took < 1, (first, data, took)
+        assert seen == []
+        # A trailer bomb without the token: answered at once (its head was enough), then closed.
+        with connect(gw) as s:
+            stop = threading.Event()
+            sender = send_forever(s, CHUNKED_HEAD.replace(b"/tokenize", b"/inference/v1/generate")
+                                  + b"\r\n5\r\nhello\r\n0\r\nX-Bomb: ", b"a" * 65536, stop)
+            data, took = read_until_closed(s, timeout_s=10)
+            stop.set()
+            sender.join(10)
+        [(status, headers, _)] = responses(data)
+        assert (status, headers["connection"]) == (401, "close") and took < 5, took
+        # With the token, a connection is kept.
+        with connect(gw) as s:
+            for _ in range(2):
+                s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n" + auth + b"\r\n")
+                assert s.recv(4096).endswith(b"ok")
+    finally:
+        gw.stop()
+        fake.close()
+
+
+def test_clients_without_the_token_cannot_keep_a_trainer_out():
+    """A full gateway makes room for a new connection by ending the oldest one that has sent no
+    request with the token; connections that have are never ended for it."""
+    fake = FakeRawUpstream(answer_ok)
+    gw = GatewayThread(fake.socket, free_port(), token=TOKEN, max_connections=3).start()
+    ok = b"GET /health HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + TOKEN.encode() + b"\r\n\r\n"
+    refused = lambda: gw.metrics.registry.get_sample_value(  # noqa: E731
+        "rolloutd_gateway_refused_connections_total", {"server": "gpu0"}) or 0
+    try:
+        trainer = connect(gw)
+        trainer.sendall(ok)
+        assert trainer.recv(4096).endswith(b"ok")
+        strangers = [connect(gw), connect(gw)]  # silent, then half a head: each holds a place
+        strangers[1].sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        wait_until(lambda: gw.buffered()["connections"] == 3, 5, "three connections")
+        for _ in range(4):  # each new trainer connection takes a stranger's place
+            with connect(gw) as other:
+                other.sendall(ok)
+                assert other.recv(4096).endswith(b"ok")
+            wait_until(lambda: gw.buffered()["connections"] == 2, 5, "the trainer's second connection closed")
+            strangers.append(connect(gw))
+            wait_until(lambda: gw.buffered()["connections"] == 3, 5, "three connections")
+        for s in strangers[:4]:  # the oldest went first
+            data, took = read_until_closed(s, timeout_s=5)
+            assert data == b"" and took < 1
+        trainer.sendall(ok)  # the first trainer is untouched
+        assert trainer.recv(4096).endswith(b"ok")
+        assert refused() == 4
+        # Full of connections with the token: one more is refused as before.
+        trainers = [trainer] + [connect(gw) for _ in range(2)]
+        for s in trainers[1:]:
+            s.sendall(ok)
+            assert s.recv(4096).endswith(b"ok")
+        with connect(gw) as extra:
+            data, _ = read_until_closed(extra, timeout_s=5)
+        assert data == b"" or data.startswith(b"HTTP/1.1 503 "), data
+        assert refused() == 7  # the last two strangers, then the one refused
+        for s in trainers + strangers:
+            s.close()
     finally:
         gw.stop()
         fake.close()

@@ -93,6 +93,10 @@ class Policy:
             return 405, "method_not_allowed", f"{path} takes {allow}", ((b"Allow", allow.encode()),)
         return None
 
+    def authorized(self, authorization: bytes | None) -> bool:
+        """The request carries the token (always, when the gateway has none)."""
+        return self._token is None or bearer_ok(authorization, self._token)
+
     def behind(self, min_version: int | None) -> tuple | None:
         """The refusal of a request that asks for a newer version than the serving server holds
         (None: it may go on; a server not serving yet is judged once it serves)."""

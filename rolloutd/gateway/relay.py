@@ -48,6 +48,10 @@ from rolloutd.wire import version_contract
 log = logging.getLogger("rolloutd.gateway.relay")
 
 HEAD_LIMIT = 64 * 1024  # request line and headers, as most servers allow
+# Bytes of a chunked body that carry no data (size lines, extensions, and the trailer section
+# after the last chunk), read in a row: llhttp passes a trailer's value to httptools in pieces it
+# joins by concatenation, so an unbounded one costs memory and quadratic time on the daemon's loop.
+FRAMING_LIMIT = HEAD_LIMIT
 IDLE_UPSTREAM_S = 2.0  # a kept-alive connection to vLLM older than this is not reused (uvicorn drops them at 5 s)
 IDLE_UPSTREAM_MAX = 64
 LINGER_S = 2.0  # after refusing a request whose body still comes: read and drop it this long, then close
@@ -83,6 +87,10 @@ class Gateway:
         self.host_header = b"localhost"
         self._server: asyncio.Server | None = None
         self._clients: set[_Client] = set()
+        # Connections that have sent no request with the token yet, oldest first: when the
+        # gateway is full, a new connection takes the place of the oldest of them, so clients
+        # without the token can never keep a trainer out.
+        self._strangers: dict[_Client, None] = {}
         self._idle: list[_Upstream] = []  # kept-alive connections to vLLM, newest last
         self._busy: set[_Upstream] = set()  # connections to vLLM with a request sent and not yet answered
         self._quiet = asyncio.Event()  # set while _busy is empty
@@ -121,6 +129,26 @@ class Gateway:
     def on_state(self, new: ServerState) -> None:
         """Follow the server's lifecycle (a listener of its Lifecycle)."""
         self.policy.on_state(new)
+
+    def admit(self, client: _Client) -> bool:
+        """Take ``client`` on, as a stranger until it sends the token; when the gateway is full,
+        by ending the oldest stranger's connection. False when every connection has sent the
+        token: ``client`` is refused."""
+        if len(self._clients) >= self.max_connections:
+            oldest = next(iter(self._strangers), None)
+            if oldest is None:
+                return False
+            self.drop(oldest)
+            oldest.transport.abort()  # (no answer: it never showed the token)
+            self.refused.inc()
+        self._clients.add(client)
+        self._strangers[client] = None
+        return True
+
+    def drop(self, client: _Client) -> None:
+        """``client``'s connection has ended (or is being ended): its place is free."""
+        self._clients.discard(client)
+        self._strangers.pop(client, None)
 
     def on_version(self, version: int | None) -> None:
         """The version the server holds now (set by its supervisor before it serves it)."""
@@ -262,7 +290,7 @@ class _Exchange:
     """One request from a client and what the gateway does with it."""
 
     __slots__ = ("client", "method", "target", "path", "headers", "authorization", "length", "expect", "body",
-                 "refusal", "keep_alive", "http10", "deadline", "task", "upstream", "min_version")
+                 "dropped", "refusal", "keep_alive", "http10", "deadline", "task", "upstream", "min_version")
 
     def __init__(self, client: _Client):
         self.client = client
@@ -272,6 +300,7 @@ class _Exchange:
         self.length: int | None = None  # Content-Length, when given
         self.expect = False
         self.body = bytearray()
+        self.dropped = 0  # body bytes of a refused request, read and dropped
         self.refusal: tuple | None = None
         self.keep_alive = True
         self.http10 = False
@@ -354,6 +383,9 @@ class _Client(asyncio.Protocol):
         self.head_size = 0  # of the request line and headers read so far
         self.head_pending = 0  # bytes read while a head is not complete (a bound on what llhttp holds)
         self.heads = 0  # heads read whole
+        self.body_bytes = 0  # of every body parsed so far, dropped ones included (a sign of progress)
+        self.framing = 0  # bytes parsed in the body state since the last body bytes (FRAMING_LIMIT)
+        self.trailers = 0  # trailer fields of the request being read (MAX_HEADERS)
         self.last: bytes | None = None  # one last answer, once the requests before it are answered
         self.deadline: float | None = None  # when the current state's clock runs out; None: no clock
         self.timer: asyncio.TimerHandle | None = None  # fires at or before deadline
@@ -365,7 +397,7 @@ class _Client(asyncio.Protocol):
     def connection_made(self, transport: asyncio.Transport) -> None:
         self.transport = transport
         gw = self.gw
-        if len(gw._clients) >= gw.max_connections:  # full: refused at once, the others untouched
+        if not gw.admit(self):  # full of clients with the token: refused at once, the others untouched
             self.state = Reading.DONE
             gw.refused.inc()
             transport.write(_error_bytes(503, "unavailable", f"gateway {gw.name}: too many connections",
@@ -373,11 +405,10 @@ class _Client(asyncio.Protocol):
             transport.close()
             return
         _nodelay(transport)
-        gw._clients.add(self)
         self._arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.gw._clients.discard(self)
+        self.gw.drop(self)
         self.state = Reading.DONE
         self.deadline = None
         if self.timer is not None:
@@ -442,7 +473,7 @@ class _Client(asyncio.Protocol):
             self.feeding = False
 
     def _parse(self, piece: bytes | memoryview) -> None:
-        heads = self.heads
+        heads, body_bytes = self.heads, self.body_bytes
         try:
             self.parser.feed_data(piece)
         except httptools.HttpParserUpgrade:
@@ -455,6 +486,12 @@ class _Client(asyncio.Protocol):
                 self.head_pending += len(piece)
                 if self.head_pending > HEAD_LIMIT:
                     self.finish(*self._head_too_large())
+            elif self.state is Reading.BODY and self.body_bytes == body_bytes:
+                # A piece of a body without a byte of data: chunk framing or trailers (counted a
+                # piece at a time, so at most one piece more than the limit is ever parsed).
+                self.framing += len(piece)
+                if self.framing > FRAMING_LIMIT:
+                    self.finish(*self._trailers_too_large(), exchange=self.reading)
 
     def _read_on(self) -> None:
         """There is room again: parse what waited, then read the socket again."""
@@ -510,6 +547,7 @@ class _Client(asyncio.Protocol):
     # -- the parser's callbacks -------------------------------------------------------------------
     def on_message_begin(self) -> None:
         self.reading = _Exchange(self)
+        self.framing = self.trailers = 0
         if self.state is not Reading.DONE:  # (llhttp parses on after a refusal: dropped)
             self._set_state(Reading.HEAD)
 
@@ -519,6 +557,9 @@ class _Client(asyncio.Protocol):
         self.held += len(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state is not Reading.HEAD:
+            self._trailer()
+            return
         ex = self.reading
         if len(ex.headers) >= MAX_HEADERS:
             self.head_size = HEAD_LIMIT + 1  # refused as too large a head, once it is whole
@@ -536,6 +577,13 @@ class _Client(asyncio.Protocol):
             ex.expect = value.lower() == b"100-continue"
         elif low == _MIN_VERSION:
             ex.min_version = version_contract.parse_min_version(value) or _BAD_VERSION
+
+    def _trailer(self) -> None:
+        """A field of a chunked body's trailer section: never passed on (vLLM has no use for
+        one, and it must not become a header of the request), counted, bounded like a head."""
+        self.trailers += 1
+        if self.trailers > MAX_HEADERS and self.state is Reading.BODY:
+            self.finish(*self._trailers_too_large(), exchange=self.reading)
 
     def on_headers_complete(self) -> None:
         if self.state is Reading.DONE:
@@ -555,6 +603,13 @@ class _Client(asyncio.Protocol):
         ex.path = ex.target.partition(b"?")[0].decode("latin-1")
         ex.deadline = time.monotonic() + gw.settings.hold_max_s
         ex.refusal = gw.policy.refusal(ex.method, ex.path, ex.authorization)
+        if not gw.policy.authorized(ex.authorization):
+            # Without the token: its answer (401, or 404 off the list) ends the connection, and
+            # nothing more of it is parsed, so a client without the token holds no place and no
+            # parser for longer than one head.
+            self.finish(*ex.refusal, exchange=ex)
+            return
+        gw._strangers.pop(self, None)
         if ex.refusal is None and ex.min_version == _BAD_VERSION:
             ex.refusal = (400, "bad_request", f"{version_contract.MIN_VERSION_HEADER} must be a positive integer", ())
         if ex.refusal is None and ex.length is not None and ex.length > gw.limit:
@@ -569,8 +624,15 @@ class _Client(asyncio.Protocol):
 
     def on_body(self, body: bytes) -> None:
         ex = self.reading
-        if self.state is Reading.DONE or ex.refusal is not None:
-            return  # a refused request's body is read and dropped
+        self.body_bytes += len(body)
+        self.framing = 0
+        if self.state is Reading.DONE:
+            return
+        if ex.refusal is not None:  # a refused request's body is read and dropped, up to the limit
+            ex.dropped += len(body)
+            if ex.dropped > self.gw.limit:
+                self.finish(*ex.refusal, exchange=ex)
+            return
         ex.body += body
         self.held += len(body)
         if len(ex.body) > self.gw.limit:
@@ -595,6 +657,10 @@ class _Client(asyncio.Protocol):
 
     def _head_too_large(self) -> tuple:
         return 431, "too_large", f"request line and headers above {HEAD_LIMIT} bytes or {MAX_HEADERS} headers"
+
+    def _trailers_too_large(self) -> tuple:
+        return (431, "too_large", f"chunk framing or trailers above {FRAMING_LIMIT} bytes in a row, "
+                f"or above {MAX_HEADERS} trailer fields")
 
     def _no_upgrade(self) -> None:
         """After a request that asks to upgrade, llhttp reads nothing more; that request is
@@ -668,8 +734,10 @@ class _Client(asyncio.Protocol):
         self.stash = None
         self.gw.policy.count(exchange.path if exchange is not None else "other", status)
         answer = _error_bytes(status, code, message, extra, None)
-        if self.queue:  # the requests before it are answered first
+        if self.queue:  # the requests before it are answered first; nothing more is read meanwhile
             self.last = answer
+            if not self.transport.is_closing():
+                self.transport.pause_reading()
             return
         self.transport.write(answer)
         self._linger()
