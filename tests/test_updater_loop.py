@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.node.metrics import Metrics
+from rolloutd.rollout.mirror import Record
 from rolloutd.rollout.puller import PullError, PullResult
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.wire import errors
@@ -99,12 +100,16 @@ class FakePuller:
 
 
 class FakeMirror:
-    """The mirror as the updater uses it: what collections keep, a damage check, removals."""
+    """The mirror as the updater uses it: what collections keep, a damage check, removals, the
+    instance followed and each copy's record (a version pulled again after a removal is a new
+    copy)."""
 
     def __init__(self) -> None:
         self.kept: list[set[int]] = []
         self.damaged: dict[int, list[str]] = {}
         self.removed: list[int] = []
+        self.following: str | None = None
+        self.pulled_again: dict[int, int] = {}  # version -> removals so far
 
     def collect_soon(self, keep: set[int], done=None) -> None:
         self.kept.append(set(keep))
@@ -112,8 +117,15 @@ class FakeMirror:
     def damage(self, version: int, digest: str, recheck: bool = False) -> list[str]:
         return self.damaged.pop(version, [])
 
-    def remove(self, version: int, why: str) -> None:
+    def remove(self, version: int, why: str, *, digest: str | None = None) -> None:
         self.removed.append(version)
+        self.pulled_again[version] = self.pulled_again.get(version, 0) + 1
+
+    def follow(self, instance: str | None) -> None:
+        self.following = instance
+
+    def claim(self, version: int, digest: str, instance: str | None) -> Record:
+        return Record(instance, f"copy-{version}-{self.pulled_again.get(version, 0)}")
 
 
 def digest(instance: str, version: int) -> str:
@@ -176,7 +188,9 @@ def test_the_first_decision_pulls_the_newest_version_once_and_makes_it_the_targe
 
     node, t = run(scenario())
     u = node.updater
-    assert u.settled.is_set() and u.target == Target(3, digest("inst-1", 3), tmp_path / "mirror" / "3", "inst-1")
+    assert u.settled.is_set() and u.target == Target(3, digest("inst-1", 3), tmp_path / "mirror" / "3", "inst-1",
+                                               "copy-3-0")
+    assert node.mirror.following == "inst-1", "the mirror is told which registry instance the node follows"
     assert t == 2.0 and node.puller.pulls == [(0.0, "latest")], "one pull of 'latest', 2 s long"
     assert node.mirror.kept == [{2, 3}], "collected: what servers hold and the target stay"
     assert node.sample("rolloutd_pulls_total", result="ok") == 1 and node.sample("rolloutd_registry_reachable") == 1

@@ -4,15 +4,30 @@ Layout (contract, design §5)::
 
     <dir>/<version>/                 the version's files and manifest.json; exists only when complete
     <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)
+    <dir>/<version>/registry.json    where this copy came from: the registry instance, an id of the copy
     <dir>/.<version>.partial/        a pull in progress: files at full size (allocated as they are written)
     <dir>/.<version>.<rand>.trash/   a version being removed (renamed away first)
     <dir>/.spare/                    files of removed versions, kept for the next pull to overwrite
 
 A pull writes into the hidden ``.partial`` directory; :meth:`Mirror.commit` fsyncs every file,
-writes ``manifest.json``, fsyncs the directory and renames it into place with one
-``os.rename``, then fsyncs ``<dir>``. Removal renames a version away before deleting it. So a
+writes ``manifest.json`` and ``registry.json``, fsyncs the directory and renames it into place
+with one ``os.rename``, then fsyncs ``<dir>``. Removal renames a version away before deleting it. So a
 directory under a version's name is complete, never half-written nor half-deleted; one whose
 manifest is unreadable or disagrees with the files beside it is treated as not there.
+
+Registry instances: a registry that restarts numbers its versions again (a trainer that crashed
+and resumed publishes 1, 2, 3 anew), so a number alone does not name a version. Each committed
+copy records the instance it was pulled from (``registry.json``, written before the rename, and
+rewritten by :meth:`Mirror.claim` when a copy is reused for another instance); the updater says
+which instance the node follows (:meth:`Mirror.follow`). "The newest" (what gc keeps as a
+fallback, what serves while the registry is down at start) is the highest number **of the
+instance followed**; before the node has heard from any registry, of the instance recorded last.
+Versions of other instances are kept only while a server uses them, and are removed first.
+
+Owners: the directory must be a directory of the daemon's user (made mode 0700 when missing;
+one another user owns, a symbolic link, or a path through a directory other users may write
+without the sticky bit is refused with :class:`MirrorDirError`). A version directory or file
+another user owns is never read as a version nor recycled: it is not there.
 
 One owner for every change: each mutation (``begin``, ``commit``, ``discard``, ``remove``,
 ``gc``, ``ensure_room``, ``clean_partials``) holds the mirror's lock from its first look to its
@@ -40,12 +55,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import json
 import logging
 import os
 import re
 import secrets
 import shutil
+import stat
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -60,6 +78,7 @@ from rolloutd.wire.manifest import Manifest, ManifestError, verify_file
 log = logging.getLogger("rolloutd.rollout.mirror")
 
 MANIFEST_NAME = "manifest.json"
+RECORD_NAME = "registry.json"
 _VERSION_RE = re.compile(r"^[1-9][0-9]{0,15}$")
 _PARTIAL_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.partial$")
 _TRASH_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.[0-9a-f]+\.trash$")
@@ -68,6 +87,22 @@ SPARE_NAME = ".spare"
 
 class MirrorFull(Exception):
     """A version does not fit in ``max_bytes`` even after removing every version not kept."""
+
+
+class MirrorDirError(OSError):
+    """The mirror directory cannot be used safely as it is (another user could change it)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """Where a complete copy came from: the registry ``instance`` it was pulled for (None: not
+    known, a copy committed by an older rolloutd), ``copy`` an id drawn at each commit (a copy
+    pulled again is another copy, even of the same bytes), ``recorded_at`` (unix time) when
+    the node last took it for ``instance``."""
+
+    instance: str | None
+    copy: str | None
+    recorded_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -79,6 +114,7 @@ class Partial:
     manifest: Manifest
     dir: Path
     allocated: dict[str, int] = field(default_factory=dict)
+    instance: str | None = None  # the registry instance the node followed when the pull began
 
     def path(self, name: str) -> Path:
         return self.dir / name
@@ -109,7 +145,8 @@ class Mirror:
         self.dir = Path(directory)
         self.max_bytes = max_bytes
         self.recycle = recycle  # removed versions' files are overwritten by the next pull
-        self.dir.mkdir(parents=True, exist_ok=True)
+        prepare_mirror_dir(self.dir)
+        self.following: str | None = None  # the registry instance the node follows (None: none heard yet)
         self._reported: set[tuple[str, int]] = set()  # broken version dirs already logged
         self._verified: set[tuple[int, str]] = set()  # (version, digest) read back whole, or pulled here
         self._lock = threading.RLock()  # held by every mutation: the one owner of the directory
@@ -127,8 +164,22 @@ class Mirror:
         return [v for v in self._named_versions() if self.manifest(v) is not None]
 
     def newest(self) -> int | None:
-        complete = self.versions()
-        return complete[-1] if complete else None
+        """The newest complete version of the registry instance the node follows; before it
+        follows one (no registry heard since the start), of the instance recorded last."""
+        return self._newest_of(self.versions())[0]
+
+    def follow(self, instance: str | None) -> None:
+        """The registry instance the node follows now: its versions are the ones worth keeping,
+        and the next pulls are recorded as its."""
+        self.following = instance
+
+    def record(self, version: int) -> Record:
+        """Where the copy of ``version`` came from; ``Record(None, None)`` when it does not say."""
+        try:
+            data = json.loads((self.path(version) / RECORD_NAME).read_bytes())
+            return Record(data["instance"], data["copy"], float(data["recorded_at"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return Record(None, None)
 
     def manifest(self, version: int) -> Manifest | None:
         """The manifest of a complete version; None if there is none, or if its directory does
@@ -137,8 +188,10 @@ class Mirror:
         if not vdir.is_dir():
             return None
         try:
-            manifest = Manifest.model_validate_json((vdir / MANIFEST_NAME).read_bytes()).sealed()
-            problem = _mismatch(vdir, version, manifest)
+            manifest, problem = None, _foreign(vdir) or _foreign(vdir / MANIFEST_NAME)
+            if problem is None:  # another user's directory or file is not a version, whatever it holds
+                manifest = Manifest.model_validate_json((vdir / MANIFEST_NAME).read_bytes()).sealed()
+                problem = _mismatch(vdir, version, manifest)
         except (OSError, ValidationError, ManifestError) as e:
             if not vdir.exists():
                 return None  # removed while we looked (renamed away whole): simply not there
@@ -199,17 +252,18 @@ class Mirror:
         pdir = self.dir / f".{manifest.version}.partial"
         _remove_tree(pdir)
         pdir.mkdir()
-        partial = Partial(manifest, pdir)
+        partial = Partial(manifest, pdir, instance=self.following)
         recycled = 0
         try:
             for entry in manifest.files:
                 path = pdir / entry.name
-                if (spare := _best_fit(spares, entry.size)) is not None:
-                    os.rename(spare, path)
+                if (spare := _best_fit(spares, entry.size)) is not None and (
+                        fd := _take_spare(spare, path)) is not None:
                     partial.allocated[entry.name] = min(spares.pop(spare), entry.size)
                     recycled += partial.allocated[entry.name]
-                    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
                 else:
+                    if spare is not None:
+                        spares.pop(spare)  # not ours to overwrite: deleted with the rest below
                     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
                 try:
                     os.ftruncate(fd, entry.size)  # a recycled file's tail beyond the size is freed
@@ -231,6 +285,8 @@ class Mirror:
         for entry in partial.manifest.files:
             _fsync_file(partial.path(entry.name))
         _write_synced(partial.dir / MANIFEST_NAME, partial.manifest.model_dump_json().encode())
+        record = Record(partial.instance, secrets.token_hex(8), time.time())
+        _write_synced(partial.dir / RECORD_NAME, _record_json(record))
         _fsync_dir(partial.dir)
         final = self.path(version)
         if final.exists():
@@ -242,8 +298,29 @@ class Mirror:
         self._commits += 1
         self._committed_at[version] = self._commits
         self._verified.add((version, partial.manifest.digest))  # every chunk was checked as it arrived
-        log.info("commit version %d to %s (digest %s)", version, final, partial.manifest.digest)
+        log.info("commit version %d to %s (digest %s, registry instance %s)", version, final,
+                 partial.manifest.digest, partial.instance)
         return final
+
+    @_mutation
+    def claim(self, version: int, digest: str, instance: str | None) -> Record | None:
+        """Record that the complete copy of ``version`` with ``digest`` is now the node's for
+        registry ``instance`` (a copy reused after a restart, or committed while the node's view
+        of the registry changed): its record says so, atomically; the copy's id stays. None
+        if no such copy is complete here."""
+        manifest = self.manifest(version)
+        if manifest is None or manifest.digest != digest:
+            return None
+        old = self.record(version)
+        if old.instance == instance and old.copy is not None:
+            return old
+        new = Record(instance, old.copy or secrets.token_hex(8), time.time())
+        vdir = self.path(version)
+        _write_synced(vdir / f".{RECORD_NAME}.tmp", _record_json(new))
+        os.rename(vdir / f".{RECORD_NAME}.tmp", vdir / RECORD_NAME)
+        _fsync_dir(vdir)
+        log.info("claim version %d for registry instance %s (was %s)", version, instance, old.instance)
+        return new
 
     @_mutation
     def discard(self, partial: Partial) -> None:
@@ -272,12 +349,13 @@ class Mirror:
         the lock. ``asked_at`` (the commit count when the caller chose ``in_use``): versions
         committed since are kept, the caller could not know them. Returns what was removed."""
         named = self._named_versions()
-        complete = [v for v in named if self.manifest(v) is not None]
-        keep = set(in_use) | set(complete[-1:])
+        newest, followed = self._newest_of([v for v in named if self.manifest(v) is not None])
+        keep = set(in_use) | ({newest} - {None})
         if asked_at is not None:
             keep |= {v for v, n in self._committed_at.items() if n > asked_at}
         removed = []
-        for version in named:
+        # Other instances' versions first: numbers that mean nothing to the registry followed.
+        for version in sorted(named, key=lambda v: (self.record(v).instance == followed, v)):
             if version not in keep and self.remove(version, "not in use and not the newest"):
                 removed.append(version)
         return removed
@@ -327,6 +405,17 @@ class Mirror:
         return self.gc(in_use)
 
     # -- helpers ----------------------------------------------------------------------------------
+    def _newest_of(self, complete: list[int]) -> tuple[int | None, str | None]:
+        """Of the complete versions (oldest first): the newest of the instance followed, and
+        that instance (with none followed yet: the instance recorded last, by the time of its
+        record)."""
+        records = {v: self.record(v) for v in complete}
+        followed = self.following
+        if followed is None and records:
+            followed = max(records.items(), key=lambda item: (item[1].recorded_at, item[0]))[1].instance
+        ours = [v for v in complete if records[v].instance == followed]
+        return (ours[-1] if ours else None), followed
+
     def _named_versions(self) -> list[int]:
         """Every directory named like a version, complete or not, oldest first."""
         found = []
@@ -336,9 +425,12 @@ class Mirror:
         return sorted(found)
 
     @_mutation
-    def remove(self, version: int, why: str) -> bool:
+    def remove(self, version: int, why: str, *, digest: str | None = None) -> bool:
         """Rename away first, then delete: a half-deleted version is never visible. False (and
-        nothing logged) if no directory has that version's name: removed already."""
+        nothing logged) if no directory has that version's name: removed already; or, with
+        ``digest``, if the version there is complete with another digest (another copy)."""
+        if digest is not None and (manifest := self.manifest(version)) is not None and manifest.digest != digest:
+            return False
         self._verified = {(v, d) for v, d in self._verified if v != version}
         self._committed_at.pop(version, None)
         complete = self.recycle and self.manifest(version) is not None  # a broken directory's files go
@@ -372,10 +464,10 @@ class Mirror:
         room -= self.spare_bytes()
         kept = 0
         for entry in sorted(os.scandir(trash), key=lambda e: e.name):
-            if entry.name == MANIFEST_NAME or not entry.is_file(follow_symlinks=False):
+            if entry.name in (MANIFEST_NAME, RECORD_NAME) or not entry.is_file(follow_symlinks=False):
                 continue
             st = entry.stat(follow_symlinks=False)
-            if st.st_size == 0 or st.st_size > room - kept:
+            if st.st_size == 0 or st.st_size > room - kept or _unreusable(st) is not None:
                 continue
             spare_dir = self.dir / SPARE_NAME
             spare_dir.mkdir(exist_ok=True)
@@ -384,17 +476,112 @@ class Mirror:
         return kept
 
 
+def prepare_mirror_dir(path: Path) -> Path:
+    """Make ``path`` (mode 0700) or check it: a directory of the daemon's user, reached only
+    through directories no other user can change. MirrorDirError otherwise, saying what to do:
+    whoever controls the directory could replace a version's files after they were checked."""
+    path = Path(os.path.abspath(path))
+    try:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = path.lstat()
+        unsafe = _unsafe_ancestor(path)
+    except OSError as e:
+        raise MirrorDirError(f"mirror directory {path}: {e.strerror or e}") from None
+    euid = os.geteuid()
+    if unsafe is not None:
+        raise MirrorDirError(f"mirror directory {path}: {unsafe}; another user could replace it: choose a "
+                             f"mirror.dir whose parents only root or uid {euid} can change")
+    if not stat.S_ISDIR(st.st_mode):  # a symbolic link included: it could point anywhere
+        raise MirrorDirError(f"mirror directory {path}: not a directory (a symbolic link or a file); remove it")
+    if st.st_uid != euid:
+        raise MirrorDirError(f"mirror directory {path}: owned by uid {st.st_uid}, not by rolloutd's user "
+                             f"(uid {euid}): another user could replace a version's files; remove it, and "
+                             f"rolloutd makes it (mode 0700) at its start")
+    if stat.S_IMODE(st.st_mode) != 0o700:  # ours: close it to every other user
+        os.chmod(path, 0o700)
+        log.info("restrict mirror directory %s to mode 0700 (was %04o)", path, stat.S_IMODE(st.st_mode))
+    return path
+
+
+def _unsafe_ancestor(path: Path) -> str | None:
+    """Why a parent of ``path`` lets another user swap what is under it (None: none does):
+    owned by someone other than root or us, or writable by others without the sticky bit.
+    Symbolic links are followed, and their targets' parents checked the same way."""
+    euid = os.geteuid()
+    chains = [path.parents]
+    real = Path(os.path.realpath(path.parent))
+    if real != path.parent:
+        chains.append([real, *real.parents])
+    for chain in chains:
+        for parent in chain:
+            st = os.lstat(parent)
+            if st.st_uid not in (0, euid):
+                return f"{parent} is owned by uid {st.st_uid}"
+            if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+                return f"{parent} is writable by other users (mode {stat.S_IMODE(st.st_mode):04o}, no sticky bit)"
+    return None
+
+
+def _foreign(path: Path, st: os.stat_result | None = None) -> str | None:
+    """Why ``path`` is not the daemon's own (another user's, or a symbolic link); None if it is."""
+    st = st or os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path.name} is a symbolic link"
+    if st.st_uid != os.geteuid():
+        return f"{path.name} is owned by uid {st.st_uid}, not by rolloutd's user (uid {os.geteuid()})"
+    return None
+
+
+def _unreusable(st: os.stat_result) -> str | None:
+    """Why a spare file must not be overwritten by a pull (None: it may): only a plain file of
+    the daemon's user, with one name, that no other user may write."""
+    if not stat.S_ISREG(st.st_mode):
+        return "not a plain file"
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if st.st_nlink != 1:
+        return "another name links it"
+    if st.st_mode & 0o022:
+        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def _take_spare(spare: Path, path: Path) -> int | None:
+    """Move spare file ``spare`` to ``path`` and open it for writing, if it is the daemon's own to
+    overwrite (checked on the file opened); None otherwise, and the spare is left to be deleted."""
+    try:
+        os.rename(spare, path)
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        log.warning("skip spare file %s: %s", spare, _short(e))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return None
+    if (why := _unreusable(os.fstat(fd))) is not None:
+        os.close(fd)
+        os.unlink(path)
+        log.warning("skip spare file %s: %s; a pull never overwrites a file it does not own alone", spare, why)
+        return None
+    return fd
+
+
+def _record_json(record: Record) -> bytes:
+    return json.dumps({"instance": record.instance, "copy": record.copy, "recorded_at": record.recorded_at}).encode()
+
+
 def _mismatch(vdir: Path, version: int, manifest: Manifest) -> str | None:
     """Why a version directory does not hold what its manifest says (None: it does). Sizes
-    only: digests were checked chunk by chunk while pulling."""
+    and owners only: digests were checked chunk by chunk while pulling."""
     if manifest.version != version:
         return f"{MANIFEST_NAME} is for version {manifest.version}"
     for entry in manifest.files:
         try:
-            actual = os.stat(vdir / entry.name).st_size
+            st = os.lstat(vdir / entry.name)
         except OSError:
             return f"file {entry.name} is missing"
-        if actual != entry.size:
+        if (foreign := _foreign(vdir / entry.name, st)) is not None:
+            return foreign
+        if (actual := st.st_size) != entry.size:
             return f"file {entry.name} has {actual} bytes, the manifest says {entry.size}"
     return None
 

@@ -11,15 +11,20 @@ Contract:
   :class:`Target`. Servers wait on :meth:`Updater.next_target` and apply it themselves.
 - A registry that restarted (its ``instance`` changed) is resynchronised: numbers from the old
   instance mean nothing, so the node moves to the new instance's newest version whatever its
-  number. Targets are compared by version and digest, never by number alone: the digest names
-  the bytes, so the same version republished by a new instance is not loaded again.
+  number. The mirror is told which instance the node follows (:meth:`Mirror.follow`) and which
+  instance each copy is the node's for (:meth:`Mirror.claim`): its "newest" is that
+  instance's. Targets are compared by version, digest and mirror copy, never by number alone:
+  the digest names the bytes, so the same copy reused for a new instance is not loaded again,
+  while a copy pulled again (the last one was damaged) is a new target that every server loads.
 - The registry unreachable, or a pull failing: the servers keep serving what they hold; the
   loop retries with a growing delay (``registry.retry_initial_s`` .. ``retry_max_s``). Unreachable
   before the first decision (a restart during an outage): servers wait in SYNCING, unless
-  ``update.serve_mirror_when_registry_down``, which makes the mirror's newest complete version
-  the target (from no registry instance: the registry's newest replaces it once it answers).
+  ``update.serve_mirror_when_registry_down``, which makes the newest version of the registry
+  instance the node followed last the target, once its copy is read back and checked chunk by
+  chunk (from no registry instance: the registry's newest replaces it once it answers).
 - :meth:`verify` re-checks a target's mirror copy chunk by chunk when a server failed to load
-  it; a damaged copy is removed and pulled again.
+  it; a damaged copy is removed and pulled again, unless the node's target has moved on
+  meanwhile: then the server is given the new target, and the node's target never goes back.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ class Target:
     digest: str
     path: Path
     instance: str | None = field(compare=False)  # the registry's that named it; None: the mirror's own
+    copy: str | None = None  # the mirror copy's id (Mirror.record): a copy pulled again is a new target
 
     def update_info(self) -> dict:
         return {"path": str(self.path), "digest": self.digest}
@@ -123,7 +129,8 @@ class Updater:
                              request_bytes=int(cfg.pull.request_bytes),
                              max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
                              in_use=in_use, on_worker_restart=metrics.pull_worker_restarts.inc,
-                             swarm=swarm, keep_workers_s=cfg.pull.keep_workers_s)
+                             swarm=swarm, keep_workers_s=cfg.pull.keep_workers_s,
+                             worker_silence_s=cfg.pull.worker_silence_s)
         self.target: Target | None = None
         self.settled = asyncio.Event()   # the first decision was made (a target, or nothing to load)
         self._changed = asyncio.Condition()
@@ -168,23 +175,32 @@ class Updater:
         Returns the target to use (the same one if the copy was sound)."""
         async with self._verifying:  # several servers may fail on the same copy at once
             current = self.target
-            if current is not None and current != target and current.version == target.version:
-                return current  # another server's check already replaced it
+            if (current is not None and current != target and current.version == target.version
+                    and current.digest == target.digest):
+                return current  # another server's check already replaced the copy
             return await self._verify(target)
 
     async def _verify(self, target: Target) -> Target:
         problems = await asyncio.to_thread(self.mirror.damage, target.version, target.digest, recheck=True)
         if not problems:
             return target
+        self._metrics.update_failures.labels(kind="mirror").inc()
+        # Only that copy goes: the version's directory may hold another instance's by now.
+        await asyncio.to_thread(self.mirror.remove, target.version, "damaged", digest=target.digest)
+        if self.target is not None and self.target != target:  # a newer target came meanwhile
+            log.warning("verify version %d: the mirror copy is damaged (%s); the node's target is version %d "
+                        "now: load that instead", target.version, "; ".join(problems)[:300], self.target.version)
+            return self.target
         log.warning("verify version %d: the mirror copy is damaged (%s); pulling it again",
                     target.version, "; ".join(problems)[:300])
-        self._metrics.update_failures.labels(kind="mirror").inc()
-        await asyncio.to_thread(self.mirror.remove, target.version, "damaged")
         result = await self._pull(target.version)
         if result is None or result.digest != target.digest:
             raise PullError(f"version {target.version} could not be pulled again")
-        fresh = Target(result.version, result.digest, result.path, target.instance)
-        await self._publish(fresh)
+        record = await asyncio.to_thread(self.mirror.claim, result.version, result.digest, target.instance)
+        fresh = Target(result.version, result.digest, result.path, target.instance, record and record.copy)
+        if self.target != target:  # the node moved on during the pull: never back
+            return self.target
+        await self._publish(fresh)  # a new copy: every server holding the damaged one loads it again
         return fresh
 
     def collect(self) -> None:
@@ -209,6 +225,8 @@ class Updater:
             try:
                 stepped = await self._step(info)
             except Exception:  # a bug here must not take the node's servers down with the daemon
+                if _being_cancelled():  # the daemon stops: no next step, whatever this one met
+                    raise
                 log.exception("crash in the update step; retrying in %g s", delay)
                 self._metrics.task_errors.labels(task="updater").inc()
                 stepped = False
@@ -255,8 +273,10 @@ class Updater:
 
     async def _serve_mirror(self) -> None:
         """No registry before the first decision: with ``update.serve_mirror_when_registry_down``,
-        the target is the newest complete version in the mirror (pulled and checked before the
-        restart; the plugin checks its digest again as it loads)."""
+        the target is the mirror's newest version of the registry instance the node followed
+        last (:meth:`Mirror.newest`), once its copy is read back and checked chunk by chunk (as
+        any copy reused from the mirror is). A damaged copy is removed; the next try takes the
+        one before it."""
         if self.settled.is_set() or not self._conf().update.serve_mirror_when_registry_down:
             return
         version = await asyncio.to_thread(self.mirror.newest)
@@ -264,12 +284,19 @@ class Updater:
         if manifest is None:
             if not self._no_mirror_said:
                 self._no_mirror_said = True
-                log.warning("the registry is unreachable and the mirror holds no complete version: servers wait "
-                            "for the registry")
+                log.warning("the registry is unreachable and the mirror holds no complete version of the registry "
+                            "instance followed last: servers wait for the registry")
             return
-        log.warning("serve version %d from the mirror: the registry is unreachable at start "
-                    "(update.serve_mirror_when_registry_down)", version)
-        await self._publish(Target(version, manifest.digest, self.mirror.path(version), None))
+        if problems := await asyncio.to_thread(self.mirror.damage, version, manifest.digest):
+            log.warning("verify version %d: the mirror copy is damaged (%s); not serving it", version,
+                        "; ".join(problems)[:300])
+            self._metrics.update_failures.labels(kind="mirror").inc()
+            await asyncio.to_thread(self.mirror.remove, version, "damaged", digest=manifest.digest)
+            return
+        record = await asyncio.to_thread(self.mirror.record, version)
+        log.warning("serve version %d from the mirror (registry instance %s): the registry is unreachable at start "
+                    "(update.serve_mirror_when_registry_down)", version, record.instance)
+        await self._publish(Target(version, manifest.digest, self.mirror.path(version), None, record.copy))
         self.settled.set()
 
     async def _step(self, info: LatestInfo) -> bool:
@@ -295,7 +322,10 @@ class Updater:
         if result is None:
             return False
         if held is None or self.target is None or result.version > held or self.target.instance != info.instance:
-            await self._publish(Target(result.version, result.digest, result.path, info.instance))
+            # The copy is the node's for this instance now (reused or committed while the view changed).
+            record = await asyncio.to_thread(self.mirror.claim, result.version, result.digest, info.instance)
+            await self._publish(Target(result.version, result.digest, result.path, info.instance,
+                                       record and record.copy))
         self._pending_since = None
         self.settled.set()
         return True
@@ -312,6 +342,8 @@ class Updater:
                 async with asyncio.timeout(cfg.pull.timeout_s):
                     result = await self.puller.pull(version)
             except (PullError, TimeoutError, errors.RegistryError) as e:
+                if _being_cancelled():  # a stop is not a failed pull to be tried again
+                    raise asyncio.CancelledError() from e
                 what = f"no result within pull.timeout_s={cfg.pull.timeout_s:g}" if isinstance(e, TimeoutError) else e
                 log.error("pull %s failed: %s", version, what)
                 self._metrics.pulls.labels(result="failed").inc()
@@ -370,6 +402,7 @@ class Updater:
         if not view.reachable:
             log.info("reach registry %s (instance %s, newest version %s)", view.url, instance, latest)
         view.instance, view.reachable, view.last_error, view.latest = instance, True, None, latest
+        self.mirror.follow(instance)  # its versions are the ones the mirror keeps and counts as newest
         view.last_contact = self._clock()
         view.contacted.set()
         self._metrics.registry_reachable.set(1)
@@ -383,3 +416,8 @@ class Updater:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
