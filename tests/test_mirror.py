@@ -482,3 +482,122 @@ def test_the_last_version_removed_is_kept_for_the_next(shm_dir):
     assert inodes(mirror, 2) == old
     for name, data in payload(2).items():
         assert (mirror.path(2) / name).read_bytes() == data
+
+
+# -- registry instances: a restarted registry numbers its versions again ------------------------
+def test_the_newest_is_the_followed_instances_and_other_instances_go_first(mirror):
+    mirror.follow("inst-a")
+    for v in (1, 2, 3):
+        put(mirror, v)
+    mirror.follow("inst-b")  # the trainer crashed and resumed: 1, 2, 3 again
+    assert mirror.newest() is None, "no version of the instance followed yet"
+    assert mirror.gc(in_use={3}) == [1, 2], "another instance's versions are kept only while in use"
+    mirror.remove(3, "test")
+    put(mirror, 1)
+    assert mirror.record(1).instance == "inst-b"
+    assert mirror.newest() == 1
+
+
+def test_other_instances_versions_leave_room_for_the_followed_ones(tmp_path):
+    """Sized for two versions: after a restart the old instance's top version does not hold a
+    place forever (it did: MirrorFull at every pull from the second version on)."""
+    mirror = Mirror(tmp_path / "m", max_bytes=2 * 15_600)
+    mirror.follow("inst-a")
+    for v in (4, 5):
+        mirror.ensure_room(15_000, in_use=set())
+        put(mirror, v)
+    mirror.follow("inst-b")
+    for v in (1, 2, 3):  # a server holds the previous one while the next is pulled
+        assert mirror.ensure_room(15_000, in_use={v - 1} if v > 1 else {5}) is not None
+        put(mirror, v)
+    assert mirror.versions() == [2, 3] and {mirror.record(v).instance for v in (2, 3)} == {"inst-b"}
+
+
+def test_before_any_registry_answers_the_newest_is_the_instance_recorded_last(mirror):
+    mirror.follow("inst-a")
+    for v in (7, 8):
+        put(mirror, v)
+    mirror.follow("inst-b")
+    put(mirror, 2)
+    restarted = Mirror(mirror.dir, max_bytes=1 << 20)  # a daemon started while the registry is down
+    assert restarted.newest() == 2, "inst-b's newest, not inst-a's higher number"
+    restarted.claim(8, restarted.manifest(8).digest, "inst-c")  # reused for an instance seen later still
+    assert restarted.newest() == 8
+
+
+def test_claim_records_another_instance_and_keeps_the_copy_id(mirror):
+    mirror.follow("inst-a")
+    m = put(mirror, 1)
+    before = mirror.record(1)
+    assert before.instance == "inst-a" and before.copy
+    assert mirror.claim(1, m.digest, "inst-b") == mirror.record(1)
+    assert mirror.record(1).instance == "inst-b" and mirror.record(1).copy == before.copy
+    assert mirror.claim(1, "0" * 64, "inst-c") is None and mirror.record(1).instance == "inst-b"
+    mirror.remove(1, "test")
+    put(mirror, 1)
+    assert mirror.record(1).copy != before.copy, "a copy pulled again has a new id"
+
+
+# -- owners: nothing another user controls is used ---------------------------------------------------
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_a_mirror_directory_another_user_owns_is_refused(tmp_path):
+    planted = tmp_path / "shm" / "rolloutd"
+    planted.mkdir(parents=True)
+    os.chown(planted, NOBODY, NOBODY)
+    with pytest.raises(OSError, match=rf"mirror directory {planted}: owned by uid {NOBODY}, "
+                       r"not by rolloutd's user \(uid 0\): another user could replace a version's files"):
+        Mirror(planted, max_bytes=1 << 20)
+    assert os.listdir(planted) == []
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()
+    with pytest.raises(OSError, match="not a directory"):
+        Mirror(tmp_path / "link", max_bytes=1 << 20)
+    open_parent = tmp_path / "open"
+    open_parent.mkdir(mode=0o777)
+    os.chmod(open_parent, 0o777)  # writable by everyone, no sticky bit: anyone can swap what is in it
+    with pytest.raises(OSError, match=r"open is writable by other users \(mode 0777"):
+        Mirror(open_parent / "m", max_bytes=1 << 20)
+    os.chmod(open_parent, 0o1777)  # as /dev/shm: sticky, so only its owner renames an entry
+    assert Mirror(open_parent / "m", max_bytes=1 << 20).versions() == []
+
+
+def test_a_mirror_directory_of_ours_is_closed_to_other_users(tmp_path):
+    (tmp_path / "m").mkdir(mode=0o755)
+    os.chmod(tmp_path / "m", 0o755)
+    Mirror(tmp_path / "m", max_bytes=1 << 20)
+    assert (tmp_path / "m").stat().st_mode & 0o777 == 0o700
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_a_version_with_a_file_another_user_owns_is_not_there(mirror, caplog):
+    put(mirror, 1)
+    name = sorted(payload(1))[0]
+    os.chown(mirror.path(1) / name, NOBODY, NOBODY)
+    assert mirror.versions() == [] and not mirror.has(1, mirror_mod.Manifest.model_validate_json(
+        (mirror.path(1) / MANIFEST_NAME).read_text()).digest)
+    assert f"{name} is owned by uid {NOBODY}, not by rolloutd's user" in caplog.text
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_a_spare_file_another_user_owns_is_never_overwritten(shm_dir, caplog):
+    mirror = Mirror(shm_dir / "m", max_bytes=1 << 20)
+    put(mirror, 1)
+    put(mirror, 2)
+    os.chown(mirror.path(1) / sorted(payload(1))[0], NOBODY, NOBODY)
+    mirror.remove(1, "test")
+    assert spares(mirror) == {}, "nothing of a version holding another user's file is kept"
+    mirror.remove(2, "test")
+    assert len(spares(mirror)) == 2
+    spare = max((mirror.dir / mirror_mod.SPARE_NAME).iterdir(), key=lambda p: p.stat().st_size)
+    other = spare.stat().st_ino
+    os.chown(spare, NOBODY, NOBODY)  # a spare given to another user afterwards is not taken
+    put(mirror, 3)
+    assert other not in inodes(mirror, 3).values(), "a fresh file, not the other user's"
+    assert not (mirror.dir / mirror_mod.SPARE_NAME).exists(), "deleted, not left behind"
+    assert f"owned by uid {NOBODY}; a pull never overwrites a file it does not own alone" in caplog.text
+    for name, data in payload(3).items():
+        st = (mirror.path(3) / name).stat()
+        assert st.st_uid == os.geteuid() and (mirror.path(3) / name).read_bytes() == data

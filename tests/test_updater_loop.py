@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.node.metrics import Metrics
-from rolloutd.rollout.mirror import Record
+from rolloutd.rollout.mirror import Mirror, Record
 from rolloutd.rollout.puller import PullError, PullResult
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.wire import errors
@@ -26,6 +26,7 @@ from rolloutd.wire.messages import Demand, HeartbeatReply, LatestInfo
 
 from .fake_time import run
 from .supervisor_fakes import config, now
+from .test_mirror import payload, put
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -399,3 +400,79 @@ def test_verify_keeps_a_sound_copy_and_pulls_a_damaged_one_again_once_for_every_
     assert node.mirror.removed == [1] and [v for _, v in node.puller.pulls] == ["latest", 1], "pulled again once"
     assert node.sample("rolloutd_update_failures_total", kind="mirror") == 1
     assert "verify version 1: the mirror copy is damaged (model.safetensors: chunk 0" in caplog.text
+
+
+def test_a_copy_pulled_again_is_a_new_target_that_every_server_loads_again(tmp_path):
+    """The same version and digest, but another copy: a server that loaded the damaged one
+    must load this one (an equal target would leave it on the bad bytes)."""
+    async def scenario():
+        node = Node(tmp_path, 1).start()
+        await node.target(1)
+        target = node.updater.target
+        node.mirror.damaged[1] = ["model.safetensors: chunk 0 does not match its digest"]
+        fresh = await node.updater.verify(target)
+        await asyncio.sleep(1)
+        await node.stop()
+        return node, target, fresh
+
+    node, target, fresh = run(scenario())
+    assert fresh.digest == target.digest and fresh.copy != target.copy and fresh != target
+    assert [v for _, v, _ in node.targets] == [1, 1], "published again: every server loads the new copy"
+
+
+def test_a_damaged_copy_of_a_target_the_node_has_left_is_not_pulled_again_and_the_target_never_moves_back(
+        tmp_path, caplog):
+    async def scenario():
+        node = Node(tmp_path, 1).start()
+        await node.target(1)
+        old = node.updater.target
+        await node.registry.change(publish=2)
+        await node.target(2)
+        node.mirror.damaged[1] = ["model.safetensors: chunk 0 does not match its digest"]
+        given = await node.updater.verify(old)  # a server still loading version 1 failed meanwhile
+        await asyncio.sleep(60)
+        await node.stop()
+        return node, given
+
+    node, given = run(scenario())
+    assert given == node.updater.target and given.version == 2, "the failed server is given the newest target"
+    assert [v for _, v, _ in node.targets] == [1, 2], "the node's target never goes back"
+    assert [v for _, v in node.puller.pulls] == ["latest", "latest"], "version 1 is not pulled again"
+    assert node.mirror.removed == [1]
+    assert "the node's target is version 2 now: load that instead" in caplog.text
+
+
+def test_the_mirror_served_while_the_registry_is_down_is_the_last_instances_newest_checked_first(tmp_path, caplog):
+    """A restart while the registry is down: the newest version of the instance the node followed
+    last (not the highest number in the mirror, an older instance's), read back chunk by chunk
+    before it is served; a damaged copy is removed and the one before it served."""
+    mirror = Mirror(tmp_path / "real-mirror", 1 << 20)
+    mirror.follow("inst-0")
+    for v in (7, 8):  # the registry's instance before its last restart: higher numbers
+        put(mirror, v)
+    mirror.follow("inst-1")
+    good = put(mirror, 1)
+    put(mirror, 2)
+    victim = mirror.path(2) / sorted(payload(2))[0]
+    with open(victim, "r+b") as f:  # one byte flipped, the size kept: only a chunk check sees it
+        f.write(b"\xff")
+    restarted = Mirror(mirror.dir, 1 << 20)  # the daemon restarted
+
+    async def scenario():
+        node = Node(tmp_path, update={"serve_mirror_when_registry_down": True})
+        node.registry.down = True
+        node.mirror = node.updater.mirror = restarted
+        node.start()
+        await node.target(1, within_s=10)
+        await asyncio.sleep(5)
+        await node.stop()
+        return node
+
+    node = run(scenario())
+    assert [(v, i) for _, v, i in node.targets] == [(1, None)]
+    assert node.updater.target.digest == good.digest and node.updater.target.copy == restarted.record(1).copy
+    assert 2 not in restarted.versions(), "the damaged copy is removed"
+    assert "verify version 2: the mirror copy is damaged" in caplog.text
+    assert node.sample("rolloutd_update_failures_total", kind="mirror") == 1
+    restarted.close()
+    mirror.close()

@@ -2,11 +2,13 @@
 (a wake ends it through a cancel scope), and a pull's rate reporter is awaited once cancelled.
 The one set of tasks that outlives a pull is its puller's: the workers kept for the next pull
 (their keepers, the idle timer), stopped by ``Puller.close``. A real registry (embedded, in its
-own thread) and a real mirror."""
+own thread) and a real mirror; also a registry restarted as a new instance that numbers its
+versions again, with a mirror sized for two versions."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -62,3 +64,56 @@ async def test_a_long_poll_is_no_task_of_its_own_and_a_poke_ends_it(tmp_path):
                 await updater.puller.close()  # as the daemon's stop does
         mirror.close()
     assert others() == set() and kept() == set()
+
+
+def publish(reg: EmbeddedRegistry, version: int, seed: int) -> str:
+    sd = tinymodel.state_dict(tinymodel.TINY, seed)
+    return reg.publish(version, sd, shard_bytes=600_000, chunk_bytes=1 << 16).digest
+
+
+async def test_a_registry_restarted_numbering_again_moves_the_node_through_a_mirror_for_two_versions(tmp_path):
+    """The trainer crashed and resumed: the new registry instance publishes 1, 2, 3 again. The
+    old instance's version 3 must not hold a place in a mirror sized for two versions (it did:
+    every pull from the new instance's version 2 on failed MirrorFull)."""
+    mirror = Mirror(tmp_path / "mirror", 1 << 30)
+    reg = EmbeddedRegistry(port=0).start()
+    port = reg.port
+    cfg = Config.model_validate({"registry": {"url": reg.url, "long_poll_s": 30, "retry_initial_s": 0.1,
+                                              "retry_max_s": 0.2},
+                                 "pull": {"workers": 1},
+                                 "servers": [{"name": "s0", "model": "/m", "public_port": 9001}]})
+    async with RegistryClient(reg.url) as client:
+        # Every server holds the node's target (what it loads next counts too, once published).
+        updater = Updater(lambda: cfg, client, mirror, Metrics(),
+                          in_use=lambda: {updater.target.version} if updater.target else set())
+        run = asyncio.ensure_future(updater.run())
+        run.set_name("updater")
+
+        async def target(version: int, instance: str) -> None:
+            await until(lambda: updater.target is not None and updater.target.version == version
+                        and updater.target.instance == instance, 30, f"target {instance} v{version}")
+
+        try:
+            publish(reg, 1, seed=11)
+            await target(1, reg.service.store.instance)
+            mirror.max_bytes = 2 * mirror.usage_bytes() + 100_000  # two versions, not three
+            for v in (2, 3):
+                publish(reg, v, seed=10 + v)
+                await target(v, reg.service.store.instance)
+            old = reg.service.store.instance
+            reg.stop()
+            reg = EmbeddedRegistry(port=port).start()  # the same address, a new instance
+            new = reg.service.store.instance
+            assert new != old
+            for v in (1, 2, 3):
+                digest = publish(reg, v, seed=20 + v)
+                await target(v, new)
+            assert mirror.versions()[-1] == 3 and {mirror.record(v).instance for v in mirror.versions()} == {new}
+            assert updater.target.digest == digest
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+            await updater.puller.close()
+            with contextlib.suppress(Exception):
+                reg.stop()
+    mirror.close()
