@@ -1028,6 +1028,27 @@ def test_trailers_are_bounded_dropped_and_not_counted_against_the_next_head():
         fake.close()
 
 
+def test_a_refused_body_is_dropped_only_up_to_the_limit():
+    """The body of a request refused with the token (404, 405) is read and dropped so that the
+    connection can go on; one that never ends is dropped up to ``max_body_bytes``, then the
+    refusal is answered and the connection closed."""
+    fake = FakeRawUpstream(answer_ok)
+    gw = GatewayThread(fake.socket, free_port(), max_body_bytes="4KiB").start()
+    try:
+        with connect(gw) as s:
+            stop = threading.Event()
+            sender = send_forever(s, CHUNKED_HEAD.replace(b"/tokenize", b"/pause") + b"\r\n",
+                                  b"400\r\n" + b"b" * 1024 + b"\r\n", stop)
+            data, took = read_until_closed(s, timeout_s=10)
+            stop.set()
+            sender.join(10)
+        [(status, headers, _)] = responses(data)
+        assert (status, headers["connection"]) == (404, "close") and took < 5, took
+        assert fake.connections == 0
+    finally:
+        gw.stop()
+        fake.close()
+
 def test_a_client_without_the_token_is_answered_once_and_closed():
     """A request without the token (401, or 404 off the list) ends its connection: nothing after
     it is read or parsed, not a pipelined request, not the rest of a body that never ends."""
