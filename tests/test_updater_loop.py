@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from rolloutd.node.metrics import Metrics
-from rolloutd.rollout.mirror import Mirror, Record
+from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import PullError, PullResult
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.wire import errors
@@ -125,8 +126,16 @@ class FakeMirror:
     def follow(self, instance: str | None) -> None:
         self.following = instance
 
-    def claim(self, version: int, digest: str, instance: str | None) -> Record:
-        return Record(instance, f"copy-{version}-{self.pulled_again.get(version, 0)}")
+    def claim(self, version: int, digest: str, instance: str | None) -> FakeRecord:
+        return FakeRecord(instance, f"copy-{version}-{self.pulled_again.get(version, 0)}")
+
+
+@dataclass(frozen=True)
+class FakeRecord:
+    """What ``Mirror.claim`` returns, as the updater reads it."""
+
+    instance: str | None
+    copy: str
 
 
 def digest(instance: str, version: int) -> str:
@@ -416,8 +425,8 @@ def test_a_copy_pulled_again_is_a_new_target_that_every_server_loads_again(tmp_p
         return node, target, fresh
 
     node, target, fresh = run(scenario())
-    assert fresh.digest == target.digest and fresh.copy != target.copy and fresh != target
     assert [v for _, v, _ in node.targets] == [1, 1], "published again: every server loads the new copy"
+    assert fresh != target and fresh.digest == target.digest and fresh.copy != target.copy
 
 
 def test_a_damaged_copy_of_a_target_the_node_has_left_is_not_pulled_again_and_the_target_never_moves_back(
