@@ -61,7 +61,8 @@ STATUS = {
     "servers": [
         {"name": "gpu0", "state": "SERVING", "pid": 5001, "socket": "/var/lib/rolloutd/sockets/gpu0.sock",
          "public_port": 9001, "gpus": [0, 1],
-         "endpoint": "http://node7:9001", "version": 11, "target": 12, "incarnation": 1, "restarts": 0,
+         "endpoint": "http://node7:9001", "version": 11, "target": 12, "last_good": 11, "incarnation": 1,
+         "restarts": 0,
          "state_age_s": 182.0, "last_error": None,
          "last_update": {"version": 11, "ok": True, "at_unix": NOW - 300, "phases_s": {"pause": 0.01, "load": 0.4},
                          "error": None, "gate": {"ok": True, "canary": True, "tokens": 23, "tolerance": 0.05,
@@ -69,13 +70,16 @@ STATUS = {
          "heartbeat_age_s": 2.0},
         {"name": "gpu1", "state": "BACKOFF", "pid": None, "socket": "/var/lib/rolloutd/sockets/gpu1.sock",
          "public_port": 9002, "gpus": [2],
-         "endpoint": "http://node7:9002", "version": None, "target": 12, "incarnation": 3, "restarts": 2,
+         "endpoint": "http://node7:9002", "version": None, "target": 12, "last_good": None, "incarnation": 3,
+         "restarts": 2,
          "state_age_s": 4.5, "last_error": "exited with status 1 before /health passed: CUDA out of memory "
                                            "while loading the model's weights on GPU 2",
          "last_update": {"version": 12, "ok": False, "at_unix": NOW - 40, "phases_s": {}, "error": "load failed",
                          "gate": None},
          "heartbeat_age_s": None},
     ],
+    "refused": [{"version": 9, "digest": "ab" * 32, "reason": "version 9 failed the gate: gate: the server cannot "
+                 "score the canary of 600 tokens: /v1/completions: HTTP 400", "server": "gpu0", "at_unix": NOW - 900}],
 }
 
 

@@ -149,6 +149,9 @@ class ServerStatus(_Model):
     endpoint: str = Field(description="URL the registry lists for it")
     version: int | None = Field(description="version loaded (null: the base model)")
     target: int | None = Field(description="version it is moving to")
+    last_good: int | None = Field(None, description="the last version it served, gate passed, since this "
+                                  "daemon started: what it goes back to after a refused version (null: its "
+                                  "start model)")
     incarnation: int = Field(description="processes of this server started since the daemon started (a "
                              "reload that restarts it counts on)")
     restarts: int = Field(description="restarts after a failure")
@@ -156,6 +159,14 @@ class ServerStatus(_Model):
     last_error: str | None = Field(description="the last failure, if any")
     last_update: LastUpdate | None = Field(description="the last weight update, if any")
     heartbeat_age_s: float | None = Field(description="seconds since the registry last took its heartbeat")
+
+
+class RefusedStatus(_Model):
+    version: int = Field(description="the version refused")
+    digest: str = Field(description="its manifest digest (the same number with other bytes is another version)")
+    reason: str = Field(description="why: the failure that refused it")
+    server: str = Field(description="the server whose failures refused it")
+    at_unix: float = Field(description="when (Unix time)")
 
 
 class NodeStatus(_Model):
@@ -175,6 +186,9 @@ class NodeStatus(_Model):
     reload: ReloadStatus | None = Field(None, description="the last reload (SIGHUP or POST /reload)")
     mirror: MirrorStatus
     servers: list[ServerStatus]
+    refused: list[RefusedStatus] = Field([], description="versions this node refused, oldest first: no server "
+                                         "loads them, each serves its last good version (docs/daemon.md, "
+                                         "\"A node keeps its last good version\")")
 
 
 class Health(_Model):
