@@ -56,6 +56,9 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
     from rolloutd.registry.server.settings import RegistrySettings
     for name, field in RegistrySettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        if field.annotation is bool:  # a switch: --allow-unauthenticated, not --allow-unauthenticated true
+            p.add_argument(flag, dest=name, default=argparse.SUPPRESS, action="store_true", help=field.description)
+            continue
         p.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
                        help=f"{field.description} (default: {field.default})")
 
@@ -89,6 +92,9 @@ async def serve_registry(settings) -> int:
         loop.add_signal_handler(sig, server.exit)
     log.info("serve registry on %s:%d (instance %s, bytes in %s, auth %s)", *sock.getsockname()[:2],
              service.store.instance, service.blobs.describe(), "on" if service.token else "off")
+    if service.token is None and settings.allow_unauthenticated:
+        log.warning("registry: allow_unauthenticated: anyone who can reach %s:%d can publish, retire and read "
+                    "versions", *sock.getsockname()[:2])
     await server.serve(sockets=[sock])
     log.info("stop registry")
     return 0
@@ -258,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as e:
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"])
-            print(f"rolloutd: invalid {loc}: {err['msg']}", file=sys.stderr)
+            msg = err["msg"].removeprefix("Value error, ")  # a check of several fields has no location
+            print(f"rolloutd: invalid {loc}: {msg}" if loc else f"rolloutd: {msg}", file=sys.stderr)
         return 2
     except errors.RegistryError as e:
         print(f"rolloutd: {e.code}: {e.message}", file=sys.stderr)

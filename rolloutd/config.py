@@ -212,6 +212,9 @@ class Registry(_Section):
         return self
 
 
+ADMIN_TOKEN_NAME = "admin.token"  # the actions' token the daemon writes under state_dir without admin.token_file
+
+
 class Admin(_Section):
     host: str = Field("127.0.0.1", min_length=1, description="address of the admin API (status, metrics, "
                       "actions); a host other than loopback needs token_file or allow_unauthenticated")
@@ -606,6 +609,14 @@ class Config(_Section):
     def socket_path(self, name: str) -> Path:
         """The UNIX socket of server ``name``'s vLLM (it listens on no TCP port)."""
         return self.socket_dir / f"{name}.sock"
+
+    @property
+    def admin_token_path(self) -> Path | None:
+        """The file holding the admin actions' token: admin.token_file, else the one the daemon
+        writes at start under state_dir; None with admin.allow_unauthenticated and no token file."""
+        if self.admin.token_file is not None:
+            return self.admin.token_file
+        return None if self.admin.allow_unauthenticated else self.state_dir / ADMIN_TOKEN_NAME
 
     @property
     def node_name(self) -> str:

@@ -194,8 +194,20 @@ class DaemonProcess:
         return self.wait(ok, timeout_s, f"serving {versions}")
 
     def action(self, path: str, token: str | None = None) -> httpx.Response:
+        """POST an admin action; without ``token``, the one the daemon wrote (no admin.token_file
+        in the config), as the rolloutd CLI sends it."""
+        token = token or self.generated_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
         return httpx.post(self.url + path, headers=headers, timeout=120)
+
+    def generated_token(self) -> str | None:
+        admin = self.cfg.get("admin", {})
+        if admin.get("token_file") or admin.get("allow_unauthenticated"):
+            return None
+        try:
+            return (Path(self.cfg["state_dir"]) / "admin.token").read_text().strip()
+        except FileNotFoundError:
+            return None
 
     def signal(self, sig: int) -> None:
         os.kill(self.proc.pid, sig)

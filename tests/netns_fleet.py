@@ -225,7 +225,7 @@ class Fleet:
             addr = self.address(host)
             sections = {
                 "node": {"name": host, "advertise_host": addr},
-                "admin": {"host": addr, "port": ADMIN_PORT},
+                "admin": {"host": addr, "port": ADMIN_PORT, "token_file": str(self.token_file)},
                 "registry": {"url": self.registry_url, "token_file": str(self.token_file), "long_poll_s": 5,
                              "retry_initial_s": 0.2, "retry_max_s": 1},
                 "mirror": {"dir": str(d / "mirror"), "max_bytes": "64GiB"},

@@ -11,11 +11,15 @@ import contextlib
 import copy
 import json
 import logging
+import os
 import re
 import shutil
 import socket
+import stat
 import subprocess
 import sys
+import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -29,7 +33,7 @@ from pydantic import ValidationError
 from rolloutd import config as config_mod
 from rolloutd.config import Config
 from rolloutd.httpserver import run
-from rolloutd.node.admin import AdminServer, NodeStatus, create_app
+from rolloutd.node.admin import AdminServer, NodeStatus, action_token, create_app, write_token
 from rolloutd.node.adminctl import DEFAULT_URL, add_parsers, render_status, resolve
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.apply import UpdateRecord
@@ -278,12 +282,88 @@ def test_action_without_the_right_token_is_refused(node, http, path, call, messa
 
 
 @pytest.mark.parametrize(("path", "call", "message"), ACTIONS)
-def test_action_without_a_configured_token_is_open(node, path, call, message):
+def test_action_with_allow_unauthenticated_and_no_token_is_open(node, path, call, message):
     with serving(node, None) as u:
         resp = httpx.post(u + path, timeout=10)
         assert resp.status_code == 200 and resp.json()["message"] == message
         assert httpx.post(u + path, headers=bearer("anything"), timeout=10).status_code == 200
     assert node.calls == [call, call]
+
+
+def test_actions_need_the_token_the_daemon_writes_when_none_is_configured(node, tmp_path, capsys):
+    """No admin.token_file: the daemon writes a new random token to <state_dir>/admin.token at
+    every start (mode 0600, its user's); an action without it is refused, and the rolloutd CLI
+    finds it from the config and sends it."""
+    cfg_path = write_config(tmp_path / "rolloutd.yaml", 9100, None, state_dir=tmp_path / "state")
+    cfg = config_mod.load_config(cfg_path)
+    token = action_token(cfg)
+    path = tmp_path / "state" / "admin.token"
+    assert cfg.admin_token_path == path
+    st = path.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, os.geteuid())
+    assert path.read_text() == token + "\n" and len(token) >= 40
+    with serving(node, token) as u:
+        assert httpx.post(u + "/update", timeout=10).status_code == 401
+        assert httpx.get(u + "/status", timeout=10).status_code == 200  # reads stay open
+        write_config(cfg_path, int(u.rsplit(":", 1)[1]), None, state_dir=tmp_path / "state")
+        args = parse("update", "-c", str(cfg_path))
+        assert args.func(args) == 0, capsys.readouterr().err
+    assert node.calls == [("update",)]
+    again = action_token(cfg)  # the next start: a new token; the old one is worth nothing
+    assert again != token and path.read_text() == again + "\n"
+
+
+def test_the_generated_token_is_never_written_through_a_link(tmp_path):
+    state = tmp_path / "state"
+    state.mkdir()
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (state / "admin.token").symlink_to(victim)  # left by someone who could write there
+    token = write_token(state / "admin.token")
+    assert victim.read_text() == "keep me"
+    assert not (state / "admin.token").is_symlink() and (state / "admin.token").read_text() == token + "\n"
+    assert sorted(p.name for p in state.iterdir()) == ["admin.token"]  # no part file left
+
+
+# Runs as another local user (nobody): reads the token file, then acts without it and reads status.
+OTHER_USER = textwrap.dedent("""
+    import json, sys, urllib.error, urllib.request
+    token_file, url = sys.argv[1:]
+    out = {}
+    try:
+        open(token_file).read()
+        out["read"] = "ok"
+    except OSError as e:
+        out["read"] = type(e).__name__
+    try:
+        action = urllib.request.Request(url + "/update", method="POST")
+        out["update"] = urllib.request.urlopen(action, timeout=10).status
+    except urllib.error.HTTPError as e:
+        out["update"] = e.code
+    out["status"] = urllib.request.urlopen(url + "/status", timeout=10).status
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"), reason="needs root and setpriv to act as nobody")
+def test_another_local_user_cannot_act_but_reads_status(node, tmp_path):
+    """By default another local user can read /status but not restart, update or reload: the
+    token file is 0600, even in a directory every user may enter (before: no token at all)."""
+    top = Path(tempfile.mkdtemp(prefix="rolloutd-admin-"))
+    try:
+        os.chmod(top, 0o755)
+        (top / "state").mkdir(mode=0o755)  # only the file's own mode keeps the token from other users
+        cfg = config_mod.load_config(write_config(tmp_path / "rolloutd.yaml", 9100, None, state_dir=top / "state"))
+        token = action_token(cfg)
+        with serving(node, token) as u:
+            other = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                                    "/usr/bin/python3", "-c", OTHER_USER, str(cfg.admin_token_path), u],
+                                   capture_output=True, text=True, timeout=60, cwd="/")
+        assert other.returncode == 0, other.stderr
+        assert json.loads(other.stdout) == {"read": "PermissionError", "update": 401, "status": 200}
+        assert node.calls == []
+    finally:
+        shutil.rmtree(top)
 
 
 def test_restart_of_an_unknown_server_is_404(node, http):
@@ -515,8 +595,10 @@ def test_action_commands_with_a_token_file(node, url, tmp_path, capsys, argv, ca
 def test_action_commands_refused(node, url, tmp_path, capsys):
     args = parse("update", "--url", url)
     assert args.func(args) == 1
-    assert capsys.readouterr().err == ("rolloutd: this action needs Authorization: Bearer <admin token> "
-                                       "(401 unauthorized)\n")
+    err = capsys.readouterr().err
+    assert err.startswith("rolloutd: this action needs Authorization: Bearer <admin token>: admin.token_file's, "
+                          "or without one <state_dir>/admin.token's") and err.splitlines()[0].endswith(
+                          "(401 unauthorized)"), err
     (tmp_path / "token").write_text(TOKEN)
     args = parse("restart", "gpu9", "--url", url, "--token-file", str(tmp_path / "token"))
     assert args.func(args) == 1
@@ -529,9 +611,11 @@ def test_action_commands_refused(node, url, tmp_path, capsys):
     assert node.calls == [("reload",)]
 
 
-def write_config(path: Path, port: int, token_file: Path | None) -> Path:
-    token = f"\n  token_file: {token_file}" if token_file else ""
-    path.write_text(f"registry:\n  url: http://trainer:8700\nadmin:\n  host: 0.0.0.0\n  port: {port}{token}\n"
+def write_config(path: Path, port: int, token_file: Path | None, state_dir: Path | None = None) -> Path:
+    # Every address only with a token file (the config refuses it otherwise).
+    admin = f"  host: 0.0.0.0\n  port: {port}\n  token_file: {token_file}" if token_file else f"  port: {port}"
+    state = f"state_dir: {state_dir}\n" if state_dir else ""
+    path.write_text(f"registry:\n  url: http://trainer:8700\nadmin:\n{admin}\n{state}"
                     "servers:\n  - name: gpu0\n    model: /m\n    public_port: 9001\n")
     return path
 
@@ -557,7 +641,7 @@ def test_the_default_config_file_is_used_when_readable(monkeypatch, node, url, t
     (tmp_path / "token").write_text(TOKEN)
     cfg = write_config(tmp_path / "rolloutd.yaml", port, tmp_path / "absent-token")
     ep = resolve(parse("update"), with_token=True)
-    assert ep.token is None and "admin.token_file" in ep.notes[0]  # unreadable: no token, and a note why
+    assert ep.token is None and f"cannot read the admin token {tmp_path / 'absent-token'}" in ep.notes[0]
 
 
 def test_without_a_config_the_default_url(tmp_path, capsys):

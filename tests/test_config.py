@@ -373,6 +373,9 @@ def test_check_config_valid(tmp_path, capsys, where):
     ("registry: [\n", "{path}:2:1: YAML syntax error: "),
     (edit("  port: 9100\n", "  port: 9100\n  token_file: /nonexistent/admin.token\n"),
      "{path}:5: admin.token_file: token file /nonexistent/admin.token: not found\n"),
+    (edit("  port: 9100\n", "  port: 9100\n  host: 0.0.0.0\n"),
+     "{path}:3: admin.token_file: required when admin.host (0.0.0.0) is not loopback: set a token file, or "
+     "admin.allow_unauthenticated: true"),
     (None, "{path}: no such file\n"),
 ])
 def test_check_config_invalid(tmp_path, capsys, text, message):
@@ -383,6 +386,22 @@ def test_check_config_invalid(tmp_path, capsys, text, message):
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.startswith(message.format(path=path)), r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("extra, actions", [
+    ("  host: 0.0.0.0\n  allow_unauthenticated: true\n", "open to anyone"),
+    ("  host: 0.0.0.0\n  token_file: {token}\n", "token_file"),
+    ("", "generated token"),
+])
+def test_admin_off_loopback_needs_a_token_or_says_it_is_open(tmp_path, capsys, extra, actions):
+    """``admin.host`` other than loopback passes check-config only with a token file or an
+    explicit ``allow_unauthenticated``; on loopback, no token file is needed (the daemon makes one)."""
+    token = tmp_path / "admin.token"
+    token.write_text("admin-secret\n")
+    path = tmp_path / "rolloutd.yaml"
+    path.write_text(edit("  port: 9100\n", "  port: 9100\n" + extra.format(token=token)))
+    r = run_cli(capsys, "check-config", "-c", str(path))
+    assert (r.returncode, r.stderr) == (0, ""), (actions, r.stderr)
 
 
 # -- random mutations of the example -------------------------------------------------------------------

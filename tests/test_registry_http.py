@@ -18,6 +18,7 @@ from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.wire.manifest import build_manifest
 
+from .conftest import run_cli
 from .daemon_harness import wait_until
 
 CHUNK = 4096
@@ -684,6 +685,31 @@ def test_bearer_token_required_everywhere_but_healthz(tmp_path):
         metrics = plain.get("/metrics", headers={"authorization": "Bearer s3cret-token"}).text
         assert 'route="unmatched",status="401"} 7.0' in metrics  # refusals are counted too
         plain.close()
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3", "trainer.lan"])
+def test_a_registry_off_loopback_without_a_token_refuses_to_start(tmp_path, capsys, host):
+    """Fail closed: embedded or standalone, a registry on an address other hosts reach needs a
+    token file or an explicit allow_unauthenticated (before: every route open to them)."""
+    with pytest.raises(ValueError, match=r"needs a token file \(--token-file, token_file=\), or "
+                                         r"allow_unauthenticated"):
+        EmbeddedRegistry(host=host, port=0)
+    r = run_cli(capsys, "registry", "--host", host, "--port", "0")
+    assert r.returncode == 2 and r.stdout == "" and "Traceback" not in r.stderr
+    assert r.stderr == (f"rolloutd: a registry on {host} (not loopback) needs a token file (--token-file, "
+                        "token_file=), or allow_unauthenticated (--allow-unauthenticated) to let anyone who can "
+                        "reach it publish and read versions\n")
+
+
+def test_a_registry_off_loopback_serves_with_a_token_or_when_allowed_open(tmp_path):
+    token_file = tmp_path / "token"
+    token_file.write_text("s3cret-token\n")
+    with EmbeddedRegistry(host="0.0.0.0", port=0, token_file=token_file) as reg:
+        assert httpx.get(f"{reg.url}/v1/versions/latest").status_code == 401
+    with EmbeddedRegistry(host="0.0.0.0", port=0, allow_unauthenticated=True) as reg:
+        assert httpx.get(f"{reg.url}/v1/versions/latest").status_code == 200
+    with EmbeddedRegistry(host="127.0.0.1", port=0) as reg:  # loopback: no token needed
+        assert httpx.get(f"{reg.url}/v1/versions/latest").status_code == 200
 
 
 def test_oversized_bodies_are_refused(tmp_path):

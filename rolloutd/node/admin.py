@@ -7,9 +7,13 @@ Routes: ``GET /status`` (:class:`NodeStatus`), ``GET /metrics`` (Prometheus text
 Contract:
 
 - The daemon is reached only through :class:`AdminNode`; this module knows nothing else of it.
-- When a token is configured, actions need ``Authorization: Bearer <token>`` (401 and
-  ``WWW-Authenticate: Bearer`` otherwise); reads stay open, since the API listens on loopback by
-  default. The token is compared in constant time and never written to a log or a response.
+- Actions need ``Authorization: Bearer <token>`` (401 and ``WWW-Authenticate: Bearer``
+  otherwise): ``admin.token_file``'s token, or without one a random token the daemon writes at
+  every start to ``<state_dir>/admin.token``, mode 0600 (:func:`action_token`): root and
+  rolloutd's user can act, other local users cannot. Only ``admin.allow_unauthenticated`` opens
+  them. Reads (status, metrics, healthz) stay open: the API listens on loopback unless a token
+  file is set (the config refuses another host otherwise). The token is compared in constant
+  time and never written to a log or a response.
 - Every error is JSON ``{"error": {"code", "message"}}``: 401 ``unauthorized``, 404
   ``not_found`` / ``unknown_server``, 405 ``method_not_allowed`` (with ``Allow``), 409
   ``reload_refused`` (the new config is bad; the running one stays), 422 ``invalid_request``.
@@ -21,7 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import socket
+from pathlib import Path as FilePath
 from typing import Annotated, Protocol
 
 from fastapi import Depends, FastAPI, Path, Request
@@ -32,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rolloutd.config import Config, read_token
 from rolloutd.httpserver import QuietServer, bind, server_config
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.puller import PullState
@@ -257,14 +265,61 @@ BearerToken = Annotated[HTTPAuthorizationCredentials | None,
 
 
 def _auth(token: str | None) -> list:
-    """The dependency that guards actions when a token is set (none otherwise)."""
+    """The dependency that guards actions when a token is set (none: admin.allow_unauthenticated)."""
     if token is None:
         return []
     async def check(request: Request, _: BearerToken) -> None:  # BearerToken: the scheme in the OpenAPI
         if not bearer_ok(request.headers.get("authorization"), token):
-            raise AdminError(401, "unauthorized", "this action needs Authorization: Bearer <admin token>",
-                             {"WWW-Authenticate": "Bearer"})
+            raise AdminError(401, "unauthorized", "this action needs Authorization: Bearer <admin token>: "
+                             "admin.token_file's, or without one <state_dir>/admin.token's, which root and "
+                             "rolloutd's user can read (the rolloutd CLI sends it)", {"WWW-Authenticate": "Bearer"})
     return [Depends(check)]
+
+
+# -- the actions' token ------------------------------------------------------------------------------
+
+def action_token(cfg: Config) -> str | None:
+    """The token the actions need: admin.token_file's; none with admin.allow_unauthenticated;
+    else a new random one, written where only rolloutd's user and root can read it."""
+    admin = cfg.admin
+    if admin.token_file is not None:
+        _warn_if_world_readable(FilePath(admin.token_file))
+        return read_token(admin.token_file)
+    if admin.allow_unauthenticated:
+        log.warning("admin: allow_unauthenticated: anyone who can reach %s:%d can restart, update and reload",
+                    admin.host, admin.port)
+        return None
+    return write_token(cfg.admin_token_path)
+
+
+def write_token(path: FilePath) -> str:
+    """A new random token in ``path``, mode 0600, owned by this process's user: written to a new
+    file (never through a link someone left there) and renamed into place."""
+    token = secrets.token_urlsafe(32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            os.fchmod(f.fileno(), 0o600)  # whatever the umask
+            f.write(token + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except BaseException:
+        part.unlink(missing_ok=True)
+        raise
+    return token
+
+
+def _warn_if_world_readable(path: FilePath) -> None:
+    try:
+        mode = path.stat().st_mode
+    except OSError:
+        return  # read_token says what is wrong with it
+    if mode & 0o004:
+        log.warning("admin: token file %s can be read by every local user (mode %o): they can restart, update "
+                    "and reload; make it readable by rolloutd's user only (chmod 600)", path, mode & 0o777)
 
 
 # -- the app -----------------------------------------------------------------------------------------

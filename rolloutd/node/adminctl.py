@@ -4,7 +4,9 @@ Contract: each command talks to a running daemon's admin API (``rolloutd.node.ad
 when the daemon answered yes, 1 otherwise, with one line on stderr saying why (no traceback).
 The API's address is ``--url``, else the config file's ``admin.host``/``admin.port`` (``-c``,
 or the default config file when it is readable), else ``http://127.0.0.1:9100``. Actions send
-the token from ``--token-file``, else from the config's ``admin.token_file`` when readable.
+the token from ``--token-file``, else from the config's ``admin.token_file``, else from
+``<state_dir>/admin.token`` that the daemon writes at start (readable by root and rolloutd's
+user only: other local users cannot act), when readable.
 ``rolloutd status`` prints a table (``render_status``), or the raw document with ``--json``.
 """
 
@@ -54,8 +56,8 @@ def _common_args(p: argparse.ArgumentParser, token: bool = False) -> None:
                    help="config file naming the admin address (default: the daemon's, when readable)")
     p.add_argument("--timeout-s", type=float, default=10.0, help="wait this long for an answer")
     if token:
-        p.add_argument("--token-file", type=Path, help="file holding the admin token "
-                       "(default: the config's admin.token_file, when readable)")
+        p.add_argument("--token-file", type=Path, help="file holding the admin token (default: the config's "
+                       "admin.token_file, else <state_dir>/admin.token that the daemon writes, when readable)")
 
 
 # -- where the daemon is -------------------------------------------------------------------------------
@@ -69,24 +71,38 @@ class Endpoint:
 
 def resolve(args: argparse.Namespace, with_token: bool = False) -> Endpoint:
     """The admin URL and token from the flags, else the config file, else the defaults."""
-    admin, note = _admin_section(args.config)
+    cfg, note = _config(args.config)
+    admin = cfg.admin if cfg else None
     ep = Endpoint(args.url.rstrip("/") if args.url else _url_of(admin) if admin else DEFAULT_URL)
     if note:
         ep.notes.append(note)
     if with_token:
-        path = args.token_file or (admin.token_file if admin else None)
+        path = args.token_file or _token_path(cfg)
         if path is not None:
             try:
                 ep.token = Path(path).read_text().strip() or None
             except (OSError, UnicodeDecodeError) as e:
+                why = getattr(e, "strerror", None) or e
                 if args.token_file:
-                    raise OSError(f"cannot read the token file {path}: {getattr(e, 'strerror', None) or e}") from None
-                ep.notes.append(f"the config's admin.token_file {path} is not readable")
+                    raise OSError(f"cannot read the token file {path}: {why}") from None
+                ep.notes.append(f"cannot read the admin token {path} ({why}): actions need it; root and "
+                                "rolloutd's user can read it")
     return ep
 
 
-def _admin_section(path: Path | None):
-    """The config's ``admin`` section and a note when a file given on the command line is unusable."""
+def _token_path(cfg) -> Path | None:
+    """The config's admin token file, or the daemon's default one when no config is at hand."""
+    if cfg is not None:
+        return cfg.admin_token_path
+    try:
+        from rolloutd.config import ADMIN_TOKEN_NAME, Config
+    except ImportError:
+        return None
+    return Config.model_fields["state_dir"].default / ADMIN_TOKEN_NAME
+
+
+def _config(path: Path | None):
+    """The config and a note when a file given on the command line is unusable."""
     try:
         from rolloutd.config import DEFAULT_CONFIG_PATH, load_config
     except ImportError:  # an older build without the config module: the defaults still work
@@ -96,7 +112,7 @@ def _admin_section(path: Path | None):
     if not explicit and not path.is_file():
         return None, None
     try:
-        return load_config(path).admin, None
+        return load_config(path), None
     except Exception as e:  # noqa: BLE001 - any unusable file falls back to the defaults
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         return None, f"{path} was not used ({first})" if explicit else None

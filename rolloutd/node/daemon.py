@@ -53,7 +53,7 @@ from pathlib import Path
 from rolloutd import __version__
 from rolloutd.config import Config, ConfigError, load_config, read_token
 from rolloutd.gateway.relay import Gateway, GatewayError
-from rolloutd.node.admin import AdminServer, create_app
+from rolloutd.node.admin import AdminServer, action_token, create_app
 from rolloutd.node.looplag import LoopLag
 from rolloutd.node.metrics import Metrics
 from rolloutd.node.notify import Notifier
@@ -62,10 +62,9 @@ from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
-from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.swarm import Swarm, SwarmSettings
-from rolloutd.rollout.updater import Target, Updater
+from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.cgroups import contain
 from rolloutd.supervise.leftovers import ShmBaseline
 from rolloutd.supervise.plugin_path import install_plugin
@@ -128,7 +127,7 @@ class Daemon:
     # -- start ------------------------------------------------------------------------------------------
     async def run(self) -> int:
         cfg = self.cfg
-        registry_token, admin_token = read_token(cfg.registry.token_file), read_token(cfg.admin.token_file)
+        registry_token, admin_token = read_token(cfg.registry.token_file), action_token(cfg)
         self.gateway_token = read_token(cfg.gateway.token_file)
         self.containment = contain(cfg.state_dir)
         log.info("contain: %s", self.containment)
@@ -150,7 +149,6 @@ class Daemon:
                            read_timeout_s=cfg.pull.read_timeout_s)
         self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use,
                                swarm=self.swarm)
-        self.refusals = Refusals(self.metrics, discard=self._discard_refused)
         gateways = {}
         self.peer_server = None
         try:
@@ -278,7 +276,7 @@ class Daemon:
     def _start_server(self, spec, gateway: Gateway) -> Running:
         sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, containment=self.containment,
                          plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state,
-                         gateway=gateway, refusals=self.refusals)
+                         gateway=gateway)
         running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)
         running.task = self._tg.create_task(keep("supervisor", sup.run, self.metrics), name=f"server-{spec.name}")
         running.beats = self._tg.create_task(keep("heartbeat", running.heartbeater.run, self.metrics),
@@ -301,20 +299,10 @@ class Daemon:
     def _in_use(self) -> set[int]:
         used = set()
         for r in self.servers.values():
-            for t in (r.supervisor.loaded, r.supervisor.loading, r.supervisor.good):  # good: to go back to
+            for t in (r.supervisor.loaded, r.supervisor.loading):
                 if t is not None:
                     used.add(t.version)
         return used
-
-    async def _discard_refused(self, target: Target) -> None:
-        """Free a refused version's room in the mirror once no server holds it: kept as the
-        mirror's newest, it would leave a mirror sized for two versions no room for the next."""
-        if target.version not in self._in_use():
-            await asyncio.to_thread(self._remove_refused, target)
-
-    def _remove_refused(self, target: Target) -> None:
-        if self.mirror.has(target.version, target.digest):
-            self.mirror.remove(target.version, "refused on this node")
 
     # -- admin actions ----------------------------------------------------------------------------------
     async def restart_server(self, name: str) -> str:
@@ -455,7 +443,6 @@ class Daemon:
                        "usage_bytes": self.mirror.usage_bytes(), "spare_bytes": self.mirror.spare_bytes(),
                        "versions": self.mirror.versions()},
             "servers": servers,
-            "refused": self.refusals.as_list(),
         }
 
 

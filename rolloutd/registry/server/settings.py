@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from rolloutd.config import is_loopback
 
 MiB = 1 << 20
 
@@ -19,7 +21,11 @@ class RegistrySettings(BaseModel):
     keep_versions: int = Field(3, ge=2, description="newest versions kept live; older ones are "
                                "retired (bytes kept until their last lease ends)")
     token_file: Path | None = Field(None, description="file holding the bearer token every "
-                                    "route but /healthz requires; unset: no auth")
+                                    "route but /healthz and the fleet page's files requires; unset: no auth, "
+                                    "which a host other than loopback refuses unless allow_unauthenticated")
+    allow_unauthenticated: bool = Field(False, description="serve a host other than loopback without "
+                                        "token_file: anyone who can reach it may publish, retire and read "
+                                        "versions")
     max_lease_ttl_s: float = Field(3600.0, gt=0, description="longest lease a client may ask for")
     max_wait_s: float = Field(60.0, gt=0, description="longest long-poll on /v1/versions/latest")
     max_json_bytes: int = Field(16 * MiB, ge=4096, description="largest JSON request body "
@@ -33,6 +39,15 @@ class RegistrySettings(BaseModel):
     assign_ttl_s: float = Field(30.0, gt=0, description="peers: a chunk handed to a puller to take from the "
                                 "origin is handed to another if not announced within this long")
     max_peers: int = Field(8, ge=1, le=64, description="peers: most holders named to a puller in one reply")
+
+    @model_validator(mode="after")
+    def _check_open(self) -> RegistrySettings:
+        # Fail closed, as the node's gateway and admin API: open to other hosts only when asked for.
+        if self.token_file is None and not self.allow_unauthenticated and not is_loopback(self.host):
+            raise ValueError(f"a registry on {self.host} (not loopback) needs a token file (--token-file, "
+                             "token_file=), or allow_unauthenticated (--allow-unauthenticated) to let anyone who "
+                             "can reach it publish and read versions")
+        return self
 
     def read_token(self) -> str | None:
         """The token from ``token_file`` (surrounding whitespace stripped); never logged."""
