@@ -23,7 +23,7 @@ from rolloutd.rollout.updater import Target
 from rolloutd.supervise.child import ChildError, describe_exit
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.vllm_http import VllmError
-from rolloutd.wire.manifest import Manifest, build_manifest
+from rolloutd.wire.manifest import Canary, Manifest, build_manifest
 
 S = ServerState
 UPDATE_ROUTES = ("/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/weight_info",
@@ -49,14 +49,18 @@ def config(**sections) -> Config:
     return Config.model_validate(base)
 
 
-def mirror_version(root: Path, version: int, instance: str = "inst-1") -> Target:
-    """A version complete in a mirror directory (its manifest, whose digest the gate checks); the
-    same target again if the directory exists."""
+# A canary the fake server passes: it serves -1.0 for every token (FakeVllm.prompt_logprobs).
+CANARY = Canary(prompt_ids=[1, 2, 3], continuation_ids=[4, 5], logprobs=[-1.0, -1.0], tolerance=0.05)
+
+
+def mirror_version(root: Path, version: int, instance: str = "inst-1", *, canary: Canary | None = None) -> Target:
+    """A version complete in a mirror directory (its manifest, whose digest the gate checks, with
+    ``canary`` if given); the same target again if the directory exists."""
     vdir = root / str(version)
     if not vdir.exists():
         vdir.mkdir(parents=True)
         (vdir / "model.safetensors").write_bytes(version.to_bytes(8, "little") * 64)
-        manifest = build_manifest(version, [vdir / "model.safetensors"], chunk_bytes=4096)
+        manifest = build_manifest(version, [vdir / "model.safetensors"], chunk_bytes=4096, canary=canary)
         (vdir / "manifest.json").write_text(manifest.model_dump_json())
     manifest = Manifest.model_validate_json((vdir / "manifest.json").read_text())
     return Target(version, manifest.digest, vdir, instance)
@@ -136,7 +140,10 @@ class FakeChild:
 class FakeVllm:
     """One server as the supervisor reaches it: the client of its routes, and ``make_child`` for its
     processes. Settings apply to the processes spawned next; ``faults`` to the routes called next
-    (``route: "fail" | "fail_once" | "hang" | "nan"``, ``"nan"`` for the gate's logprobs)."""
+    (``route: "fail" | "fail_once" | "hang" | "nan"``, ``"nan"`` for the gate's logprobs).
+    ``bad_versions``: what the gate meets on a version's weights, in every process (``"wrong"``:
+    logprobs off the canary's; ``"refuse"``: HTTP 400, as vLLM answers a canary it cannot score;
+    ``"load"``: its load fails; ``"die"``: the process dies while loading it)."""
 
     def __init__(self) -> None:
         self.children: list[FakeChild] = []
@@ -152,6 +159,8 @@ class FakeVllm:
         self.load_s = 0.5              # /update_weights takes this long
         self.label: str | None = None  # /weight_info of the current process
         self.at_spawn: list = []       # hooks(child), e.g. to clear faults for the next process
+        self.bad_versions: dict[str, str] = {}  # version -> "wrong" | "refuse" | "load" | "die"
+        self.loaded: list[str | None] = []  # the label of each finished load, in order
         self.closed = 0
 
     def make_child(self, name: str, argv: list[str], env: dict[str, str], **kw) -> FakeChild:
@@ -184,12 +193,13 @@ class FakeVllm:
             del self.faults[route]
         if fault in ("fail", "fail_once"):
             raise VllmError(route, "HTTP 500: a fault of the fake", status=500)
+
         if fault == "hang":
             try:
                 async with asyncio.timeout(timeout_s):
                     await asyncio.Event().wait()
             except TimeoutError:
-                raise VllmError(route, f"no answer within {timeout_s:g} s") from None
+                raise VllmError(route, f"no answer within {timeout_s:g} s", timed_out=True) from None
 
     async def pause(self, mode: str, timeout_s: float, *, clear_cache: bool = True) -> None:
         await self._route("/pause", timeout_s)
@@ -202,11 +212,18 @@ class FakeVllm:
 
     async def update_weights(self, update_info: dict, timeout_s: float) -> None:
         await self._route("/update_weights", timeout_s)
+        bad = self.bad_versions.get(Path(update_info["path"]).name)
+        if bad == "load":
+            raise VllmError("/update_weights", "HTTP 500: a fault of the fake's version", status=500)
+        if bad == "die":
+            self.child.exit(-9)
+            await asyncio.Event().wait()  # no answer: the supervisor's probes see the exit
         await asyncio.sleep(self.load_s)
 
     async def finish_weight_update(self, label: str, timeout_s: float) -> None:
         await self._route("/finish_weight_update", timeout_s)
         self.label = label
+        self.loaded.append(label)
 
     async def drop_kv_cache(self, timeout_s: float) -> None:
         await self._route("/reset_prefix_cache", timeout_s)
@@ -222,7 +239,10 @@ class FakeVllm:
     async def prompt_logprobs(self, token_ids: list[int], timeout_s: float) -> list[float]:
         await self.served_model(timeout_s)  # as the real client: the model's name, then the request
         await self._route("/v1/completions", timeout_s)
-        value = float("nan") if self.faults.get("/v1/completions") == "nan" else -1.0
+        bad = self.bad_versions.get(str(self.label))
+        if bad == "refuse":
+            raise VllmError("/v1/completions", "HTTP 400: token id 99999 is out of vocabulary", status=400)
+        value = float("nan") if self.faults.get("/v1/completions") == "nan" else -5.0 if bad == "wrong" else -1.0
         return [value] * (len(token_ids) - 1)
 
 

@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from rolloutd.supervise import child as child_module
 from rolloutd.supervise import leftovers
-from rolloutd.supervise.child import OutputLevels
+from rolloutd.supervise.child import OutputLevels, is_stop_noise, vllm_header
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups, ShmBaseline
 
 from .test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
@@ -78,6 +79,130 @@ async def test_forwarded_lines_reach_the_log_at_the_childs_level(children, caplo
     got = [(r.getMessage().removeprefix(f"lv[{child.pid}]: "), r.levelno) for r in caplog.records
            if r.name == "rolloutd.server.lv"]
     assert got == VLLM_OUTPUT
+
+
+# -- lines that would alarm for nothing -------------------------------------------------------------
+ROTARY = "(Worker pid=14540) WARNING 12-06 05:27:06 [layerwise.py:266] RotaryEmbedding: Failed to load weights"
+LM_HEAD = "(Worker pid=14540) WARNING 12-06 05:27:06 [layerwise.py:266] ParallelLMHead: Failed to load weights"
+
+
+def test_an_expected_warning_is_debug_and_a_layer_that_missed_its_weights_stays_a_warning():
+    levels = OutputLevels()
+    assert (levels.level(ROTARY), levels.expected is not None) == (D, True)
+    assert (levels.level(LM_HEAD), levels.expected) == (W, None)  # a failed update: tied embeddings
+
+
+async def test_an_expected_warning_is_explained_once_at_info(children, caplog, monkeypatch):
+    monkeypatch.setattr(child_module, "_SAID", set())
+    script = "".join(f"print({line!r})\n" for line in (ROTARY, LM_HEAD, ROTARY))
+    kids = [children(f"r{i}", [sys.executable, "-c", script]) for i in range(2)]
+    for kid in kids:  # one after the other: the second server's lines too are said once in all
+        await kid.spawn()
+        assert await kid.wait() == 0
+    forwarded = [(r.getMessage().split(": ", 1)[1], r.levelno) for r in caplog.records
+                 if r.name.startswith("rolloutd.server.r")]
+    assert forwarded == [(ROTARY, D), (LM_HEAD, W), (ROTARY, D)] * 2
+    said = [r for r in caplog.records if r.getMessage().startswith("lower r")]
+    assert [(r.levelno, r.getMessage()) for r in said] == [
+        (I, f"lower r0[{kids[0].pid}]: vLLM's warning 'RotaryEmbedding: Failed to load weights' at each update "
+            "is expected (that layer holds only buffers it computes itself, which no checkpoint carries): logged "
+            "at DEBUG from now on")]
+
+
+# Recorded from vLLM 0.32 (CPU build) under rolloutd (its paths shortened): what it prints as
+# rolloutd stops it (SIGTERM to its group), and the API server's record when its engine core
+# died under it (a kill -9 of the engine core; the same record comes when a stop's SIGTERM
+# reaches the engine core first). The last rows are not recorded: errors that are not the stop's.
+# (line, level outside a stop rolloutd asked for, level during one)
+VLLM_STOP = [
+    ("(EngineCore pid=16043) INFO 12-06 05:28:02 [core.py:1454] [shutdown] EngineCore: trigger received "
+     "signal=SIGTERM", I, I),
+    ("(APIServer pid=15704) INFO 12-06 05:28:02 [launcher.py:254] [shutdown] API server: shutdown triggered", I, I),
+    ("(APIServer pid=15704) WARNING 12-06 05:28:02 [utils.py:648] [shutdown] Process manager: force killing "
+     "remaining processes count=1", W, I),
+    ("(APIServer pid=15704) WARNING 12-06 05:28:02 [utils.py:653] [shutdown] Process manager: force killing "
+     "remaining process EngineCore pid 16043", W, I),
+    ("(APIServer pid=15704) WARNING 12-06 05:28:02 [system_utils.py:225] [shutdown] force killing sub process "
+     "VLLM::Worker pid 16307", W, I),
+    ("(APIServer pid=13695) WARNING 12-06 05:27:29 [core_client.py:817] [shutdown] MPClient: engine core exited "
+     "unexpectedly; starting cleanup", W, I),
+    ("(APIServer pid=13695) INFO 12-06 05:27:29 [core_client.py:777] [shutdown] MPClient: complete", I, I),
+    ("(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906] AsyncLLM output_handler failed.", E, I),
+    ("(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906] Traceback (most recent call last):", E, I),
+    ('(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906]   File "/opt/vllm/v1/engine/async_llm.py", '
+     "line 849, in output_handler", E, I),
+    ("(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906]     outputs = await "
+     "engine_core.get_output_async()", E, I),
+    ("(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906]               "
+     "^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^", E, I),
+    ('(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906]   File "/opt/vllm/v1/engine/core_client.py", '
+     "line 1235, in get_output_async", E, I),
+    ("(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906]     raise self._format_exception(outputs) "
+     "from None", E, I),
+    ("(APIServer pid=13695) ERROR 12-06 05:27:29 [async_llm.py:906] vllm.v1.engine.exceptions.EngineDeadError: "
+     "EngineCore encountered an issue. See stack trace (above) for the root cause.", E, I),
+    ("INFO:     Shutting down", I, I),
+    ("/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: resource_tracker: There appear "
+     "to be 2 leaked shared_memory objects to clean up at shutdown", W, I),
+    ("  warnings.warn('resource_tracker: There appear to be %d '", W, I),
+    # not the stop's: kept as they are
+    ("(EngineCore pid=16043) ERROR 12-06 05:28:02 [core.py:1100] EngineCore encountered a fatal error.", E, E),
+    ("(EngineCore pid=16043) ERROR 12-06 05:28:02 [core.py:1100] Traceback (most recent call last):", E, E),
+    ("(EngineCore pid=16043) ERROR 12-06 05:28:02 [core.py:1100] RuntimeError: CPU out of memory", E, E),
+    ("(APIServer pid=15704) WARNING 12-06 05:28:02 [serving.py:262] a warning of its own", W, W),
+    ("INFO:     Application shutdown complete.", I, I),
+    ("Traceback (most recent call last):", E, E),
+    ('  File "/opt/vllm/entrypoints/cli/main.py", line 9, in <module>', E, E),
+    ("OSError: [Errno 28] No space left on device", E, E),
+]
+
+
+def test_stop_noise_is_an_engine_dead_record_and_nothing_else():
+    levels = OutputLevels()
+    levels.stopping = True
+    assert [levels.level(line) for line, _, _ in VLLM_STOP[:7]] == [during for _, _, during in VLLM_STOP[:7]]
+    assert is_stop_noise([line for line, _, _ in VLLM_STOP[7:15]])
+    assert not is_stop_noise([line for line, _, _ in VLLM_STOP[18:21]])
+    assert {vllm_header(line) for line, _, _ in VLLM_STOP[7:15]} == {"(APIServer pid=13695) [async_llm.py:906]"}
+
+
+def _prints(lines: list[str], *, on_term: bool) -> list[str]:
+    """A child that prints ``lines``: when SIGTERM comes (then exits 0), or at once."""
+    body = "".join(f"    print({line!r})\n" for line in lines)
+    if not on_term:
+        return [sys.executable, "-c", f"if True:\n{body}"]
+    return [sys.executable, "-c", "import signal, sys, time\n"
+            f"def term(*_):\n{body}    sys.stdout.flush()\n    sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, term)\nprint('ready', flush=True)\ntime.sleep(60)\n"]
+
+
+def _forwarded(caplog, name: str, pid: int) -> list[tuple[str, int]]:
+    return [(r.getMessage().removeprefix(f"{name}[{pid}]: "), r.levelno) for r in caplog.records
+            if r.name == f"rolloutd.server.{name}" and not r.getMessage().endswith(": ready")]
+
+
+async def test_during_a_stop_rolloutd_asked_for_vllms_shutdown_noise_is_info_and_other_errors_stay(children,
+                                                                                                  caplog):
+    child = await spawned_ready(children, caplog, "st", _prints([line for line, _, _ in VLLM_STOP], on_term=True))
+    assert await child.stop(10.0) == "exited with status 0"
+    assert _forwarded(caplog, "st", child.pid) == [(line, during) for line, _, during in VLLM_STOP]
+
+
+async def test_an_error_record_held_during_a_stop_is_bounded(children, caplog):
+    """Held lines are memory: a record longer than the bound is logged as it is, the rest judged anew."""
+    head = "(APIServer pid=9) ERROR 12-06 05:27:29 [async_llm.py:906]"
+    n = child_module._HELD_LINES
+    lines = [f"{head} line {i}" for i in range(n + 100)] + [f"{head} EngineDeadError: EngineCore encountered"]
+    child = await spawned_ready(children, caplog, "long", _prints(lines, on_term=True))
+    assert await child.stop(10.0) == "exited with status 0"
+    assert [level for _, level in _forwarded(caplog, "long", child.pid)] == [E] * n + [I] * 101
+
+
+async def test_the_same_lines_without_a_stop_keep_their_levels(children, caplog):
+    child = children("dead", _prints([line for line, _, _ in VLLM_STOP], on_term=False))
+    await child.spawn()
+    assert await child.wait() == 0
+    assert _forwarded(caplog, "dead", child.pid) == [(line, outside) for line, outside, _ in VLLM_STOP]
 
 
 # -- one stop per child -------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from rolloutd.registry.server.fleet import FAILING_STATES, FleetQuery, FleetView
 from rolloutd.registry.server.rollouts import RolloutLog
 from rolloutd.registry.server.store import Store
 from rolloutd.supervise.states import ServerState
-from rolloutd.wire.messages import GateReport, Heartbeat
+from rolloutd.wire.messages import GateReport, Heartbeat, RefusedVersion
 
 from .test_store import publish
 
@@ -107,7 +107,7 @@ def test_a_row_carries_what_the_replica_reported_and_its_problems(store, clock, 
                   "target": 2, "lag": 1, "lag_s": 20.0, "incarnation": 2, "endpoint": "http://n1:9001",
                   "age_s": 20.0, "paused_s": 0.42, "pull_s": 3.5,
                   "timings": {"paused": 0.42, "pull": 3.5, "load": 0.3}, "gate": bad_gate.model_dump(),
-                  "error": "version 2 failed the gate", "problems": ["gate", "silent"]}
+                  "error": "version 2 failed the gate", "refused": [], "problems": ["gate", "silent"]}
     assert s1["problems"] == ["state", "silent"] and n2["replicas"][0]["problems"] == []
     assert (n1["with_problems"], n1["states"], n1["max_age_s"]) == (2, {"SERVING": 1, "FATAL": 1}, 20.0)
     assert doc["summary"] == {"replicas": 3, "nodes": 2, "by_state": {"FATAL": 1, "SERVING": 2},
@@ -116,6 +116,24 @@ def test_a_row_carries_what_the_replica_reported_and_its_problems(store, clock, 
     assert doc["latest"] == {"version": 2, "published_age_s": 20.0}
     assert [(v["version"], v["held_by"], v["serving"]) for v in doc["versions"]] == [(1, 1, 1), (2, 2, 1)]
     assert view.document(FleetQuery(stale_s=30))["summary"]["silent"] == 0
+
+
+def test_a_replica_whose_node_refused_the_newest_version_has_a_problem_until_it_holds_a_newer_one(store, clock,
+                                                                                                   view):
+    publish(store, 1)
+    newest = publish(store, 2)
+    why = "version 2 failed the gate 2 time(s): gate: canary mismatch"
+    refused = [RefusedVersion(version=2, digest=newest.manifest.digest, reason=why)]
+    beat(store, "n1", "s0", version=1, refused=refused)
+    beat(store, "n2", "s0", version=1, refused=[RefusedVersion(version=2, digest="0" * 64, reason="other bytes")])
+    row = view.document(FleetQuery())["nodes"]["items"][0]["replicas"][0]
+    assert row["problems"] == ["refused"] and row["refused"] == [r.model_dump(mode="json") for r in refused]
+    assert view.document(FleetQuery(problems=True))["nodes"]["total"] == 1, "a refusal of other bytes is none"
+    assert store.refusals(2, None) == {"version": 2, "replicas": 1, "reasons": [{"reason": why, "count": 1}]}
+    assert store.refusals(3, None) is None and store.refusals(1, None) is None
+    publish(store, 3)
+    assert view.document(FleetQuery(problems=True))["nodes"]["total"] == 0, "a newer version to move to"
+    assert store.refusals(2, None) is None
 
 
 def test_filters_and_pages_group_replicas_by_node(store, view):

@@ -969,15 +969,21 @@ def recording(fake_requests: list):
     return script
 
 
-def send_forever(sock, first: bytes, filler: bytes, stop: threading.Event) -> threading.Thread:
-    """Send ``first``, then ``filler`` again and again until ``stop`` or the gateway closes."""
+def send_forever(sock, first: bytes, filler: bytes, stop: threading.Event, sent: list | None = None
+                 ) -> threading.Thread:
+    """Send ``first``, then ``filler`` again and again until ``stop`` or the gateway closes;
+    ``sent`` gets the bytes sent."""
     def go() -> None:
+        n = 0
         try:
             sock.sendall(first)
             while not stop.is_set():
                 sock.sendall(filler)
+                n += len(filler)
         except OSError:
             pass
+        if sent is not None:
+            sent.append(n)
     thread = threading.Thread(target=go, daemon=True)
     thread.start()
     return thread
@@ -1054,7 +1060,7 @@ def test_a_client_without_the_token_is_answered_once_and_closed():
     it is read or parsed, not a pipelined request, not the rest of a body that never ends."""
     seen: list[bytes] = []
     fake = FakeRawUpstream(recording(seen))
-    gw = GatewayThread(fake.socket, free_port(), token=TOKEN).start()
+    gw = GatewayThread(fake.socket, free_port(), token=TOKEN, max_body_bytes="4KiB").start()
     auth = f"Authorization: Bearer {TOKEN}\r\n".encode()
     try:
         for first in (b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n", b"GET /pause HTTP/1.1\r\nHost: x\r\n\r\n",
@@ -1065,16 +1071,19 @@ def test_a_client_without_the_token_is_answered_once_and_closed():
             [(status, headers, _)] = responses(data)
             assert status in (401, 404) and headers["connection"] == "close" and took < 1, (first, data, took)
         assert seen == []
-        # A trailer bomb without the token: answered at once (its head was enough), then closed.
+        # A trailer bomb without the token: answered at once (its head was enough), then closed;
+        # meanwhile at most a body's worth (4 KiB here) is read and dropped, so the sender stops
+        # once the socket buffers are full instead of sending for as long as the gateway lingers.
         with connect(gw) as s:
-            stop = threading.Event()
+            stop, sent = threading.Event(), []
             sender = send_forever(s, CHUNKED_HEAD.replace(b"/tokenize", b"/inference/v1/generate")
-                                  + b"\r\n5\r\nhello\r\n0\r\nX-Bomb: ", b"a" * 65536, stop)
+                                  + b"\r\n5\r\nhello\r\n0\r\nX-Bomb: ", b"a" * 65536, stop, sent)
             data, took = read_until_closed(s, timeout_s=10)
+            sender.join(10)  # until the gateway's close ends it
             stop.set()
-            sender.join(10)
         [(status, headers, _)] = responses(data)
         assert (status, headers["connection"]) == (401, "close") and took < 5, took
+        assert sent[0] < 64 << 20, sent
         # With the token, a connection is kept.
         with connect(gw) as s:
             for _ in range(2):

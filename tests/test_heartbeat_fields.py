@@ -1,19 +1,24 @@
-"""What a heartbeat carries for the fleet view (the server's last error, the node's last pull), and
-a registry from before those fields: the node leaves them out after the first refusal and its
-heartbeats go on (a real registry over HTTP, whose heartbeat model lacks the newer fields)."""
+"""What a heartbeat carries for the fleet view (the server's last error, the node's last pull, the
+versions the node refused), and a registry from before those fields: the node leaves them out
+after the first refusal and its heartbeats go on (a real registry over HTTP, whose heartbeat model
+lacks the newer fields)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
 from pydantic import create_model
 
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.registry import EmbeddedRegistry, VersionRefused
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.puller import PullProgress, PullState
+from rolloutd.rollout.refusals import Refusals
+from rolloutd.rollout.updater import Target
 from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, Heartbeat
 
 GATE = {"ok": False, "canary": True, "max_abs_dlogprob": 0.5, "tolerance": 0.05, "tokens": 3}
@@ -24,18 +29,20 @@ class FakeServer:
 
     name = "gpu0"
 
-    def __init__(self, last_error: str | None):
-        self.last_error = last_error
+    def __init__(self, last_error: str | None, version: int = 2):
+        self.last_error, self.version = last_error, version
+        self.refusals = Refusals()
         self.metrics = SimpleNamespace(heartbeat_failures=SimpleNamespace(labels=lambda **kw: SimpleNamespace(
             inc=lambda: None)))
 
     def snapshot(self) -> dict:
-        return {"state": "SERVING", "endpoint": "http://node-a:9001", "version": 2, "target": 2, "incarnation": 1,
+        return {"state": "SERVING", "endpoint": "http://node-a:9001", "version": self.version, "target": self.version,
+                "incarnation": 1,
                 "last_error": self.last_error,
                 "last_update": {"phases_s": {"paused": 0.5}, "gate": GATE}}
 
 
-def heartbeater(url: str, last_error: str | None) -> tuple[Heartbeater, RegistryClient, list]:
+def heartbeater(url: str, last_error: str | None, version: int = 2) -> tuple[Heartbeater, RegistryClient, list]:
     progress = PullProgress(target=2, clock=iter([10.0, 13.25]).__next__)
     progress.state, progress.ended_at = PullState.DONE, progress.clock()
     replies = []
@@ -43,7 +50,7 @@ def heartbeater(url: str, last_error: str | None) -> tuple[Heartbeater, Registry
                               note_reply=replies.append, note_unreachable=lambda why: None)
     cfg = SimpleNamespace(node_name="node-a", heartbeat=SimpleNamespace(interval_s=1.0, timeout_s=5.0))
     client = RegistryClient(url)
-    return Heartbeater(FakeServer(last_error), lambda: cfg, client, updater), client, replies
+    return Heartbeater(FakeServer(last_error, version), lambda: cfg, client, updater), client, replies
 
 
 async def test_a_heartbeat_carries_the_last_error_clipped_and_the_last_pull():
@@ -75,3 +82,27 @@ async def test_a_registry_from_before_the_fields_gets_heartbeats_without_them(mo
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == \
         [f"heartbeat node-a.gpu0: the registry does not take {' and '.join(refused)}"]
     assert len(replies) == 2 and hb._refused == set(refused)
+
+
+async def test_a_refused_version_reaches_the_directory_the_fleet_view_and_wait_for_replicas_fails_fast(tmp_path):
+    import numpy as np
+
+    with EmbeddedRegistry(port=0) as reg:
+        for v in (1, 2):
+            reg.publish(v, {"w": np.full(64, v, np.float32)})
+        bad = reg.manifest(2)
+        hb, client, _ = heartbeater(reg.url, None, version=1)
+        hb.server.refusals.refuse(Target(2, bad.digest, tmp_path, "i"), "gate: canary mismatch", "gpu0")
+        try:
+            assert await hb.beat()
+        finally:
+            await client.close()
+        listed = reg.replicas()[0]
+        t0 = time.monotonic()
+        with pytest.raises(VersionRefused) as refused:
+            await asyncio.to_thread(reg.wait_for_replicas, 1, min_version=2, timeout_s=60, poll_s=0.05)
+        waited = time.monotonic() - t0
+    assert listed["refused"] == [{"version": 2, "digest": bad.digest, "reason": "gate: canary mismatch"}]
+    assert refused.value.version == 2 and refused.value.replicas == 1
+    assert "their nodes refused version 2 (1 x gate: canary mismatch)" in str(refused.value)
+    assert waited < 5, "not wait_for_replicas' timeout"

@@ -26,7 +26,7 @@ from rolloutd.supervise.states import ARROWS, ServerState
 from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv
 
 from .fake_time import run
-from .supervisor_fakes import UPDATE_ROUTES, Arrows, FakeUpdater, FakeVllm, config, mirror_version, now
+from .supervisor_fakes import CANARY, UPDATE_ROUTES, Arrows, FakeUpdater, FakeVllm, config, mirror_version, now
 
 S = ServerState
 pytestmark = pytest.mark.timeout(30)
@@ -37,8 +37,8 @@ class Rig:
 
     def __init__(self, tmp_path: Path, *, version: int | None = 1, settled: bool = True,
                  updater: FakeUpdater | None = None, slots: asyncio.Semaphore | None = None, index: int = 0,
-                 **sections):
-        self.tmp_path = tmp_path
+                 canary: bool = False, **sections):
+        self.tmp_path, self.canary = tmp_path, CANARY if canary else None
         self.cfg = config(**sections)
         self.vllm = FakeVllm()
         self.updater = updater or FakeUpdater(self.version(version) if version else None, settled=settled)
@@ -52,7 +52,7 @@ class Rig:
         self.task: asyncio.Task | None = None
 
     def version(self, v: int) -> Target:
-        return mirror_version(self.tmp_path / "mirror", v)
+        return mirror_version(self.tmp_path / "mirror", v, canary=self.canary)
 
     def start(self) -> Rig:
         self.task = asyncio.ensure_future(self.sup.run())
@@ -590,6 +590,110 @@ def test_a_version_that_fails_the_gate_is_loaded_again_then_the_server_restarted
     assert rig.arrows.taken[3:6] == [(S.SERVING, S.UPDATING), (S.UPDATING, S.BACKOFF), (S.BACKOFF, S.STARTING)]
     assert rig.vllm.routes(1001).count("/v1/completions") == 1 + 2, "the first sync's gate, then two attempts"
     assert rig.failures("gate") == 2 and "failed the gate 2 time(s)" in rig.sup.last_error
+
+
+# -- a bad version: refused, the last good version served again ------------------------------------------------
+
+def refused(rig: Rig) -> list[tuple[int, str]]:
+    return [(r["version"], r["reason"]) for r in rig.sup.refusals.as_list()]
+
+
+def test_a_canary_the_server_cannot_score_refuses_the_version_at_once_and_the_server_serves_the_last_good_one(
+        tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, canary=True).start()
+        await serving(rig, 1)
+        rig.vllm.bad_versions["2"] = "refuse"
+        await rig.publish(2)
+        await serving(rig, 1, nth=2)
+        seen = (refused(rig), rig.sup.snapshot(), list(rig.vllm.loaded))
+        await rig.publish(3)
+        await serving(rig, 3, nth=3)
+        await rig.stop()
+        return rig, seen
+
+    rig, (refusals, snap, loads) = run(scenario())
+    assert loads == ["1", "2", "1"], "version 2 loaded once (never re-applied nor re-hashed), then 1 again"
+    assert rig.sup.incarnation == 1 and S.BACKOFF not in rig.arrows.states, "no restart"
+    assert [v for v, _ in refusals] == [2] and "cannot score the canary" in refusals[0][1], refusals
+    assert "HTTP 400" in refusals[0][1]
+    assert (snap["state"], snap["version"], snap["target"], snap["last_good"]) == ("SERVING", 1, 1, 1)
+    assert rig.failures("gate") == 1 and rig.sup.failures == 0
+    assert rig.vllm.loaded[-1] == "3" and rig.sup.good == rig.version(3), "the next version is taken as usual"
+    assert rig.metrics.registry.get_sample_value("rolloutd_versions_refused_total") == 1
+    assert rig.metrics.registry.get_sample_value("rolloutd_refused_version") == 2
+
+
+def test_a_version_failing_its_gate_gets_one_restart_then_is_refused_and_never_makes_the_server_fatal(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, canary=True, restart={"max_retries": 0}).start()
+        await serving(rig, 1)
+        rig.vllm.bad_versions["2"] = "wrong"  # in every process: the version, not the server
+        await rig.publish(2)
+        await serving(rig, 1, nth=2)
+        held = (rig.sup.state, rig.sup.incarnation, refused(rig), list(rig.vllm.loaded))
+        await rig.publish(3)
+        await serving(rig, 3, nth=3)
+        await rig.stop()
+        return rig, held
+
+    rig, (state, incarnation, refusals, loads) = run(scenario())
+    assert S.FATAL not in rig.arrows.states and state is S.SERVING
+    assert incarnation == 2 and rig.arrows.states.count(S.BACKOFF) == 1, "one restart, for the version"
+    # the update and its re-apply; in the new process the sync and its re-apply; then version 1 again
+    assert loads == ["1", "2", "2", "2", "2", "1"] and rig.failures("gate") == 4
+    assert [v for v, _ in refusals] == [2] and "failed the gate 2 time(s): gate: canary mismatch" in refusals[0][1]
+    assert rig.sup.failures == 0, "a restart for a version's failure is not the server failing"
+    assert rig.vllm.loaded[-1] == "3"
+
+
+def test_a_refused_version_with_no_good_version_before_it_restarts_the_server_on_its_start_model(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, version=None, canary=True).start()
+        await serving(rig, None)
+        rig.vllm.bad_versions["2"] = "refuse"
+        await rig.publish(2)
+        await serving(rig, None, nth=2)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert rig.sup.incarnation == 2 and rig.vllm.loaded == ["2"], "the second process holds its start model"
+    assert rig.vllm.routes(1002) == [] and refused(rig)[0][0] == 2
+    assert rig.sup.failures == 0 and rig.sup.snapshot()["version"] is None
+
+
+def test_a_last_good_version_that_cannot_be_loaded_again_leaves_the_start_model(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, canary=True).start()
+        await serving(rig, 1)
+        rig.vllm.bad_versions.update({"2": "refuse", "1": "load"})  # version 1 is gone from the mirror, say
+        await rig.publish(2)
+        await serving(rig, None, nth=2)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert [v for v, _ in refused(rig)] == [2], "the version that failed is refused, not the last good one"
+    assert rig.sup.good is None and rig.sup.incarnation == 2 and rig.vllm.routes(1002) == []
+    assert rig.sup.last_error.startswith("loading version 1 again (refused version 2) failed"), rig.sup.last_error
+    assert rig.sup.failures == 1, "a server that cannot load a version it held counts as failing"
+
+
+def test_a_process_that_dies_twice_loading_the_same_version_refuses_it(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, canary=True, restart={"max_retries": 1}).start()
+        await serving(rig, 1)
+        rig.vllm.bad_versions["2"] = "die"
+        await rig.publish(2)
+        await serving(rig, 1, nth=2)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert S.FATAL not in rig.arrows.states and rig.sup.incarnation == 3
+    assert [v for v, _ in refused(rig)] == [2] and "failed twice while loading it" in refused(rig)[0][1]
+    assert rig.vllm.loaded == ["1", "1"], "the third process loads the last good version"
 
 
 # -- stops, restarts, reloads ----------------------------------------------------------------------------------

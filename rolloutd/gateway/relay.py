@@ -386,6 +386,7 @@ class _Client(asyncio.Protocol):
         self.body_bytes = 0  # of every body parsed so far, dropped ones included (a sign of progress)
         self.framing = 0  # bytes parsed in the body state since the last body bytes (FRAMING_LIMIT)
         self.trailers = 0  # trailer fields of the request being read (MAX_HEADERS)
+        self.lingered = 0  # bytes dropped after a refusal (max_body_bytes)
         self.last: bytes | None = None  # one last answer, once the requests before it are answered
         self.deadline: float | None = None  # when the current state's clock runs out; None: no clock
         self.timer: asyncio.TimerHandle | None = None  # fires at or before deadline
@@ -439,7 +440,12 @@ class _Client(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self.state is Reading.DONE:
-            return  # lingering after a refusal: dropped
+            # Lingering after a refusal: dropped, up to a body's worth (what a client that sends
+            # its whole body before it reads may still send), then no longer read.
+            self.lingered += len(data)
+            if self.lingered > self.gw.limit:
+                self.transport.pause_reading()
+            return
         if self.stash is not None:  # (reading is paused: only a read already under way lands here)
             self.stash = bytes(self.stash) + data
             return
@@ -743,7 +749,8 @@ class _Client(asyncio.Protocol):
         self._linger()
 
     def _linger(self) -> None:
-        self.transport.resume_reading()  # reading is what drops the rest (data_received)
+        if self.lingered <= self.gw.limit:
+            self.transport.resume_reading()  # reading is what drops the rest (data_received)
         if self.transport.can_write_eof():
             self.transport.write_eof()
         self.gw.loop.call_later(LINGER_S, self.transport.close)

@@ -62,9 +62,10 @@ from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
+from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.swarm import Swarm, SwarmSettings
-from rolloutd.rollout.updater import Updater
+from rolloutd.rollout.updater import Target, Updater
 from rolloutd.supervise.cgroups import contain
 from rolloutd.supervise.leftovers import ShmBaseline
 from rolloutd.supervise.plugin_path import install_plugin
@@ -149,6 +150,7 @@ class Daemon:
                            read_timeout_s=cfg.pull.read_timeout_s)
         self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use,
                                swarm=self.swarm)
+        self.refusals = Refusals(self.metrics, discard=self._discard_refused)
         gateways = {}
         self.peer_server = None
         try:
@@ -276,7 +278,7 @@ class Daemon:
     def _start_server(self, spec, gateway: Gateway) -> Running:
         sup = Supervisor(spec, self.conf, self.updater, slots=self._rollout_slots, containment=self.containment,
                          plugin_dir=self.plugin_dir, metrics=self.metrics, on_state=self._on_state,
-                         gateway=gateway)
+                         gateway=gateway, refusals=self.refusals)
         running = Running(sup, Heartbeater(sup, self.conf, self.client, self.updater), gateway)
         running.task = self._tg.create_task(keep("supervisor", sup.run, self.metrics), name=f"server-{spec.name}")
         running.beats = self._tg.create_task(keep("heartbeat", running.heartbeater.run, self.metrics),
@@ -299,10 +301,20 @@ class Daemon:
     def _in_use(self) -> set[int]:
         used = set()
         for r in self.servers.values():
-            for t in (r.supervisor.loaded, r.supervisor.loading):
+            for t in (r.supervisor.loaded, r.supervisor.loading, r.supervisor.good):  # good: to go back to
                 if t is not None:
                     used.add(t.version)
         return used
+
+    async def _discard_refused(self, target: Target) -> None:
+        """Free a refused version's room in the mirror once no server holds it: kept as the
+        mirror's newest, it would leave a mirror sized for two versions no room for the next."""
+        if target.version not in self._in_use():
+            await asyncio.to_thread(self._remove_refused, target)
+
+    def _remove_refused(self, target: Target) -> None:
+        if self.mirror.has(target.version, target.digest):
+            self.mirror.remove(target.version, "refused on this node")
 
     # -- admin actions ----------------------------------------------------------------------------------
     async def restart_server(self, name: str) -> str:
@@ -443,6 +455,7 @@ class Daemon:
                        "usage_bytes": self.mirror.usage_bytes(), "spare_bytes": self.mirror.spare_bytes(),
                        "versions": self.mirror.versions()},
             "servers": servers,
+            "refused": self.refusals.as_list(),
         }
 
 

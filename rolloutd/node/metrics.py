@@ -89,6 +89,11 @@ class Metrics:
         self.reload_ok = Gauge("rolloutd_reload_ok", "0 while the last reload was refused (the file on disk is "
                                "not what runs), 1 once one succeeds or when none was tried", registry=r)
         self.reload_ok.set(1)
+        self.versions_refused = Counter("rolloutd_versions_refused", "Versions this node refused: no server "
+                                        "could be made to serve one correctly (each kept its last good "
+                                        "version; /status says why)", registry=r)
+        self.refused_version = Gauge("rolloutd_refused_version", "The version refused last (0: none)",
+                                     registry=r)
         for result in PULL_RESULTS:
             self.pulls.labels(result=result)
         for phase in UPDATE_PHASES:

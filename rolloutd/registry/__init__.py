@@ -5,6 +5,6 @@ Trainer side::
     from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
 """
 
-from rolloutd.registry.publish import EmbeddedRegistry, RegistryHTTP
+from rolloutd.registry.publish import EmbeddedRegistry, RegistryHTTP, VersionRefused
 
-__all__ = ["EmbeddedRegistry", "RegistryHTTP"]
+__all__ = ["EmbeddedRegistry", "RegistryHTTP", "VersionRefused"]

@@ -69,6 +69,17 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 
 # -- over HTTP ----------------------------------------------------------------------------------------
 
+class VersionRefused(RuntimeError):
+    """Too few replicas can reach the version waited for: the nodes of ``replicas`` of them refused
+    the newest version ``version`` (``reasons``: ``[{"reason", "count"}]``, the most common)."""
+
+    def __init__(self, n: int, min_version: int, refused: dict):
+        self.version, self.replicas, self.reasons = refused["version"], refused["replicas"], refused["reasons"]
+        why = "; ".join(f"{r['count']} x {r['reason']}" for r in self.reasons)
+        super().__init__(f"{self.replicas} replica(s) will not reach version {min_version} (for {n} wanted): "
+                         f"their nodes refused version {self.version} ({why}); publish a version that fixes it")
+
+
 class RegistryHTTP:
     """A synchronous client for the trainer (the daemon uses the async ``client``)."""
 
@@ -127,14 +138,19 @@ class RegistryHTTP:
                           poll_s: float = 0.5, state: str = "SERVING", max_age_s: float = 30.0) -> list[dict]:
         """Block until ``n`` replicas heard from within ``max_age_s`` report ``state`` at
         ``min_version`` or newer; returns them. Polls the counts, not the whole directory,
-        so a large fleet costs the registry next to nothing while the trainer waits."""
+        so a large fleet costs the registry next to nothing while the trainer waits.
+        :class:`VersionRefused` at once when too few can get there: the others' nodes refused
+        the newest version (it failed on their servers; they serve their last good version)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            counts = self.replica_counts(max_age_s)
+            body = self._call("GET", "/v1/replica-counts", params={"max_age_s": max_age_s, "min_version": min_version})
+            counts, refused = body["counts"], body.get("refused")
             ready = sum(c["count"] for c in counts if c["state"] == state and (c["version"] or 0) >= min_version)
             if ready >= n:
                 return [r for r in self.replicas() if r["state"] == state and (r["version"] or 0) >= min_version
                         and r["age_s"] <= max_age_s]
+            if refused and sum(c["count"] for c in counts) - refused["replicas"] < n:
+                raise VersionRefused(n, min_version, refused)
             if time.monotonic() >= deadline:
                 seen = ", ".join(f"{c['count']} {c['state']}@{c['version']}" for c in counts) or "none"
                 raise TimeoutError(f"{ready} of {n} replicas {state} at version >= {min_version} "

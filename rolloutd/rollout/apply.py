@@ -11,6 +11,11 @@ is an update failure (``update_failures_total{kind="gate"}``): the whole load is
 (pause -> ... -> gate) up to ``update.max_reapply`` times, then :class:`ApplyFailed` with
 ``restart=True``; it is never reported SERVING with a failing gate.
 
+A gate failure that is the version's fault for certain (:attr:`GateFailed.version_fault`: a
+canary the server cannot score) is not applied again: :class:`ApplyFailed` with
+``version_fault`` at once, and the supervisor refuses the version (it never re-hashes or
+reloads a version for an answer that cannot change).
+
 A failure before ``start_weight_update`` leaves the server's weights untouched: it is resumed
 and the error reported. A failure from ``start_weight_update`` on may leave a half-loaded model:
 the server is **never resumed** as it is. The load is re-applied (start → update → finish)
@@ -42,9 +47,13 @@ RECALL_GRACE_S = 1.0
 
 
 class ApplyFailed(Exception):
-    def __init__(self, message: str, *, restart: bool):
+    """``restart``: the server may hold weights it must never serve (half-loaded, or failing the
+    gate); ``version_fault``: the version is at fault for certain (a canary the server cannot
+    score), so neither loading it again nor a restart can help."""
+
+    def __init__(self, message: str, *, restart: bool, version_fault: bool = False):
         super().__init__(message)
-        self.restart = restart
+        self.restart, self.version_fault = restart, version_fault
 
 
 @dataclass
@@ -128,6 +137,11 @@ class Applier:
                 await self._phase(record, "gate", self._gate(target, record))
             except GateFailed as e:
                 self.metrics.update_failures.labels(kind="gate").inc()
+                if e.version_fault:  # the same answer at every attempt: not loaded again, never served
+                    record.error = str(e)
+                    log.error("gate %s: version %d failed: %s; held out of traffic", self.name, target.version, e)
+                    raise ApplyFailed(f"version {target.version} failed the gate: {e}", restart=True,
+                                      version_fault=True) from None
                 target = await self._again(target, record, e, attempt, attempts, step="gate",
                                            failed=f"version {target.version} failed the gate",
                                            meanwhile="held out of traffic")
@@ -204,7 +218,7 @@ class Applier:
 
     def _failed(self, kind: str, error: Exception) -> None:
         """Count a failed step; a step that got no answer in time counts as ``timeout``."""
-        timed_out = isinstance(error, VllmError) and "no answer within" in str(error)
+        timed_out = isinstance(error, VllmError) and error.timed_out
         self.metrics.update_failures.labels(kind="timeout" if timed_out else kind).inc()
 
     async def _phase(self, record: UpdateRecord, name: str, step: Awaitable) -> None:

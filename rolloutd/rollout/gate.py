@@ -12,6 +12,13 @@ private socket, for the prompt logprobs of a fixed token sequence:
 
 Every prompt position is also checked for finite values. The daemon never imports torch: the
 server computes the logprobs, this module only compares numbers.
+
+A failure says whose it is (:attr:`GateFailed.version_fault`): a canary the server refuses to
+score as a request (HTTP 400 or 422: a token id outside its vocabulary, a canary longer than its
+``max_model_len``), or one whose tolerance is above :data:`MAX_CANARY_TOLERANCE` (such a gate
+would pass anything), is the version's fault for certain: loading it again or restarting the
+server cannot change the answer. A mismatch, a non-finite value or a server that does not answer
+may be the server's.
 """
 
 from __future__ import annotations
@@ -22,19 +29,24 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutd.supervise.vllm_http import VllmClient, VllmError
-from rolloutd.wire.manifest import Canary, Manifest
+from rolloutd.wire.manifest import MAX_CANARY_TOLERANCE, Canary, Manifest
 
 # Small ids: in the vocabulary of every real tokenizer (the daemon does not know the vocabulary).
 PROBE_IDS = (1, 2, 3, 4, 5)
 MANIFEST_NAME = "manifest.json"
+# What vLLM answers for a request it will not run as it is (a validation error): the same canary
+# gets the same answer from any process of this server.
+REFUSED_REQUEST = frozenset({400, 422})
+SCORE_ROUTE = "/v1/completions"  # the route of the scoring request itself (VllmClient.prompt_logprobs)
 
 
 class GateFailed(Exception):
     """The server did not pass; ``result`` holds what was measured."""
 
-    def __init__(self, message: str, result: GateResult):
+    def __init__(self, message: str, result: GateResult, *, version_fault: bool = False):
         super().__init__(message)
         self.result = result
+        self.version_fault = version_fault  # the version's canary is at fault for certain (module docstring)
 
 
 @dataclass
@@ -66,14 +78,21 @@ def read_canary(version_dir: Path, digest: str) -> Canary | None:
 async def run_gate(vllm: VllmClient, canary: Canary | None, timeout_s: float) -> GateResult:
     """Score the canary (or the probe) on the server; GateFailed unless it passes."""
     result = GateResult(canary=canary is not None, tolerance=canary.tolerance if canary else None)
+    if canary is not None and canary.tolerance > MAX_CANARY_TOLERANCE:
+        result.error = (f"gate: the canary's tolerance {canary.tolerance:g} is above {MAX_CANARY_TOLERANCE:g} "
+                        "nats: it would pass any weights")
+        raise GateFailed(result.error, result, version_fault=True)
     ids = [*canary.prompt_ids, *canary.continuation_ids] if canary else list(PROBE_IDS)
     try:
         async with asyncio.timeout(timeout_s):
             served = await vllm.prompt_logprobs(ids, timeout_s)
     except (VllmError, TimeoutError) as e:
         what = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else str(e)
-        result.error = f"gate: scoring failed: {what}"
-        raise GateFailed(result.error, result) from None
+        unscorable = (canary is not None and isinstance(e, VllmError) and e.route == SCORE_ROUTE
+                      and e.status in REFUSED_REQUEST)
+        result.error = (f"gate: the server cannot score the canary of {len(ids)} tokens: {what}" if unscorable
+                        else f"gate: scoring failed: {what}")
+        raise GateFailed(result.error, result, version_fault=unscorable) from None
     result.tokens = len(served)
     bad = [i + 1 for i, v in enumerate(served) if not math.isfinite(v)]
     if canary is not None:

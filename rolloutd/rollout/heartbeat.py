@@ -1,10 +1,10 @@
 """Heartbeats: one task per server, on its own timer, reporting to the registry.
 
 Each beat is a ``PUT /v1/replicas/<node>.<server>`` with the server's state, loaded version,
-target, incarnation, endpoint, last update's phase durations and gate, the node's last pull time
-and the server's last error (the registry's fleet view shows them). The task only reads the
-supervisor's fields, so a pull or an update never delays it. The reply's newest version and
-demand go to the updater. A failed beat is counted and logged when the registry is lost and
+target, incarnation, endpoint, last update's phase durations and gate, the node's last pull time,
+the versions the node refused, and the server's last error (the registry's fleet view shows
+them). The task only reads the supervisor's fields, so a pull or an update never delays it. The
+reply's newest version and demand go to the updater. A failed beat is counted and logged when the registry is lost and
 when it is back, not on every beat; beats go on at the same interval. Cancelling the task
 deregisters the replica (bounded by ``shutdown.deregister_timeout_s``).
 """
@@ -23,7 +23,7 @@ from rolloutd.rollout.puller import PullState
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire import errors
-from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, GateReport, Heartbeat
+from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, GateReport, Heartbeat, RefusedVersion
 
 log = logging.getLogger("rolloutd.rollout.heartbeat")
 
@@ -47,8 +47,10 @@ class Heartbeater:
         pull = self._updater.puller.progress
         if pull is not None and pull.state is PullState.DONE:
             timings["pull"] = round(pull.seconds, 4)  # the node's last pull, for the fleet view
+        refused = self.server.refusals.for_heartbeat()
         optional = {"gate": GateReport(**last["gate"]) if last and last.get("gate") else None,
-                    "last_error": _clip(snap["last_error"])}
+                    "last_error": _clip(snap["last_error"]),
+                    "refused": [RefusedVersion(**r) for r in refused] if refused else None}
         return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap["state"],
                          endpoint=snap["endpoint"],
                          version=snap["version"], target=snap["target"], incarnation=snap["incarnation"],

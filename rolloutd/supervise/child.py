@@ -12,8 +12,13 @@ leftovers.py); ``/dev/shm`` segments are leftovers.py.
   ``rolloutd.server.<name>`` as ``<name>[<pid>]: <line>`` (undecodable bytes replaced, lines
   over 64 KiB split), at the level the child gave the line (vLLM's ``WARNING 12-01 20:09:15
   [file.py:266] ...`` prefix, also after ``(APIServer pid=N)``; a traceback at the level of the
-  line that started it; anything else at INFO). It ends at end of file, when the last process
-  holding the pipe is gone; the child owns it, and its stop (or wait) awaits it.
+  line that started it; anything else at INFO), except where that level would alarm for nothing:
+  warnings expected in rolloutd's use (``RotaryEmbedding: Failed to load weights`` at each
+  update) at DEBUG, said once at INFO; and once rolloutd has signalled the child (a stop it asked
+  for), vLLM's shutdown warnings and its ``EngineDeadError`` record at INFO (an error record is
+  held until its traceback ends, to see its cause; any other error keeps its level). It ends at
+  end of file, when the last process holding the pipe is gone; the child owns it, and its stop
+  (or wait) awaits it.
 - :meth:`Child.stop` signals the **scope**, every process of it: SIGTERM, a grace period for all
   of them (not only the leader), then SIGKILL. The leader is reaped on every path; cancelling the caller
   hurries to SIGKILL and still reaps before the cancellation goes on. A child has one stop task:
@@ -44,9 +49,11 @@ log = logging.getLogger("rolloutd.supervise.child")
 MAX_LINE_BYTES = 64 * 1024      # a longer output line is logged in pieces of this size
 _READ_BYTES = 64 * 1024
 _DRAIN_S = 1.0                  # after the group is gone, how long the last output may take to arrive
+_HELD_LINES = 500               # an error record held during a stop longer than this is logged as it is
 _CRASH_SIGNALS = {signal.SIGSEGV, signal.SIGBUS, signal.SIGILL, signal.SIGFPE, signal.SIGABRT}
 
 T = TypeVar("T")
+_SAID: set[str] = set()         # the explanations of EXPECTED_WARNINGS given already, once per daemon
 
 
 class ChildError(Exception):
@@ -90,6 +97,23 @@ _PY_WARNING = re.compile(r"^\S+\.py:\d+: \w*Warning: ")
 _LEVELS = {"DEBUG": logging.DEBUG, "INFO": logging.INFO, "WARNING": logging.WARNING, "ERROR": logging.ERROR,
            "CRITICAL": logging.CRITICAL}
 _CHAINED = ("During handling of the above exception", "The above exception was the direct cause")
+# vLLM's header of a line, without the time: the lines of one multi-line record share it.
+_HEADER = re.compile(r"^(\([^()]*pid=\d+\) ?)?[A-Z]+\s+\d\d-\d\d\s+\d\d:\d\d:\d\d\s+(\[[^\]]*\])")
+
+# Warnings vLLM prints in rolloutd's normal use that ask nothing of an operator: logged at DEBUG,
+# and said once at INFO, with why, the first time one is seen.
+EXPECTED_WARNINGS = (
+    (re.compile(r"\bRotaryEmbedding: Failed to load weights\s*$"),
+     "vLLM's warning 'RotaryEmbedding: Failed to load weights' at each update is expected (that layer holds "
+     "only buffers it computes itself, which no checkpoint carries): logged at DEBUG from now on"),
+)
+# What vLLM prints while it stops because rolloutd stopped it: its shutdown steps' warnings
+# ("[shutdown] ... force killing", "engine core exited unexpectedly" when the engine core took the
+# signal first), Python's note on the shared memory its processes left (rolloutd removes that),
+# and the API server's EngineDeadError traceback. Logged at INFO during such a stop only; any
+# other line keeps its level, and the same lines outside a stop are real failures.
+_STOP_WARNINGS = re.compile(r"\[shutdown\] |resource_tracker: There appear to be \d+ leaked \w+ objects")
+_STOP_ERRORS = re.compile(r"\bEngineDeadError\b")
 
 
 class OutputLevels:
@@ -101,14 +125,17 @@ class OutputLevels:
     def __init__(self) -> None:
         self._level: int | None = None   # the level a continuation line inherits
         self._traceback = False          # inside "Traceback ...", before its exception line
+        self.stopping = False            # rolloutd is stopping the child: its shutdown warnings are INFO
+        self.expected: str | None = None  # why the last line was lowered to DEBUG (EXPECTED_WARNINGS)
 
     def level(self, text: str) -> int:
         body = _PID_PREFIX.sub("", text, count=1)
+        self.expected = None
         if m := _LEVELED.match(body):
-            self._level, self._traceback = _LEVELS[m.group(1)], False
+            self._level, self._traceback = self._lowered(_LEVELS[m.group(1)], body), False
             return self._level
         if _PY_WARNING.match(body):
-            self._level, self._traceback = logging.WARNING, False
+            self._level, self._traceback = self._lowered(logging.WARNING, body), False
             return self._level
         if body.startswith("Traceback (most recent call last)"):
             self._traceback = True
@@ -121,6 +148,30 @@ class OutputLevels:
             return self._level
         self._level, self._traceback = None, False
         return logging.INFO
+
+    def _lowered(self, level: int, body: str) -> int:
+        """A warning that asks nothing of an operator, at the level it deserves (its continuation
+        lines inherit that level)."""
+        if level != logging.WARNING:
+            return level
+        for pattern, why in EXPECTED_WARNINGS:
+            if pattern.search(body):
+                self.expected = why
+                return logging.DEBUG
+        if self.stopping and _STOP_WARNINGS.search(body):
+            return logging.INFO
+        return level
+
+
+def vllm_header(text: str) -> str | None:
+    """vLLM's header of a line (its process, level and ``[file:line]``), or None when it has none."""
+    m = _HEADER.match(text)
+    return None if m is None else f"{m.group(1) or ''}{m.group(2)}"
+
+
+def is_stop_noise(block: list[str]) -> bool:
+    """An error record of vLLM's (a message and its traceback) that a requested stop explains."""
+    return any(_STOP_ERRORS.search(line) for line in block)
 
 
 # -- exit statuses -----------------------------------------------------------------------------------
@@ -170,6 +221,8 @@ class Child:
         self._transport: asyncio.ReadTransport | None = None
         self._sent: set[int] = set()
         self._levels = OutputLevels()
+        self._held: list[tuple[str, int]] = []        # an error record of a stop, until its end shows its cause
+        self._held_header: str | None = None
         self._stopping: asyncio.Task | None = None    # the one stop task; every stop() awaits it
         self._hurry = asyncio.Event()                 # a stopper was cancelled: skip the grace period
         self._gone = False                            # the group is gone and its traces removed
@@ -258,14 +311,44 @@ class Child:
             if pending:
                 self._emit(pending)  # the last line, without its newline
         finally:
+            self._release()
             self._transport.close()
 
     def _emit(self, line: bytes) -> None:
         level = None
         for i in range(0, max(len(line), 1), MAX_LINE_BYTES):
             text = line[i:i + MAX_LINE_BYTES].decode(errors="replace").rstrip("\r")
-            level = self._levels.level(text) if level is None else level  # a long line's pieces: its level
+            if level is None:  # a long line's pieces: its level
+                level = self._levels.level(text)
+                if (why := self._levels.expected) is not None and why not in _SAID:
+                    _SAID.add(why)
+                    log.info("lower %s: %s", self, why)
+            self._out(text, level)
+
+    def _out(self, text: str, level: int) -> None:
+        """Log one line. During a stop rolloutd asked for, an error record of vLLM's is held until
+        its end (its traceback's last line names the cause), then logged at INFO when the stop
+        explains it (EngineDeadError), at its own level otherwise."""
+        if not self._levels.stopping or (level < logging.ERROR and not self._held):
             self.log.log(level, "%s[%d]: %s", self.name, self.pid, text)
+            return
+        header = vllm_header(text)
+        if self._held and level >= logging.ERROR and header in (None, self._held_header):
+            self._held.append((text, level))
+            if len(self._held) >= _HELD_LINES:
+                self._release()
+            return
+        self._release()
+        if level >= logging.ERROR:
+            self._held, self._held_header = [(text, level)], header
+        else:
+            self.log.log(level, "%s[%d]: %s", self.name, self.pid, text)
+
+    def _release(self) -> None:
+        held, self._held = self._held, []
+        quiet = is_stop_noise([text for text, _ in held])
+        for text, level in held:
+            self.log.log(logging.INFO if quiet else level, "%s[%d]: %s", self.name, self.pid, text)
 
     async def _drain(self) -> None:
         """Let the reader log the last lines; give up on a pipe still held open outside the group."""
@@ -319,6 +402,7 @@ class Child:
         if self.returncode is not None and not self.group_pids():
             return
         self._sent.add(sig)
+        self._levels.stopping = True  # whatever vLLM says of its end from now on, rolloutd asked for it
         self.scope.signal(sig)
 
     def describe_exit(self) -> str:

@@ -17,6 +17,17 @@
 - A failure goes to BACKOFF: the process group is stopped, then the server is started again
   after a growing delay; after ``restart.max_retries`` failures in a row, FATAL (a person
   restarts it through the admin API). Serving for ``restart.stable_after_s`` resets the count.
+  FATAL is for a server that cannot start or cannot hold a version it held before, never for a
+  bad version:
+- A version that fails on the server (its load or its gate, after ``update.max_reapply``
+  re-applies) is given one restart when the failure could be the server's (a fresh process
+  tells a broken server from a bad version; this restart does not count toward FATAL), none
+  when it is the version's for certain (a canary the server cannot score). If it fails again,
+  the node **refuses** it (:class:`~rolloutd.rollout.refusals.Refusals`: no server of the node
+  loads it again) and the server goes back to its last good version (:attr:`Supervisor.good`,
+  loaded again and gated; its start model if it had none, by a restart); a process that dies
+  twice while loading the same version refuses it too. The next version is taken as usual. If
+  the last good version cannot be loaded again, the server restarts on its start model.
 - Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to all its processes, grace, KILL,
   every process reaped, STOPPED; the child is never left behind on any path.
 """
@@ -39,6 +50,7 @@ from rolloutd.config import Server as ServerConfig
 from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
+from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.supervise.child import Child, ChildError
@@ -94,7 +106,7 @@ class Supervisor:
     def __init__(self, spec: ServerConfig, conf: Callable[[], Config], updater: Updater, *,
                  slots: Callable[[], RolloutSlots], containment: Containment, plugin_dir: Path, metrics: Metrics,
                  on_state: Callable[[str, ServerState, ServerState], None] | None = None,
-                 gateway: Gateway | None = None, vllm: VllmClient | None = None,
+                 gateway: Gateway | None = None, vllm: VllmClient | None = None, refusals: Refusals | None = None,
                  make_child: Callable[..., Child] = Child, clock: Callable[[], float] = time.monotonic):
         # vllm, make_child and clock are the seams of the OS and the server: tests pass fakes and the
         # event loop's clock, to walk every arrow of the lifecycle in milliseconds.
@@ -114,6 +126,11 @@ class Supervisor:
         self.last_error: str | None = None
         self.last_update: UpdateRecord | None = None
         self.serving_since: float | None = None
+        self.refusals = refusals if refusals is not None else Refusals(metrics)  # the node's, shared
+        self.good: Target | None = None         # the last version it served, gate passed (None: its start model)
+        self._suspect: Target | None = None     # the version it restarted for once (module docstring)
+        self._free_restart = False              # the next restart is the version's doing: not toward FATAL
+        self._died_loading: Target | None = None  # what it was loading when its process failed
         metrics.server_state.labels(server=spec.name).state(S.STOPPED.name)
 
     @property
@@ -190,6 +207,8 @@ class Supervisor:
             raise AssertionError("_serve returns only by raising")
         except (ServerFailed, ApplyFailed, ChildError) as e:
             log.error("fail %s[%s]: %s", self.name, self.child.pid if self.child else "-", e)
+            if isinstance(e, ServerFailed):
+                self._died_while_loading(str(e))
             return self._failed(str(e))
         except Exception as e:  # a bug: restart this server rather than take the daemon down
             log.exception("crash while supervising %s", self.name)
@@ -234,16 +253,22 @@ class Supervisor:
         raise ServerFailed(f"not healthy within restart.start_timeout_s={cfg.restart.start_timeout_s:g}")
 
     async def _sync(self) -> None:
-        """Hold the node's target before serving (nothing to hold: serve the start model)."""
+        """Hold the node's target before serving (nothing to hold: serve the start model); a
+        target the node refused: the last good version (none: the start model it holds)."""
         await self.updater.settled.wait()
-        if self.updater.target is not None:
-            await self._apply(self.updater.target)
+        target = self.updater.target
+        if target is None:
+            return
+        if self.refusals.refused(target) is None:
+            await self._take(target)
+        elif self.good is not None:
+            await self._restore(self.good, f"version {target.version} is refused on this node")
 
     async def _serve(self) -> None:
         retries = 0  # updates in a row that failed and left the server serving as it was
         while True:
             target = self.updater.target
-            if target is None or target == self.loaded:
+            if target is None or target == self.loaded or self.refusals.refused(target) is not None:
                 retries = 0
                 await self._watch(target)
                 continue
@@ -261,7 +286,7 @@ class Supervisor:
         async with self._slots():
             self.lifecycle.set(S.UPDATING, f"version {self._version_text()} -> {target.version}")
             try:
-                await self._apply(target)
+                await self._take(target)
                 ok = True
             except ApplyFailed as e:
                 if e.restart:
@@ -269,6 +294,62 @@ class Supervisor:
                 self.last_error, ok = str(e), False  # weights untouched and resumed
             self.lifecycle.set(S.SERVING, f"version {self._version_text()}")
             return ok
+
+    # -- a version that fails: one restart at most, then refused; back to the last good version ----------
+    async def _take(self, target: Target) -> None:
+        """Load the node's ``target``. A failure that may have left weights it must not serve: a
+        restart (ApplyFailed), once per version unless the version is at fault for certain; the
+        next one refuses the version and goes back to the last good version."""
+        try:
+            await self._apply(target)
+            return
+        except ApplyFailed as e:
+            if not e.restart:
+                raise  # the weights are untouched: tried again later
+            if not e.version_fault and self._suspect != target:
+                self._suspect, self._free_restart = target, True
+                raise ApplyFailed(f"{e}; restarting once: a new process tells a broken server from a bad "
+                                  "version", restart=True) from None
+            reason = str(e)
+        self._refuse(target, reason)
+        await self._back(target)
+
+    def _refuse(self, target: Target, reason: str) -> None:
+        self.refusals.refuse(target, reason, self.name)
+        self.last_error = f"version {target.version} refused: {reason}"[:500]
+
+    async def _back(self, refused: Target) -> None:
+        """After refusing ``refused``, whose weights the process may hold: load the last good
+        version again, or restart on the start model (the last good one, or the one left)."""
+        if self.good is None:
+            self._free_restart = True
+            raise ApplyFailed(f"version {refused.version} refused; restarting on the start model, the last "
+                              "good version", restart=True)
+        await self._restore(self.good, f"refused version {refused.version}")
+        await self.refusals.discard(refused)
+
+    async def _restore(self, good: Target, why: str) -> None:
+        """Load ``good`` (a version this server served) again; if it cannot, it is forgotten and
+        the server restarts on its start model: a version that is good either way."""
+        log.warning("back %s: to version %d, its last good version (%s)", self.name, good.version, why)
+        try:
+            await self._apply(good)
+        except ApplyFailed as e:
+            self.good = None
+            raise ApplyFailed(f"loading version {good.version} again ({why}) failed: {e}; restarting on the "
+                              "start model", restart=True) from None
+
+    def _died_while_loading(self, error: str) -> None:
+        """The process failed while loading the node's target: the first time, a restart like any
+        failure; the second time for the same version, that version is refused."""
+        target, self._died_loading = self._died_loading, None
+        if target is None or target != self.updater.target or target == self.good:
+            return
+        if self._suspect != target:
+            self._suspect = target
+            return
+        self._free_restart = True
+        self._refuse(target, f"the server failed twice while loading it: {error}")
 
     def _retry_delay(self, retries: int) -> float:
         policy = self._conf().restart
@@ -305,6 +386,7 @@ class Supervisor:
             self._note_stable()
             if not self.child.running:
                 await self.child.wait()
+                self._died_loading = self.loading
                 raise ServerFailed(f"exited{self._during()}: {self.child.describe_exit()}")
             if await self.vllm.healthy(cfg.health.timeout_s):
                 failed = 0
@@ -313,6 +395,7 @@ class Supervisor:
             log.warning("probe %s[%d]: /health failed (%d of %d)%s", self.name, self.child.pid, failed,
                         cfg.health.failures, self._during())
             if failed >= cfg.health.failures:
+                self._died_loading = self.loading
                 raise ServerFailed(f"/health failed {failed} times in a row{self._during()}")
 
     def _during(self) -> str:
@@ -329,6 +412,7 @@ class Supervisor:
                           recall=self.gateway.recall_unanswered if self.gateway is not None else None)
         try:
             self._hold(await applier.apply(target, record))
+            self.good = self.loaded
         except ApplyFailed as e:
             if e.restart:  # half-loaded, or weights that failed the gate: not what it held before
                 self._hold(None)
@@ -358,12 +442,19 @@ class Supervisor:
     async def _back_off(self, error: str) -> None:
         policy = self._conf().restart
         await self._terminate(policy.failed_grace_s)
-        self.failures += 1
-        if self.failures > policy.max_retries:
-            self.lifecycle.set(S.FATAL, f"{self.failures} failures in a row; last: {error[:150]}")
-            await asyncio.Event().wait()  # until a person restarts it (the daemon cancels this task)
-        delay = min(policy.backoff_initial_s * policy.backoff_factor ** (self.failures - 1), policy.backoff_max_s)
-        log.info("backoff %s: restart %d of %d in %.1f s", self.name, self.failures, policy.max_retries, delay)
+        free, self._free_restart = self._free_restart, False
+        if free:  # asked for by a version's failure: not a failure of the server to start
+            delay = policy.backoff_initial_s
+            log.info("backoff %s: restart in %.1f s (for a version's failure; %d failure(s) in a row)", self.name,
+                     delay, self.failures)
+        else:
+            self.failures += 1
+            if self.failures > policy.max_retries:
+                self.lifecycle.set(S.FATAL, f"{self.failures} failures in a row; last: {error[:150]}")
+                await asyncio.Event().wait()  # until a person restarts it (the daemon cancels this task)
+            delay = min(policy.backoff_initial_s * policy.backoff_factor ** (self.failures - 1),
+                        policy.backoff_max_s)
+            log.info("backoff %s: restart %d of %d in %.1f s", self.name, self.failures, policy.max_retries, delay)
         await asyncio.sleep(delay)
         self.restarts += 1
         self.metrics.restarts.labels(server=self.name).inc()
@@ -411,11 +502,14 @@ class Supervisor:
 
     def snapshot(self) -> dict:
         target = self.loading or self.updater.target
+        if self.loading is None and self.refusals.refused(target) is not None:
+            target = self.loaded  # not moving: the node refused its target
         return {"name": self.name, "state": self.state.name, "pid": self.child.pid if self.child and self.state.running
                 else None, "socket": str(self.socket), "public_port": self.spec.public_port,
                 "gpus": list(self.spec.gpus), "endpoint": self.endpoint,
                 "version": self.loaded.version if self.loaded else None,
                 "target": target.version if target else None,
+                "last_good": self.good.version if self.good else None,
                 "incarnation": self.incarnation, "restarts": self.restarts,
                 "state_age_s": round(self.lifecycle.age_s(), 3), "last_error": self.last_error,
                 "last_update": self.last_update.as_dict() if self.last_update else None}

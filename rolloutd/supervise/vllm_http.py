@@ -17,9 +17,11 @@ import aiohttp
 
 
 class VllmError(Exception):
-    def __init__(self, route: str, message: str, *, status: int | None = None):
+    """``status``: the HTTP status vLLM answered (None: no answer); ``timed_out``: none came in time."""
+
+    def __init__(self, route: str, message: str, *, status: int | None = None, timed_out: bool = False):
         super().__init__(f"{route}: {message}")
-        self.route, self.status = route, status
+        self.route, self.status, self.timed_out = route, status, timed_out
 
 
 class VllmClient:
@@ -50,7 +52,7 @@ class VllmClient:
         except VllmError:
             raise
         except TimeoutError:
-            raise VllmError(route, f"no answer within {timeout_s:g} s") from None
+            raise VllmError(route, f"no answer within {timeout_s:g} s", timed_out=True) from None
         except (aiohttp.ClientError, ValueError, OSError) as e:
             raise VllmError(route, f"{type(e).__name__}: {e}") from None
 

@@ -44,6 +44,8 @@ MAX_CANARY_PROMPT = 2048       # token ids of a canary's prompt
 MAX_CANARY_CONTINUATION = 512  # token ids (and expected logprobs) of its continuation
 MAX_TOKEN_ID = (1 << 31) - 1
 DEFAULT_CANARY_TOLERANCE = 0.05
+# Above this (nats: a factor e in probability) a canary's check would pass wrong weights.
+MAX_CANARY_TOLERANCE = 1.0
 
 HashName = Literal["xxh3-128", "sha256"]
 _HEX_LEN = {"xxh3-128": 32, "sha256": 64}

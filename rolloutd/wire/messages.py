@@ -14,7 +14,8 @@ from rolloutd.wire.manifest import Count, ManifestDigest, VersionNumber
 MAX_ERROR_CHARS = 512
 # Heartbeat fields added after the first registries: left out of the body when unset, and left
 # out by a node whose registry refuses them (rollout/heartbeat.py).
-OPTIONAL_HEARTBEAT_FIELDS = ("gate", "last_error")
+OPTIONAL_HEARTBEAT_FIELDS = ("gate", "last_error", "refused")
+MAX_REFUSED = 16  # versions a node keeps refused (the oldest refusal goes first)
 
 # A replica id is ``<node>.<server>``: node configs refuse a name this would not take.
 REPLICA_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
@@ -35,6 +36,17 @@ class GateReport(BaseModel):
     tokens: Count = Field(0, description="positions scored")
 
 
+class RefusedVersion(BaseModel):
+    """A version the node refused: no server of it loads it, each serves its last good version."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    version: VersionNumber
+    digest: ManifestDigest = Field(description="the manifest digest refused (the same number with other "
+                                   "bytes is another version)")
+    reason: str = Field(max_length=MAX_ERROR_CHARS, description="why, as the node logged it")
+
+
 class Heartbeat(BaseModel):
     """What a node reports for one server (contract with the daemon)."""
 
@@ -53,6 +65,8 @@ class Heartbeat(BaseModel):
     gate: GateReport | None = Field(None, description="last update's gate (absent: none ran yet)")
     last_error: str | None = Field(None, max_length=MAX_ERROR_CHARS, description="the server's last failure, "
                                    "if any (it stays after the server recovered)")
+    refused: list[RefusedVersion] | None = Field(None, max_length=MAX_REFUSED, description="versions the "
+                                                 "node refused (absent: none)")
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's

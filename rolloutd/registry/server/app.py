@@ -335,9 +335,13 @@ def _add_replica_routes(app: FastAPI, service: RegistryService) -> None:
 
     @app.get("/v1/replica-counts")
     async def replica_counts(max_age_s: float | None = Query(None, gt=0, description="count only "
-                             "replicas heard from within this many seconds")):
-        return {"instance": store.instance, "total": store.replica_count(),
-                "counts": store.replica_counts(max_age_s)}
+                             "replicas heard from within this many seconds"),
+                             min_version: int | None = Query(None, ge=1, description="also say how many "
+                             "of them will not reach this version: their node refused the newest one")):
+        body = {"instance": store.instance, "total": store.replica_count(), "counts": store.replica_counts(max_age_s)}
+        if min_version is not None:
+            body["refused"] = store.refusals(min_version, max_age_s)
+        return body
 
     @app.delete("/v1/replicas/{replica_id}", status_code=204)
     async def deregister(replica_id: str = ReplicaIdPath):

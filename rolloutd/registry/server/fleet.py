@@ -9,7 +9,9 @@ millisecond, so that heartbeats are answered between them. Then, per request, th
 filtered and grouped by node, and full rows are built only for the nodes of the requested page.
 
 A replica has a *problem* when its state is BACKOFF or FATAL (``state``), its last gate failed
-(``gate``), or the registry has not heard from it for ``stale_s`` (``silent``). Its last error
+(``gate``), its node refused the newest version and it holds an older one (``refused``: it will
+not move before a newer version; the row's ``refused`` says why), or the registry has not heard
+from it for ``stale_s`` (``silent``). Its last error
 is shown as it reported it: it stays after the server recovered, so it is not a problem by itself.
 """
 
@@ -70,7 +72,7 @@ class FleetView:
         """The document, its pass done right here."""
         now = self.store.now()
         if (p := self._cached(now, q.stale_s)) is None:
-            scan = next(step for step in _scan(self._replicas(), now, q.stale_s) if step is not None)
+            scan = next(step for step in _scan(self._replicas(), now, q.stale_s, self._newest()) if step is not None)
             p = self._finish(scan, now, q.stale_s)
         return self._document(q, p, now)
 
@@ -83,7 +85,7 @@ class FleetView:
             async with self._passing:
                 now = self.store.now()
                 if (p := self._cached(now, q.stale_s)) is None:  # the pass another viewer waited for
-                    steps = _scan(self._replicas(), now, q.stale_s)
+                    steps = _scan(self._replicas(), now, q.stale_s, self._newest())
                     while (scan := next(steps)) is None:
                         await asyncio.sleep(0)
                     p = self._finish(scan, now, q.stale_s)
@@ -111,6 +113,10 @@ class FleetView:
         # One copy of the directory's items, made in C: a pass in steps then reads the replicas
         # while heartbeats add and remove them between its steps.
         return list(self.store.directory().items())
+
+    def _newest(self) -> tuple[int, str] | None:
+        latest = self.store.latest
+        return None if latest is None else (latest.number, latest.manifest.digest)
 
     def _cached(self, now: float, stale_s: float) -> _Pass | None:
         last = self._last
@@ -160,7 +166,9 @@ class FleetView:
                 "age_s": round(now - rep.last_seen, 3), "paused_s": hb.timings.get("paused"),
                 "pull_s": hb.timings.get("pull"), "timings": hb.timings,
                 "gate": None if hb.gate is None else hb.gate.model_dump(mode="json"),
-                "error": hb.last_error, "problems": list(_problems(rep, now, stale_s))}
+                "error": hb.last_error,
+                "refused": [r.model_dump(mode="json") for r in hb.refused] if hb.refused else [],
+                "problems": list(_problems(rep, now, stale_s, self._newest()))}
 
 
 class _Scan(NamedTuple):
@@ -171,14 +179,16 @@ class _Scan(NamedTuple):
     serving: Counter
 
 
-def _scan(replicas: list[tuple[str, Replica]], now: float, stale_s: float) -> Iterator[_Scan | None]:
+def _scan(replicas: list[tuple[str, Replica]], now: float, stale_s: float,
+          newest: tuple[int, str] | None) -> Iterator[_Scan | None]:
     """The per-replica part of a pass, in steps: None after each step of about a millisecond
     (``SLICE`` replicas), the result last."""
     entries = []
     for i, (rid, rep) in enumerate(replicas, 1):
         hb, last_seen = rep.heartbeat, rep.last_seen
-        ok = hb.state not in FAILING_STATES and (hb.gate is None or hb.gate.ok) and now - last_seen <= stale_s
-        entries.append(_Entry(hb.node, rid, hb.state, hb.version, () if ok else _problems(rep, now, stale_s)))
+        ok = (hb.state not in FAILING_STATES and (hb.gate is None or hb.gate.ok) and now - last_seen <= stale_s
+              and not hb.refused)
+        entries.append(_Entry(hb.node, rid, hb.state, hb.version, () if ok else _problems(rep, now, stale_s, newest)))
         if i % SLICE == 0:
             yield None
     entries.sort()
@@ -205,13 +215,16 @@ def _grouped(entries) -> list[tuple[str, list[_Entry]]]:
     return groups
 
 
-def _problems(rep: Replica, now: float, stale_s: float) -> tuple[str, ...]:
+def _problems(rep: Replica, now: float, stale_s: float, newest: tuple[int, str] | None) -> tuple[str, ...]:
     hb = rep.heartbeat
     found = ()
     if hb.state in FAILING_STATES:
         found += ("state",)
     if hb.gate is not None and not hb.gate.ok:
         found += ("gate",)
+    if newest is not None and hb.refused and (hb.version or 0) < newest[0] and any(
+            (r.version, r.digest) == newest for r in hb.refused):
+        found += ("refused",)
     if now - rep.last_seen > stale_s:
         found += ("silent",)
     return found

@@ -333,6 +333,27 @@ class Store:
         return [{"state": state, "version": version, "count": n}
                 for (state, version), n in sorted(counts.items(), key=lambda kv: (kv[0][0], kv[0][1] or 0))]
 
+    def refusals(self, min_version: int, max_age_s: float | None = None) -> dict | None:
+        """Replicas heard from within ``max_age_s``, below ``min_version``, whose node refused the
+        newest version (these bytes; at ``min_version`` or above): none of them reaches
+        ``min_version`` before a newer version is published. ``{"version", "replicas",
+        "reasons": [{"reason", "count"}]}`` (the five most common), or None when there are none."""
+        latest = self.latest
+        if latest is None or latest.number < min_version:
+            return None
+        now, key = self.now(), (latest.number, latest.manifest.digest)
+        reasons: Counter[str] = Counter()
+        for r in self._replicas.values():
+            hb = r.heartbeat
+            if not hb.refused or (hb.version or 0) >= min_version or (max_age_s is not None
+                                                                      and now - r.last_seen > max_age_s):
+                continue
+            reasons.update(x.reason for x in hb.refused if (x.version, x.digest) == key)
+        if not reasons:
+            return None
+        return {"version": latest.number, "replicas": sum(reasons.values()),
+                "reasons": [{"reason": why, "count": n} for why, n in reasons.most_common(5)]}
+
     def set_demand(self, min_version: int | None) -> None:
         if min_version is not None and min_version > self._highest:
             raise errors.DemandAhead(f"min_version {min_version} is newer than the newest "
