@@ -15,6 +15,7 @@ from rolloutd.registry import RegistryHTTP
 from rolloutd.registry.canary import load_canary, make_canary, save_canary
 from rolloutd.registry.publish import save_shards
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.wire import errors
 from rolloutd.wire.manifest import Canary, FileEntry, Manifest, build_manifest
 from rolloutd.wire.messages import GateReport, Heartbeat
 from vllm_plugin.checkpoint import check_version, manifest_digest
@@ -110,6 +111,34 @@ def test_publish_carries_the_canary(registry, tmp_path):
         check(http.publish(5, sd, chunk_bytes=1 << 16), None)
     finally:
         http.close()
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"continuation_ids": [5, 512]},
+     r"token id\(s\) \[512\] outside the vocabulary of 512 \(lm_head.weight has 512 rows\)"),
+    ({"prompt_ids": [1, 99999, 42]}, r"token id\(s\) \[99999\] outside the vocabulary of 512"),
+    ({"tolerance": 1.5}, "tolerance 1.5 is above 1 nats: the check would pass any weights"),
+])
+def test_a_canary_that_can_never_pass_is_refused_at_publish(registry, change, why):
+    """Checked against the version's own tensors (the rows of its embedding and head): every node
+    would otherwise load the version to find out, and refuse it."""
+    sd = tinymodel.state_dict(tinymodel.TINY, 1)
+    bad = CANARY.model_copy(update=change)
+    http = RegistryHTTP(registry.url, registry.service.token)
+    try:
+        with pytest.raises(errors.BadCanary, match=why):
+            http.publish(1, sd, chunk_bytes=1 << 16, canary=bad)
+        with pytest.raises(errors.BadCanary, match=why):
+            registry.publish(1, sd, chunk_bytes=1 << 16, canary=bad)
+        assert http.versions() == []
+        assert http.publish(1, sd, chunk_bytes=1 << 16, canary=CANARY).canary == CANARY, "fixed, it is taken"
+    finally:
+        http.close()
+
+
+def test_make_canary_refuses_a_tolerance_that_would_pass_anything():
+    with pytest.raises(ValueError, match="at most 1 nats"):
+        make_canary(object(), [1, 2], tolerance=2.0)
 
 
 def test_heartbeat_gate_is_optional_and_left_out_when_absent():

@@ -624,6 +624,21 @@ def test_a_canary_the_server_cannot_score_refuses_the_version_at_once_and_the_se
     assert rig.metrics.registry.get_sample_value("rolloutd_refused_version") == 2
 
 
+def test_a_canary_whose_tolerance_would_pass_anything_is_refused_without_scoring(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, canary=True).start()
+        await serving(rig, 1)
+        wide = CANARY.model_copy(update={"tolerance": 50.0})  # from a registry that did not check it
+        await rig.updater.publish(mirror_version(tmp_path / "mirror", 2, canary=wide))
+        await serving(rig, 1, nth=2)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert rig.vllm.loaded == ["1", "2", "1"] and rig.vllm.routes(1001).count("/v1/completions") == 2
+    assert "tolerance 50 is above 1 nats" in refused(rig)[0][1]
+
+
 def test_a_version_failing_its_gate_gets_one_restart_then_is_refused_and_never_makes_the_server_fatal(tmp_path):
     async def scenario():
         rig = Rig(tmp_path, canary=True, restart={"max_retries": 0}).start()

@@ -129,6 +129,13 @@ class DuplicateTensor(RegistryError):
     status = 422
 
 
+class BadCanary(RegistryError):
+    """The version's canary can never pass on a server of its model (a token id outside the
+    vocabulary its tensors give, or a tolerance so wide it would pass any weights)."""
+    code = "bad_canary"
+    status = 422
+
+
 class LeaseUnknown(RegistryError):
     """No such lease (never granted, or released)."""
     code = "lease_unknown"
@@ -164,7 +171,7 @@ BY_CODE: dict[str, type[RegistryError]] = {
         InvalidRequest, Unauthorized, RouteNotFound, MethodNotAllowed, BodyTooLarge, NoVersions,
         VersionUnknown, VersionRetired, VersionNotNewer, VersionConflict, FileUnknown, BytesElsewhere,
         RangeNotSatisfiable, UploadIncomplete, DigestMismatch, ManifestDigestMismatch,
-        DuplicateTensor, LeaseUnknown, LeaseExpired, DemandAhead, Internal, RegistryUnavailable)
+        DuplicateTensor, BadCanary, LeaseUnknown, LeaseExpired, DemandAhead, Internal, RegistryUnavailable)
 }
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from rolloutd.registry.canary import canary_problems, version_tensors
 from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped, Upload
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.settings import RegistrySettings
@@ -198,8 +199,10 @@ class RegistryService:
             if self.store.check_publishable(manifest):
                 return self.store.get(manifest.version), False
             if manifest.source is not None:  # the bytes are in an object store: the manifest only
+                self._check_canary(manifest, staged=False)
                 return self._publish_committed(manifest, await asyncio.to_thread(self.blobs.commit, manifest)), True
             self._check_staged(manifest)
+            await asyncio.to_thread(self._check_canary, manifest, staged=True)
             self._publishing.add(manifest.version)
             try:
                 if verify:
@@ -233,6 +236,15 @@ class RegistryService:
                 problems.append(f"{f.name} has {sizes[f.name]} bytes, manifest says {f.size}")
         if problems:
             raise errors.UploadIncomplete("; ".join(problems[:20]))
+
+    def _check_canary(self, manifest: Manifest, *, staged: bool) -> None:
+        """A canary that can never pass would have every node load the version and refuse it."""
+        if manifest.canary is None:
+            return
+        tensors = version_tensors(manifest.files, lambda name, o, n: self.blobs.read_staged(
+            manifest.version, name, o, n)) if staged else ()
+        if problems := canary_problems(manifest.canary, tensors):
+            raise errors.BadCanary(f"version {manifest.version}: its canary can never pass: {'; '.join(problems)}")
 
     def _duplicate_tensors(self, manifest: Manifest) -> list[str]:
         """Tensor names given twice across the safetensors headers of the staged files (files
