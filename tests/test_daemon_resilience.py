@@ -199,6 +199,20 @@ def test_a_refused_reload_stays_visible_until_one_succeeds_and_a_restart_keeps_c
         listener.close()
 
 
+def test_a_mirror_larger_than_its_filesystem_is_said_once_at_start_and_at_each_reload(daemons):
+    d = daemons(servers=1, mirror={"max_bytes": "1PiB"})
+    d.wait_versions({"s0": 1}, 30)
+
+    def said() -> list[str]:
+        return re.findall(r"^\S+ \S+ WARNING rolloutd: check mirror: mirror\.max_bytes is 1024\.0 TiB but the "
+                          r"filesystem holding (\S+) can give it \d.*; set mirror\.max_bytes to at most \d",
+                          d.log_text(), re.M)
+    assert said() == [d.cfg["mirror"]["dir"]], d.tail()
+    d.signal(signal.SIGHUP)
+    d.wait(lambda s: s["reload"]["ok"] is True, 10, "the reload")
+    assert len(said()) == 2, d.tail()
+
+
 # -- 2. an unusable registry reply is an error value, never the end of the daemon ---------------------
 def test_garbage_from_the_registry_is_counted_and_served_through_until_it_answers_again(daemons, proxy):
     d = daemons(servers=2, registry_url=proxy.url)

@@ -72,6 +72,7 @@ from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
+from rolloutd.units import size
 
 log = logging.getLogger("rolloutd")
 S = ServerState
@@ -140,6 +141,7 @@ class Daemon:
         prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
         self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes), recycle=cfg.mirror.recycle)
         self.mirror.clean_partials()
+        self._check_mirror_room()
         self.plugin_dir = install_plugin(cfg.state_dir / "plugin")
         self.admin = AdminServer(create_app(self, admin_token), cfg.admin.host, cfg.admin.port)
         self.client = RegistryClient(cfg.registry.url, registry_token, timeouts=Timeouts(
@@ -364,10 +366,27 @@ class Daemon:
             message += f"; needs a restart of rolloutd: {', '.join(kept)}"
         log.info("reload: %s", message)
         self.last_reload.ok, self.last_reload.error, self.last_reload.where = True, None, None
+        self._check_mirror_room()
         self.metrics.reload_ok.set(1)
         self.notifier.ready()
         self.notifier.status(self._status_line())
         return {"ok": True, "message": message}
+
+    def _check_mirror_room(self) -> None:
+        """Say once, at start and at each reload, when ``mirror.max_bytes`` is more than the mirror's
+        filesystem can give it: pulls then fail for lack of room long before the mirror is full."""
+        try:
+            st = os.statvfs(self.mirror.dir)
+        except OSError as e:
+            log.warning("check mirror: cannot read the size of the filesystem holding %s: %s", self.mirror.dir, e)
+            return
+        free, whole = st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+        held = self.mirror.usage_bytes()
+        if self.mirror.max_bytes > free + held:
+            log.warning("check mirror: mirror.max_bytes is %s but the filesystem holding %s can give it %s (%s "
+                        "free + %s it holds, of %s in all): a version that does not fit fails its pull; set "
+                        "mirror.max_bytes to at most %s", size(self.mirror.max_bytes), self.mirror.dir,
+                        size(free + held), size(free), size(held), size(whole), size(free + held))
 
     def _reload_refused(self, e: Exception) -> None:
         """Log it, and keep it visible until a reload succeeds: ``/status``, the metrics, ``STATUS=``."""
