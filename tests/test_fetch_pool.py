@@ -1,20 +1,29 @@
 """The pull's worker processes on their own: a start that fails, a source that cannot be built,
-and a daemon that dies under them (its workers must not outlive it)."""
+a daemon that dies under them (its workers must not outlive it); and the faults a source or a
+worker can show: an error reply of any size, a peer that trickles bytes, a worker that stops
+or writes more than the daemon reads."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
+import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
-from rolloutd.rollout.fetch_pool import ChunkJob, FetchPool, WorkerCrashed
-from rolloutd.rollout.sources import SourceSpec
+from rolloutd.rollout.fetch_pool import EVENT_LINE_LIMIT, ChunkJob, FetchPool, WorkerCrashed
+from rolloutd.rollout.sources import MESSAGE_CHARS, SourceSpec
+from rolloutd.wire import errors
 
-from .test_puller import gone
+from .test_puller import gone, publish
+from .waiting import until
 
 SPEC = SourceSpec("registry", "http://127.0.0.1:9")  # nothing listens there
 
@@ -132,3 +141,143 @@ def test_bytes_past_the_end_of_the_chunk_are_an_error_and_are_not_written(tmp_pa
     finally:
         os.close(fd)
     assert path.read_bytes() == b"a" * 1500 + b"x" * 1500
+
+
+# -- what a source or a worker can do to the pool ------------------------------------------------------------
+
+@contextlib.asynccontextmanager
+async def fake_source(handler):
+    """A FAKE registry or peer on loopback: ``handler`` answers every byte range."""
+    app = web.Application()
+    app.router.add_get("/v1/versions/{v}/files/{name}", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    finally:
+        await runner.cleanup()
+
+
+def a_chunk(tmp_path: Path, source: SourceSpec, size: int = 64 << 10, **kw) -> ChunkJob:
+    part = tmp_path / "f"
+    part.write_bytes(b"\0" * size)
+    return ChunkJob(source, 1, "f", part, 0, size, "xxh3-128", "0" * 32, **kw)
+
+
+# 60 KB of JSON as the source sends it (UTF-8); the worker's JSON escapes it to about 180 KB.
+BIG_ERROR = json.dumps({"error": {"code": "file_unknown", "message": "é" * 30_000}}, ensure_ascii=False).encode()
+
+
+async def test_an_error_reply_of_60_kb_reaches_the_pull_as_its_typed_error_cut_short(tmp_path):
+    """Such a reply used to make a worker line over the pool's reader limit: the reader died,
+    the chunk waited for pull.timeout_s, and closing the pool raised."""
+    async def refuse(request):
+        return web.Response(status=404, body=BIG_ERROR, content_type="application/json")
+    async with fake_source(refuse) as url, FetchPool(workers=1, streams=1) as pool:
+        [pid] = pool.pids
+        job = a_chunk(tmp_path, SourceSpec("registry", url))
+        with pytest.raises(errors.FileUnknown) as got:
+            await asyncio.wait_for(pool.fetch(job, lambda n: None), 10)
+        assert str(got.value) == "é" * MESSAGE_CHARS  # the code kept, the message cut
+        with pytest.raises(errors.FileUnknown):  # the same worker, still reading and read
+            await asyncio.wait_for(pool.fetch(job, lambda n: None), 10)
+        assert pool.pids == [pid] and pool.restarts == 0
+    assert gone(pid)  # and the pool closed without an error
+
+
+FAKE_WORKER = """
+import sys
+sys.stdin.readline()
+print('{"ready": 1}', flush=True)
+for line in sys.stdin:  # every job answered with one line far over the daemon's limit
+    print('{"id": 0, "junk": "' + "x" * %d + '"}', flush=True)
+"""
+
+
+async def test_a_worker_line_over_the_readers_limit_fails_its_chunk_and_the_worker_is_replaced(
+        tmp_path, monkeypatch):
+    """A FAKE worker (the real one bounds its lines) that answers a job with a line over the
+    limit: the chunk fails at once, the worker is killed and another started."""
+    script = tmp_path / "fake_pull_worker.py"
+    script.write_text(FAKE_WORKER % (2 * EVENT_LINE_LIMIT))
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+    async with FetchPool(workers=1, streams=1, restart_initial_s=0.01) as pool:
+        [pid] = pool.pids
+        job = a_chunk(tmp_path, SourceSpec("registry", "http://127.0.0.1:9"))
+        with pytest.raises(WorkerCrashed, match=f"pull worker {pid} wrote a line over {EVENT_LINE_LIMIT} bytes"):
+            await asyncio.wait_for(pool.fetch(job, lambda n: None), 10)
+        await until(lambda: gone(pid) and pool.restarts == 1 and len(pool.pids) == 1, 10, "a new worker")
+
+
+async def test_a_stopped_worker_is_noticed_its_chunk_fails_and_a_new_worker_fetches_it(registry, tmp_path):
+    """SIGSTOP: the worker neither dies nor answers. Within ``silence_s`` (plus a beat) its
+    chunk fails, it is killed, and the worker started in its place fetches the chunk."""
+    manifest, files = publish(registry, 1)
+    entry = manifest.files[0]
+    start, end = manifest.chunk_span(entry, 1)
+    part = tmp_path / entry.name
+    part.write_bytes(b"\0" * entry.size)
+    job = ChunkJob(SourceSpec("registry", registry.url), 1, entry.name, part, start, end, manifest.hash,
+                   entry.chunks[1])
+    async with FetchPool(workers=1, streams=1, beat_s=0.2, silence_s=1.5, restart_initial_s=0.01) as pool:
+        [pid] = pool.pids
+        os.kill(pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerCrashed, match=f"pull worker {pid} wrote nothing for 1.5 s"):
+            await asyncio.wait_for(pool.fetch(job, lambda n: None), 20)
+        assert time.monotonic() - t0 < 4  # 1.5 s of silence, and at most as much again if a beat was due
+        await until(lambda: gone(pid) and len(pool.pids) == 1, 10, "the stopped worker replaced")
+        await asyncio.wait_for(pool.fetch(job, lambda n: None), 20)
+    assert part.read_bytes()[start:end] == files[entry.name][start:end]
+
+
+async def test_a_peer_that_trickles_bytes_is_cut_at_the_chunks_deadline(tmp_path):
+    """A byte every 50 ms: no read ever waits long enough for the read timeout, and a 64 KiB
+    chunk would take an hour. The chunk's deadline ends it while it reads."""
+    size = 64 << 10
+
+    async def trickle(request):
+        resp = web.StreamResponse(status=206, headers={"content-range": f"bytes 0-{size - 1}/{size}"})
+        resp.content_length = size
+        await resp.prepare(request)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(size):
+                await resp.write(b"x")
+                await asyncio.sleep(0.05)
+        return resp
+    async with fake_source(trickle) as url, FetchPool(workers=1, streams=1) as pool:
+        peer = SourceSpec("peer", url, token="t", node="slow-node", read_timeout_s=30)
+        job = a_chunk(tmp_path, peer, size, timeout_s=1.0)
+        t0 = time.monotonic()
+        with pytest.raises(errors.RegistryUnavailable, match="not done by the chunk's deadline"):
+            await asyncio.wait_for(pool.fetch(job, lambda n: None), 20)
+        assert time.monotonic() - t0 < 3
+
+
+def test_a_worker_line_stays_under_the_readers_limit_whatever_the_error_it_reports():
+    """Messages and bodies of any size and script are cut to what the pull needs: the kind, the
+    status, the error code and the start of each message."""
+    import io
+
+    from rolloutd.rollout.fetch_pool import _error
+    from rolloutd.rollout.fetch_worker import Worker
+
+    out = io.StringIO()
+    worker = Worker({"piece_bytes": 1024, "request_bytes": 1024, "streams": 0}, out=out)
+    body = {"error": {"code": "file_unknown", "message": "é" * 30_000}, "detail": ["x" * 1000] * 100}
+    worker.emit({"id": 7, "error": {"kind": "http", "message": "ü" * 50_000, "status": 404, "body": body}})
+    worker.emit({"id": 8, "error": {"kind": "write", "message": "/mirror/" + "ж/" * 40_000}})
+    worker.emit({"id": 9, "bytes": 1 << 20})
+    lines = out.getvalue().splitlines(keepends=True)
+    assert len(lines) == 3 and all(len(line.encode()) <= EVENT_LINE_LIMIT for line in lines)
+    http, write, progress = (json.loads(line) for line in lines)
+    err = _error(http["error"])
+    assert isinstance(err, errors.FileUnknown) and err.status == 404 and str(err) == "é" * MESSAGE_CHARS
+    assert write == {"id": 8, "error": {"kind": "write", "status": None, "body": None,
+                                        "message": ("/mirror/" + "ж/" * 40_000)[:MESSAGE_CHARS]}}
+    assert progress == {"id": 9, "bytes": 1 << 20}

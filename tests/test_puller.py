@@ -20,7 +20,7 @@ from aiohttp import web
 from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry.client import RegistryClient
 from rolloutd.registry.publish import serialize_shards
-from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror
+from rolloutd.rollout.mirror import MANIFEST_NAME, RECORD_NAME, Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullState
 from rolloutd.wire import errors
 
@@ -121,7 +121,7 @@ def make_puller(client, mirror, **kw) -> Puller:
 
 def assert_pulled(mirror: Mirror, version: int, files: dict[str, bytes], manifest) -> None:
     vdir = mirror.path(version)
-    assert sorted(os.listdir(vdir)) == sorted([*files, MANIFEST_NAME])
+    assert sorted(os.listdir(vdir)) == sorted([*files, MANIFEST_NAME, RECORD_NAME])
     for name, data in files.items():
         assert (vdir / name).read_bytes() == data, name
     assert (vdir / MANIFEST_NAME).read_text() == manifest.model_dump_json()
@@ -259,6 +259,28 @@ async def test_progress_is_readable_while_pulling(registry, proxy, client, mirro
     assert first["state"] == "pulling" and first["version"] == 1 and first["bytes_total"] == manifest.total_bytes
     assert 0 < first["bytes_done"] < later["bytes_done"] < manifest.total_bytes
     assert later["rate_bytes_per_s"] > 0 and later["eta_s"] > 0
+
+
+async def test_the_rate_never_reads_negative_after_a_chunk_retry(client, mirror, clock):
+    """A chunk that reported 8 MiB and then failed (its bytes are fetched again) once made the
+    rate read -1.3 MiB/s: its bytes left the progress, but not the rate's samples."""
+    from rolloutd.rollout.fetch_pool import ChunkCorrupt
+    from rolloutd.rollout.puller import PullProgress
+
+    class fake_failing_pool:  # a chunk that moves its bytes slowly, then fails its digest
+        async def fetch(self, job, progress):
+            clock.advance(0.5)
+            progress(8 << 20)
+            clock.advance(6.0)  # the rate's window moves past the start of the pull
+            progress(1)
+            raise ChunkCorrupt("digest")
+    puller = make_puller(client, mirror, clock=clock)
+    puller.progress = PullProgress(target=1, clock=clock, state=PullState.PULLING, bytes_total=64 << 20)
+    with pytest.raises(ChunkCorrupt):
+        await puller._attempt(fake_failing_pool(), None)
+    seen = puller.progress.as_dict()
+    assert seen["bytes_done"] == 0  # fetched again: not done
+    assert seen["rate_bytes_per_s"] >= 0 and (seen["eta_s"] is None or seen["eta_s"] >= 0), seen
 
 
 # -- corruption -----------------------------------------------------------------------------------------------
@@ -574,14 +596,15 @@ async def test_each_pull_overwrites_the_files_of_the_version_removed_before_it(r
                     manifest, files = published[v]
                     assert_pulled(mirror, v, files, manifest)
                     assert mirror.versions() == [v - 1, v]
-                    now = {p.stat().st_ino for p in mirror.path(v).iterdir() if p.name != MANIFEST_NAME}
+                    now = {p.stat().st_ino for p in mirror.path(v).iterdir()
+                           if p.name not in (MANIFEST_NAME, RECORD_NAME)}
                     if v == 3:  # the pages of version 1, overwritten
                         assert now <= seen, "version 3 was not written into version 1's files"
                         assert allocate[3] == {name: {False} for name in files}, allocate[3]
                     else:  # version 2's files, but the one still mapped
                         assert mapped_ino not in now and len(now & seen2) == len(now) - 1
                         assert any(False in flags for flags in allocate[4].values()), allocate[4]
-                        new = [p.name for p in mirror.path(4).iterdir() if p.name != MANIFEST_NAME
+                        new = [p.name for p in mirror.path(4).iterdir() if p.name not in (MANIFEST_NAME, RECORD_NAME)
                                and p.stat().st_ino not in seen2]
                         assert new and all(allocate[4][name] == {True} for name in new), (new, allocate[4])
                 assert mapped[:] == published[2][1][kept_name]

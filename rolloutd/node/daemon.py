@@ -27,7 +27,10 @@ again. Only shutdown ends the task group.
 Shutdown, each step bounded by a ``shutdown.*`` deadline: wait for a reload in progress,
 deregister every replica (the trainer stops routing to a server before it stops answering),
 stop every server at once (TERM to each group, grace, KILL, reap), stop the updater (its lease
-is released), stop the admin API.
+is released, its pull workers reaped), stop the admin API. The stop wins over every other
+task: a pull that meets a failure while it is cancelled still ends cancelled (no next pull
+starts), and an updater not gone ``UPDATER_STOP_S`` after its cancellation has its pull workers
+killed and is cancelled again, every second, until it is gone.
 
 Reload: a bad new file keeps the old configuration running and says so. A server restarts
 only when its own entry or the ``vllm`` section changed (changed and removed servers are
@@ -76,6 +79,8 @@ from rolloutd.units import size
 
 log = logging.getLogger("rolloutd")
 S = ServerState
+
+UPDATER_STOP_S = 10.0  # the updater's own stop is bounded (workers 2 s + KILL 5 s, lease release 5 s in parallel)
 
 # Sections a running daemon cannot change: they name its identity, its sockets and its files.
 FIXED_SECTIONS = ("node", "registry", "admin", "gateway", "mirror", "state_dir", "peers", "object_store")
@@ -430,13 +435,14 @@ class Daemon:
     async def _shutdown(self, updater: asyncio.Task, reloader: asyncio.Task, admin: asyncio.Task,
                         announcer: asyncio.Task) -> None:
         self.notifier.stopping()
+        self.updater.stop()  # from here no pull starts, and a pull cancelled ends cancelled whatever it meets
         log.info("stop: deregister %d server(s), then stop them, the updater and the admin API", len(self.servers))
         async with self._changing:  # a reload or restart in progress ends first (its steps have deadlines)
             await _cancel(reloader)
             await asyncio.gather(*(_cancel(r.beats) for r in self.servers.values()))  # trainers look away first
             await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
             await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
-            await _cancel(updater)
+            await self._stop_updater(updater)
             await asyncio.to_thread(self.updater.puller.discard_kept)  # a pull cut short kept its chunks
             await _cancel(announcer)  # the tracker forgets this node's chunks
             self.admin.stop()
@@ -444,6 +450,19 @@ class Daemon:
                 async with asyncio.timeout(self.cfg.shutdown.admin_grace_s):
                     await asyncio.shield(admin)
             await _cancel(admin)
+
+    async def _stop_updater(self, updater: asyncio.Task) -> None:
+        """Cancel the updater and wait until it is gone; one that outlives its bound (a pull
+        stuck in a way nobody foresaw) has its pull workers killed and is cancelled again."""
+        updater.cancel()
+        done, _ = await asyncio.wait({updater}, timeout=UPDATER_STOP_S)
+        while not done:
+            log.error("stop: the updater still runs %g s after it was cancelled; kill its pull workers and "
+                      "cancel it again", UPDATER_STOP_S)
+            await self.updater.puller.close()
+            updater.cancel()
+            done, _ = await asyncio.wait({updater}, timeout=1.0)
+        await _cancel(updater)  # done: collects its outcome
 
     # -- for the admin API ----------------------------------------------------------------------------------
     def healthz(self) -> tuple[bool, str]:

@@ -23,6 +23,16 @@ Contract:
   puller fetches them again, within its retry limit) and is started again after a delay that
   grows from ``restart_initial_s`` to ``restart_max_s``; each restart is counted and reported
   (``on_restart`` gets the workers' pids).
+- A worker that does not die but stops working is treated like one that crashed: its chunks
+  fail with ``WorkerCrashed`` at once, it is killed (SIGKILL) and started again. That is a
+  worker silent for ``silence_s`` (it writes a line every ``beat_s`` however busy) with no
+  thread waiting for a CPU (stopped by SIGSTOP, or hung in the kernel; one only starved by its
+  low priority on a busy node is waited for), one that writes a line over ``EVENT_LINE_LIMIT`` (it bounds its own lines
+  far below: the stream is out of step), and one that has not ended a chunk ``silence_s`` after
+  the chunk's own ``timeout_s`` and is not waiting for a CPU (a stream stuck in the kernel,
+  where no timeout of its own reaches it). A killed worker that is not gone ``KILL_WAIT_S`` later (stuck in the kernel)
+  is left to the kernel and replaced: nothing here waits on a worker without a deadline, so a
+  stuck worker never holds a pull, or the daemon's stop, beyond these bounds.
 """
 
 from __future__ import annotations
@@ -46,6 +56,8 @@ from rolloutd.wire import errors
 log = logging.getLogger("rolloutd.rollout.fetch_pool")
 
 MiB = 1 << 20
+EVENT_LINE_LIMIT = 64 << 10  # longest line read from a worker (it writes at most fetch_worker.MAX_EVENT_BYTES)
+KILL_WAIT_S = 5.0            # after SIGKILL, longest wait for a worker to be gone
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the rolloutd the daemon runs: the workers' too
 
 
@@ -91,12 +103,17 @@ class FetchPool:
     def __init__(self, *, workers: int, streams: int, piece_bytes: int = 1 * MiB,
                  request_bytes: int = 16 * MiB, priority: str = "normal", progress_bytes: int = 8 * MiB,
                  on_restart: Callable[[list[int]], None] | None = None, restart_initial_s: float = 0.1,
-                 restart_max_s: float = 5.0, start_timeout_s: float = 30.0, stop_grace_s: float = 2.0):
+                 restart_max_s: float = 5.0, start_timeout_s: float = 30.0, stop_grace_s: float = 2.0,
+                 beat_s: float = 1.0, silence_s: float = 10.0):
         if workers < 1 or streams < workers:
             raise ValueError(f"need at least one worker and one stream per worker (workers {workers}, "
                              f"streams {streams})")
+        if not 0 < beat_s < silence_s:
+            raise ValueError(f"a worker's beat (every {beat_s} s) must be shorter than the silence that "
+                             f"counts as hung ({silence_s} s)")
         self._hello = {"hello": {"piece_bytes": piece_bytes, "request_bytes": request_bytes,
-                                 "priority": priority, "progress_bytes": progress_bytes}}
+                                 "priority": priority, "progress_bytes": progress_bytes, "beat_s": beat_s}}
+        self._silence_s = silence_s
         # streams spread over the workers as evenly as they go
         self._workers = [_Worker(i, streams // workers + (i < streams % workers)) for i in range(workers)]
         self._on_restart = on_restart or (lambda pids: None)
@@ -156,16 +173,22 @@ class FetchPool:
         for w in self._workers:
             if w.keeper is not None:
                 w.keeper.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
+                try:
                     await w.keeper
-            self._fail(w, asyncio.CancelledError())
+                except asyncio.CancelledError:
+                    pass
+                except Exception:  # a bug in the keeper: the workers are reaped all the same
+                    log.exception("crash in the keeper of pull worker %d", w.index)
+            # A chunk still awaited here belongs to a pull that was not cancelled first: it fails
+            # (a cancelled future would read as a cancelled pull, and a task group ends quietly).
+            self._fail(w, WorkerCrashed("the pull's workers were stopped"))
 
     async def _spawn(self, w: _Worker) -> None:
         w.proc = None
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))}
         w.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "rolloutd.rollout.fetch_worker", stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True)
+            stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True, limit=EVENT_LINE_LIMIT)
         try:
             hello = {"hello": {**self._hello["hello"], "streams": w.capacity}}
             try:
@@ -173,8 +196,11 @@ class FetchPool:
                 await w.proc.stdin.drain()
             except (ConnectionError, RuntimeError):
                 pass  # it is gone already: its exit status says why, below
-            async with asyncio.timeout(self._start_timeout_s):
-                line = await w.proc.stdout.readline()
+            try:
+                async with asyncio.timeout(self._start_timeout_s):
+                    line = await w.proc.stdout.readline()
+            except ValueError:  # a line over the limit
+                line = b""
             if not line.startswith(b'{"ready"'):
                 raise WorkerCrashed(f"pull worker {w.proc.pid} did not start ({_status(await w.proc.wait())})")
         except BaseException:
@@ -193,25 +219,31 @@ class FetchPool:
             async with asyncio.timeout(self._stop_grace_s):
                 await proc.wait()
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGKILL)
-            await proc.wait()
+            await _kill(proc)
 
     async def _keep(self, w: _Worker) -> None:
-        """Read one worker's events; when it exits unexpectedly, fail its chunks and start it
-        again after a growing delay, counting each restart."""
+        """Read one worker's events; when it exits unexpectedly or stops working, fail its chunks
+        and start it again after a growing delay, counting each restart."""
         delay = self._restart_initial_s
         while True:
             started = time.monotonic()
             if w.proc is not None:
-                await self._read_events(w)
-                status = await w.proc.wait()
+                try:
+                    why = await self._read_events(w)
+                except Exception as e:  # a bug here must not leave chunks waiting for news that never comes
+                    log.exception("crash reading pull worker %d", w.proc.pid)
+                    why = f"could not be read ({type(e).__name__}: {e})"
+                if why is not None:
+                    self._hung(w, why)
+                    status = await _kill(w.proc)
+                else:
+                    status = await w.proc.wait()
                 w.ready = False
                 if self._closing:
                     return
                 self._fail(w, WorkerCrashed(f"pull worker {w.proc.pid} exited ({_status(status)})"))
-                log.warning("restart pull worker %d in %.1f s: pid %d exited (%s)", w.index, delay, w.proc.pid,
-                            _status(status))
+                log.warning("restart pull worker %d in %.1f s: pid %d %s", w.index, delay, w.proc.pid,
+                            f"exited ({_status(status)})" if why is None else why)
             if time.monotonic() - started > 10 * self._restart_max_s:
                 delay = self._restart_initial_s  # it had run well for a while
             await asyncio.sleep(delay)
@@ -229,10 +261,22 @@ class FetchPool:
             async with self._free:
                 self._free.notify_all()
 
-    async def _read_events(self, w: _Worker) -> None:
-        while line := await w.proc.stdout.readline():
+    async def _read_events(self, w: _Worker) -> str | None:
+        """Hand the worker's events to their chunks until its output ends (None), or until it
+        stops working: then why (the worker must be killed)."""
+        while True:
+            try:
+                line = await self._next_line(w)
+            except TimeoutError:
+                return f"wrote nothing for {self._silence_s:g} s (stopped or hung)"
+            except ValueError:  # readline's limit: the rest of the stream cannot be trusted
+                return f"wrote a line over {EVENT_LINE_LIMIT} bytes"
+            if not line:
+                return None
             try:
                 event = json.loads(line)
+                if "beat" in event:
+                    continue
                 pending = w.inflight.get(event["id"])
             except (ValueError, KeyError, TypeError):
                 log.warning("pull worker %d: unexpected output %r", w.proc.pid, line[:200])
@@ -245,6 +289,29 @@ class FetchPool:
                 pending.future.set_result(None)
             elif "error" in event:
                 pending.future.set_exception(_error(event["error"]))
+
+    async def _next_line(self, w: _Worker) -> bytes:
+        """The worker's next line; TimeoutError once it is silent ``silence_s`` and not waiting
+        for a CPU (a silent worker that is runnable is starved, not hung: wait on)."""
+        read = asyncio.ensure_future(w.proc.stdout.readline())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=self._silence_s)
+                if done:
+                    return read.result()
+                if not _runnable(w.proc.pid):
+                    raise TimeoutError
+        finally:
+            read.cancel()
+
+    def _hung(self, w: _Worker, why: str) -> None:
+        """A worker that stopped working: its chunks fail now (a hung process may take long to
+        go), and it is killed; its keeper starts another."""
+        log.warning("kill pull worker %d (pid %d): it %s", w.index, w.proc.pid, why)
+        w.ready = False
+        self._fail(w, WorkerCrashed(f"pull worker {w.proc.pid} {why}"))
+        with contextlib.suppress(ProcessLookupError):
+            w.proc.send_signal(signal.SIGKILL)
 
     def _fail(self, w: _Worker, error: BaseException) -> None:
         for pending in w.inflight.values():
@@ -275,11 +342,21 @@ class FetchPool:
                 await w.proc.stdin.drain()
             except (ConnectionError, RuntimeError) as e:  # it died under us: its keeper restarts it
                 raise WorkerCrashed(f"pull worker {w.proc.pid} is gone ({e})") from None
-            await pending.future
+            await self._outcome(w, pending, job)
         finally:
             w.inflight.pop(job_id, None)
             async with self._free:
                 self._free.notify_all()
+
+    async def _outcome(self, w: _Worker, pending: _Pending, job: ChunkJob) -> None:
+        """The chunk's result; a worker that has not ended a chunk ``silence_s`` past the chunk's
+        own deadline is stuck where that deadline does not reach (a write in the kernel)."""
+        if job.timeout_s:
+            limit = job.timeout_s + self._silence_s
+            done, _ = await asyncio.wait({pending.future}, timeout=limit)  # the future is left as it is
+            if not done and not _runnable(w.proc.pid):  # runnable: starved, and its own deadline ends the chunk
+                self._hung(w, f"did not end a chunk {limit:g} s after it began")
+        await pending.future
 
     def _pick(self) -> _Worker | None:
         """The ready worker with the most free streams, if any has one."""
@@ -302,6 +379,36 @@ def _error(e: dict) -> BaseException:
     if kind == "write":
         return OSError(message)
     return RuntimeError(f"pull worker: {message}")
+
+
+async def _kill(proc: asyncio.subprocess.Process) -> int | None:
+    """SIGKILL, and its exit status; None if it is not gone within ``KILL_WAIT_S`` (stuck in the
+    kernel: the kernel reaps it once it leaves; nobody waits for it here)."""
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    try:
+        async with asyncio.timeout(KILL_WAIT_S):
+            return await proc.wait()
+    except TimeoutError:
+        log.error("leave pull worker %d: not gone %g s after SIGKILL (stuck in the kernel?)", proc.pid, KILL_WAIT_S)
+        return None
+
+
+def _runnable(pid: int) -> bool:
+    """Some thread of ``pid`` is running or waiting for a CPU (state R in /proc)."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return False
+    for tid in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        if stat[stat.rindex(b")") + 2:][:1] == b"R":
+            return True
+    return False
 
 
 def _status(returncode: int | None) -> str:

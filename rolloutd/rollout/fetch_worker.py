@@ -6,7 +6,7 @@ work never shares an interpreter lock or an event loop with the daemon's gateway
 or admin API. Standard library and xxhash only: it starts in a few tens of milliseconds.
 
 Protocol, one JSON object per line. On stdin, first ``{"hello": {"streams", "piece_bytes",
-"request_bytes", "priority", "progress_bytes"}}``, then any number of ``{"job": {"id",
+"request_bytes", "priority", "progress_bytes", "beat_s"}}``, then any number of ``{"job": {"id",
 "source", "version", "name", "path", "start", "end", "hash", "digest", "timeout_s",
 "allocate"}}``: fetch bytes [start, end) of file ``name`` of ``version`` from ``source`` (a
 :class:`~rolloutd.rollout.sources.SourceSpec`), write them at the same offsets into ``path`` (a
@@ -17,7 +17,11 @@ file of the mirror's partial directory, already at full size), and check them ag
 ``{"ready": pid}`` once, then per job ``{"id", "bytes"}`` as bytes are written, and one
 ``{"id", "done": true}`` or ``{"id", "error": {"kind", "message", "status", "body"}}``; kinds:
 ``unavailable``, ``http`` (the source's error reply), ``corrupt`` (digest or length),
-``write`` (the mirror's file). The worker never creates, renames or removes anything: the
+``write`` (the mirror's file); and ``{"beat": n}`` every ``beat_s``, busy or not, so that the
+daemon can tell a stopped or hung worker from a quiet one. No line is longer than
+``MAX_EVENT_BYTES``: an error that would make one longer is cut to its kind, status, error
+code and the start of its message (a source can answer with any amount of JSON; the daemon
+reads lines up to a limit). The worker never creates, renames or removes anything: the
 daemon owns the mirror's directories.
 
 It exits at once when stdin ends: the daemon closed it, or died (its end of the pipe closes
@@ -36,10 +40,11 @@ import time
 
 import xxhash
 
-from rolloutd.rollout.sources import Source, SourceError, SourceSpec
+from rolloutd.rollout.sources import MESSAGE_CHARS, Source, SourceError, SourceSpec, compact_body
 
 MiB = 1 << 20
 KEPT_SOURCES = 8  # per stream: the places it fetched from last, their connections kept open
+MAX_EVENT_BYTES = 16 << 10  # longest line a worker writes; below the daemon's reader limit (fetch_pool)
 
 
 class _Corrupt(Exception):
@@ -51,13 +56,26 @@ class Worker:
         self.piece_bytes = int(hello["piece_bytes"])
         self.request_bytes = int(hello["request_bytes"])
         self.progress_bytes = int(hello.get("progress_bytes", 8 * MiB))
+        self.beat_s = float(hello.get("beat_s", 0))  # 0: no beats (a test's worker)
         self.jobs: queue.Queue[dict] = queue.Queue()
         self._out, self._out_lock = out, threading.Lock()
         for i in range(int(hello["streams"])):
             threading.Thread(target=self._stream, name=f"stream-{i}", daemon=True).start()
 
+    def start_beats(self) -> None:
+        if self.beat_s > 0:
+            threading.Thread(target=self._beat, name="beat", daemon=True).start()
+
+    def _beat(self) -> None:
+        """A line every ``beat_s``: the daemon's sign that this process still runs."""
+        n = 0
+        while True:
+            time.sleep(self.beat_s)
+            n += 1
+            self.emit({"beat": n})
+
     def emit(self, event: dict) -> None:
-        line = json.dumps(event, separators=(",", ":")) + "\n"
+        line = _bounded(json.dumps(event, separators=(",", ":")), event) + "\n"
         with self._out_lock:
             self._out.write(line)
             self._out.flush()
@@ -91,7 +109,7 @@ class Worker:
     def _fetch(self, source: Source, job: dict) -> None:
         start, end = int(job["start"]), int(job["end"])
         deadline = time.monotonic() + float(job["timeout_s"]) if job.get("timeout_s") else None
-        hasher = xxhash.xxh3_128() if job["hash"] == "xxh3-128" else hashlib.sha256()
+        hasher = _hasher(job["hash"])
         fd = os.open(job["path"], os.O_RDWR | os.O_CLOEXEC)
         try:
             # The chunk's pages in one call, here at the worker's priority: the mirror left the
@@ -103,7 +121,7 @@ class Worker:
                              self.progress_bytes, deadline=deadline) as sink:
                 for req_start in range(start, end, self.request_bytes):
                     source.fetch(int(job["version"]), job["name"], req_start, min(end, req_start + self.request_bytes),
-                                 sink)
+                                 sink, deadline)
         finally:
             os.close(fd)
         if sink.offset != end:
@@ -148,6 +166,20 @@ class ChunkWriter:
             self._unreported = 0
 
 
+def _bounded(line: str, event: dict) -> str:
+    """``line`` if it is short enough; else the event cut down (only an error can be long)."""
+    if len(line) <= MAX_EVENT_BYTES:
+        return line
+    error = event.get("error") if isinstance(event.get("error"), dict) else {}
+    cut = {"id": event.get("id"), "error": {"kind": error.get("kind", "bug"), "status": error.get("status"),
+                                            "message": str(error.get("message", ""))[:MESSAGE_CHARS],
+                                            "body": compact_body(error.get("body"))}}
+    line = json.dumps(cut, separators=(",", ":"))
+    if len(line) <= MAX_EVENT_BYTES:
+        return line
+    return json.dumps({"id": event.get("id"), "error": {"kind": "bug", "message": f"an event of {len(line)} bytes"}})
+
+
 def lower_priority(level: str) -> None:
     """Put this process behind generation and the gateway when the CPU is contended: ``idle``
     (SCHED_IDLE: any other task that wakes up preempts it at once), ``low`` (nice 10). Done
@@ -175,9 +207,23 @@ def main() -> None:
     lower_priority(hello.get("priority", "normal"))
     worker = Worker(hello)
     worker.emit({"ready": os.getpid()})
+    worker.start_beats()
     for line in sys.stdin:
         worker.jobs.put(json.loads(line)["job"])
     os._exit(0)  # stdin ended: the daemon closed it or died; threads mid-job end with us
+
+
+def _hasher(hash_name: str):
+    """The manifest's chunk hash (rolloutd.wire.manifest.new_hasher, without importing pydantic here)."""
+    if hash_name == "xxh3-128":
+        return xxhash.xxh3_128()
+    if hash_name == "sha256":
+        return hashlib.sha256()
+    if hash_name == "blake3":
+        import blake3  # only for a version that uses it: the worker starts without it
+
+        return blake3.blake3()
+    raise ValueError(f"unknown chunk hash {hash_name!r}")
 
 
 if __name__ == "__main__":

@@ -31,6 +31,11 @@ Contract:
   is 50-60 ms of a 2 GiB pull's 0.7 s here (bench/README.md). A pull that fails or is cancelled
   stops them (the next starts fresh ones); a kept worker that dies is started again as during a
   pull. ``await Puller.close()`` stops them at once, and must be called before the loop ends.
+- Once ``stopping`` is set (the daemon stops), a pull ends cancelled whatever it met: a failure
+  while it is cancelled (its workers' stop, say) is logged, never raised in place of the
+  cancellation, so a stop is never taken for a failed pull to be tried again. (A flag, not the
+  task's ``cancelling()``: on Python 3.11 a task group whose task fails leaves that count raised
+  for good.) ``close()`` stops every worker this puller started, a running pull's included.
 
 Who does what: this object, on the daemon's loop, takes the lease, reads the manifest, makes
 room, has the mirror create the partial directory, asks the plan where each chunk comes from
@@ -50,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import errno
 import logging
 import os
 import time
@@ -125,7 +131,10 @@ class PullProgress:
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     started_at: float = 0.0
     ended_at: float | None = None
+    # (time, bytes moved): the rate's samples. Bytes moved only grow: a failed chunk's bytes
+    # leave bytes_done but were moved all the same, so the rate never reads negative.
     _samples: deque[tuple[float, int]] = field(default_factory=deque, repr=False)
+    _moved: int = field(default=0, repr=False)
 
     def __post_init__(self) -> None:
         self.started_at = self.clock()
@@ -142,7 +151,7 @@ class PullProgress:
             return (self.bytes_done - self.bytes_resumed) / self.seconds if self.seconds > 0 else 0.0
         now = self.clock()
         t0, b0 = self._samples[0]
-        return (self.bytes_done - b0) / (now - t0) if now > t0 else 0.0
+        return (self._moved - b0) / (now - t0) if now > t0 else 0.0
 
     @property
     def eta_s(self) -> float | None:
@@ -155,15 +164,20 @@ class PullProgress:
         """Start from ``n`` bytes an earlier try left checked: done, but not in the rate."""
         self.bytes_done = self.bytes_resumed = n
         self._samples.clear()
-        self._samples.append((self.clock(), n))
+        self._samples.append((self.clock(), self._moved))
 
     def add(self, n: int) -> None:
         self.bytes_done += n
+        self._moved += n
         now = self.clock()
         if now - self._samples[-1][0] >= RATE_SAMPLE_S:
-            self._samples.append((now, self.bytes_done))
+            self._samples.append((now, self._moved))
             while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
                 self._samples.popleft()
+
+    def take_back(self, n: int) -> None:
+        """A failed attempt's ``n`` bytes: not done (they are fetched again), but they were moved."""
+        self.bytes_done -= n
 
     def as_dict(self) -> dict:
         eta = self.eta_s
@@ -203,7 +217,7 @@ class Puller:
                  retry_delay_s: float = 0.1, in_use: Callable[[], set[int]] = set,
                  on_worker_restart: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None,
-                 keep_workers_s: float = 0.0):
+                 keep_workers_s: float = 0.0, worker_silence_s: float = 10.0):
         if (streams < 1 or workers < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0
                 or keep_workers_s < 0):
             raise ValueError("streams, workers and request_bytes must be positive, max_chunk_retries >= 0, "
@@ -215,6 +229,13 @@ class Puller:
         self.keep_workers_s = keep_workers_s
         self._pool: FetchPool | None = None        # the last pull's workers, kept for the next
         self._idle: asyncio.Task | None = None     # stops them once they idled keep_workers_s
+        self._pools: set[FetchPool] = set()        # every pool started and not yet closed
+        self.worker_silence_s = worker_silence_s   # a worker silent this long, and not runnable, is hung
+        self.stopping = False  # set when the daemon stops: every pull ends cancelled from then on
+        # The last pull failed for lack of room on the mirror's filesystem, like the one before
+        # it: said once (and by the daemon at start), not at every retry.
+        self.no_room_again = False
+        self._no_room = False
         self.on_worker_restart = on_worker_restart
         self.max_chunk_retries = max_chunk_retries
         self.lease_ttl_s = lease_ttl_s
@@ -238,11 +259,15 @@ class Puller:
         return self._pool.pids if self._pool is not None else []
 
     async def close(self) -> None:
-        """Stop the kept pull workers, if any (at the daemon's stop); not while a pull runs."""
+        """Stop every pull worker (at the daemon's stop): those kept, and those of a pull that
+        did not end (its chunks fail; the pull should have been cancelled first)."""
         await self._stop_idle()
-        pool, self._pool = self._pool, None
-        if pool is not None:
-            await pool.close()
+        self._pool = None
+        await asyncio.gather(*(self._close_pool(pool) for pool in list(self._pools)))
+
+    async def _close_pool(self, pool: FetchPool) -> None:
+        self._pools.discard(pool)
+        await pool.close()
 
     @property
     def lease(self) -> LeaseInfo | None:
@@ -253,11 +278,14 @@ class Puller:
     async def pull(self, version: int | str = "latest") -> PullResult:
         if self.progress is not None and self.progress.ended_at is None:
             raise RuntimeError(f"a pull of {self.progress.target} is in progress: one at a time")
+        if self.stopping:
+            raise asyncio.CancelledError()  # rolloutd stops: no pull starts
         progress = self.progress = PullProgress(target=version, clock=self.clock)
         partial: Partial | None = None
         done_bits = 0
         keepable = True  # until the commit starts, checked chunks are worth keeping for a next try
         self.last_plan = None
+        no_room_before, self._no_room, self.no_room_again = self._no_room, False, False
         try:
             lease = await self._take_lease(version)
             progress.version = lease.version
@@ -301,13 +329,19 @@ class Puller:
         except asyncio.CancelledError:
             self._end(PullState.CANCELLED, "cancelled")
             raise
-        except PullError as e:
-            keepable = keepable and not isinstance(e, VersionGone)
-            self._end(PullState.FAILED, str(e))
-            raise
         except Exception as e:
+            if self.stopping:  # the stop wins: whoever cancelled must see it
+                log.warning("pull of %s: %s while rolloutd stops", progress.version or version, _describe(e))
+                self._end(PullState.CANCELLED, "cancelled")
+                raise asyncio.CancelledError() from e
+            if isinstance(e, PullError):
+                keepable = keepable and not isinstance(e, VersionGone)
+                self._end(PullState.FAILED, str(e))
+                raise
             what = f"pull of version {progress.version or version} failed: {_describe(e)}"
-            self._end(PullState.FAILED, what)
+            self._no_room = isinstance(e, OSError) and e.errno == errno.ENOSPC
+            self.no_room_again = self._no_room and no_room_before
+            self._end(PullState.FAILED, what, quiet=self.no_room_again)
             raise PullError(what) from e
         finally:
             if partial is not None:
@@ -365,11 +399,12 @@ class Puller:
         if new in (PullState.DONE, PullState.FAILED, PullState.CANCELLED):
             p.ended_at = self.clock()
 
-    def _end(self, state: PullState, error: str) -> None:
+    def _end(self, state: PullState, error: str, *, quiet: bool = False) -> None:
         self.progress.error = error
         if self.progress.state not in (PullState.DONE, PullState.FAILED, PullState.CANCELLED):
             self._set_state(state)
-        log.warning("abandon pull of %s: %s", self.progress.version or self.progress.target, error)
+        log.log(logging.DEBUG if quiet else logging.WARNING, "abandon pull of %s: %s",
+                self.progress.version or self.progress.target, error)
 
     async def _manifest(self, lease: LeaseInfo) -> Manifest:
         try:
@@ -425,24 +460,30 @@ class Puller:
             have_workers, have_streams = pool.size
             if pool.usable and have_workers >= workers and have_streams >= streams:
                 return pool
-            await pool.close()
-        return await FetchPool(workers=workers, streams=streams, piece_bytes=self.piece_bytes,
-                               request_bytes=self.request_bytes, priority=self.priority,
-                               on_restart=self._worker_restarted).start()
+            await self._close_pool(pool)
+        pool = FetchPool(workers=workers, streams=streams, piece_bytes=self.piece_bytes,
+                         request_bytes=self.request_bytes, priority=self.priority,
+                         on_restart=self._worker_restarted, silence_s=self.worker_silence_s)
+        self._pools.add(pool)
+        try:
+            return await pool.start()  # a start that fails closes the pool itself
+        except BaseException:
+            self._pools.discard(pool)
+            raise
 
     async def _put_back(self, pool: FetchPool, keep: bool) -> None:
         if keep and self.keep_workers_s > 0 and pool.usable:
             self._pool = pool
             self._idle = asyncio.create_task(self._stop_when_idle(pool), name="pull-workers-idle")
         else:
-            await pool.close()
+            await self._close_pool(pool)
 
     async def _stop_when_idle(self, pool: FetchPool) -> None:
         await asyncio.sleep(self.keep_workers_s)
         if self._pool is pool:
             self._pool = None
             log.debug("stop the pull workers: no pull for %g s", self.keep_workers_s)
-            await pool.close()
+            await self._close_pool(pool)
 
     async def _stop_idle(self) -> None:
         """Cancel the idle timer; a stop it began is finished first (the pool reaps under
@@ -519,7 +560,7 @@ class Puller:
         try:
             await pool.fetch(job, progress)
         except BaseException:
-            self.progress.bytes_done -= added
+            self.progress.take_back(added)
             raise
 
     # -- the lease --------------------------------------------------------------------------------

@@ -17,20 +17,28 @@ checks each chunk against the manifest whatever gave it.
 Runs inside the pull workers (``fetch_worker``): blocking, each source used by one thread. A
 failure is a :class:`SourceError` whose ``kind`` says whether another attempt can help
 (``unavailable``: the network, a timeout, a 5xx) or what the source answered (``http``: its
-status and JSON body, which the daemon turns back into the typed error). Whether another
-source may help is the daemon's call: a failed peer is dropped and its chunk fetched elsewhere.
+status and JSON body, which the daemon turns back into the typed error; the body is cut to
+its error code and the first ``MESSAGE_CHARS`` of its message, whatever the source sent).
+Whether another source may help is the daemon's call: a failed peer is dropped and its chunk
+fetched elsewhere. A fetch given a ``deadline`` ends at it whatever it is waiting for (a
+connection, the reply's head, the next byte of a body that trickles in).
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import socket
+import threading
+import time
 from dataclasses import dataclass
 from typing import Protocol
 from urllib.parse import quote, urlsplit
 
 MiB = 1 << 20
+ERROR_BODY_BYTES = 64 << 10  # of an error reply's body: read at most this much
+MESSAGE_CHARS = 1000         # of an error message: kept at most this many characters
 
 
 class Sink(Protocol):
@@ -54,9 +62,10 @@ class SourceError(Exception):
 
 
 class Source(Protocol):
-    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink) -> None:
+    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink, deadline: float | None = None) -> None:
         """Bytes [start, end) of file ``name`` of ``version`` into ``sink``, in order; raises
-        :class:`SourceError`. Returns only once every byte was handed over."""
+        :class:`SourceError`. Returns only once every byte was handed over, or raises an
+        ``unavailable`` error by ``deadline`` (``time.monotonic()``) if given."""
 
     def close(self) -> None: ...
 
@@ -140,24 +149,44 @@ class HttpRangeSource:
             self._conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self._conn
 
-    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink) -> None:
-        self.fetch_path(f"{self._base}/v1/versions/{version}/files/{quote(name)}", name, start, end, sink)
+    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink, deadline: float | None = None) -> None:
+        self.fetch_path(f"{self._base}/v1/versions/{version}/files/{quote(name)}", name, start, end, sink, deadline)
 
-    def fetch_path(self, path: str, name: str, start: int, end: int, sink: Sink) -> None:
+    def fetch_path(self, path: str, name: str, start: int, end: int, sink: Sink,
+                   deadline: float | None = None) -> None:
         """:meth:`fetch` for any path of the same server (``name`` only names it in errors)."""
         headers = {**self._headers, "range": f"bytes={start}-{end - 1}"}
-        response = self._request(path, headers)
+        alarm = _Alarm(self, deadline)
         try:
-            self._check(response, name, start, end)
-            self._read_body(response, end - start, sink)
-        except BaseException:
-            self.close()  # a body not read to its end leaves the connection unusable
+            response = self._request(path, headers, alarm)
+            try:
+                self._check(response, name, start, end)
+                self._read_body(response, end - start, sink, alarm)
+            except BaseException:
+                self.close()  # a body not read to its end leaves the connection unusable
+                raise
+        except SourceError as e:
+            if alarm.rang:  # the socket was shut under the read: say why, not what the read saw
+                raise SourceError("unavailable", f"{self._spec.label}: bytes {start}-{end - 1} of {name} not done "
+                                  f"by the chunk's deadline ({e})") from None
             raise
+        finally:
+            alarm.cancel()
 
-    def _request(self, path: str, headers: dict) -> http.client.HTTPResponse:
+    def _cut(self) -> None:
+        """End whatever the connection waits for (from the alarm's thread)."""
+        conn = self._conn
+        sock = conn.sock if conn is not None else None
+        if sock is not None:
+            with contextlib.suppress(OSError):  # closed meanwhile: nothing left to cut
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def _request(self, path: str, headers: dict, alarm: _Alarm | None = None) -> http.client.HTTPResponse:
         """Send the request; a kept-alive connection the server closed while idle is tried
-        once more on a fresh one (nothing was read from it yet)."""
+        once more on a fresh one (nothing was read from it yet), unless the deadline passed."""
         for attempt in (1, 2):
+            if alarm is not None and alarm.rang:
+                raise SourceError("unavailable", f"GET {self._spec.url}{path}: not sent")
             fresh = self._conn is None or self._conn.sock is None
             try:
                 conn = self._connection()
@@ -175,7 +204,7 @@ class HttpRangeSource:
     def _check(self, response: http.client.HTTPResponse, name: str, start: int, end: int) -> None:
         if response.status >= 400:
             try:
-                body = json.loads(response.read(1 << 16) or b"null")
+                body = compact_body(json.loads(response.read(ERROR_BODY_BYTES) or b"null"))
             except (ValueError, OSError, http.client.HTTPException):
                 body = None
             kind = "unavailable" if response.status >= 500 and not isinstance(body, dict) else "http"
@@ -185,10 +214,12 @@ class HttpRangeSource:
             raise SourceError("http", f"asked bytes {start}-{end - 1} of {name}, got HTTP {response.status} "
                               f"with {response.length} bytes", status=502)
 
-    def _read_body(self, response: http.client.HTTPResponse, length: int, sink: Sink) -> None:
+    def _read_body(self, response: http.client.HTTPResponse, length: int, sink: Sink, alarm: _Alarm) -> None:
         done, buffer = 0, self._buffer
         try:
             while done < length:
+                if alarm.rang:
+                    raise SourceError("unavailable", f"cut after {done} of {length} bytes")
                 want = min(len(buffer), length - done)
                 got = response.readinto(buffer[:want])  # loops in C until ``want`` bytes or the end
                 if got <= 0:
@@ -215,7 +246,7 @@ class ObjectSource:
     def close(self) -> None:
         self._store = None
 
-    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink) -> None:
+    def fetch(self, version: int, name: str, start: int, end: int, sink: Sink, deadline: float | None = None) -> None:
         import obstore
 
         from rolloutd.objstore import ObjectStoreError, object_key, open_bucket
@@ -227,6 +258,9 @@ class ObjectSource:
                 self._store = open_bucket(self._bucket_name, self._settings, timeout_s=self._spec.read_timeout_s)
             result = obstore.get(self._store, object_key(self._prefix, name), options={"range": (start, end)})
             for piece in result.stream(min_chunk_size=self._piece_bytes):
+                # Checked per piece: obstore's reads cannot be cut from another thread.
+                if deadline is not None and time.monotonic() > deadline:
+                    raise SourceError("unavailable", f"{where}: not done by the chunk's deadline after {done} bytes")
                 view = memoryview(piece)
                 sink.write(view)
                 done += len(view)
@@ -243,6 +277,40 @@ class ObjectSource:
             raise SourceError("unavailable", f"{where}: {type(e).__name__}: {first}") from None
         if done != end - start:
             raise SourceError("unavailable", f"{where}: got {done} of the {end - start} bytes asked for")
+
+
+class _Alarm:
+    """A fetch's deadline, enforced while it waits: at the deadline a timer thread shuts the
+    source's socket down, which ends a blocking connect, head or body read at once. A read
+    timeout alone cannot: it bounds each silence, and a peer that sends a byte now and then
+    is never silent for long. No thread without a deadline."""
+
+    def __init__(self, source: HttpRangeSource, deadline: float | None):
+        self.rang = False
+        self._source = source
+        self._timer: threading.Timer | None = None
+        if deadline is not None:
+            self._timer = threading.Timer(max(0.0, deadline - time.monotonic()), self._ring)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _ring(self) -> None:
+        self.rang = True
+        self._source._cut()
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+
+
+def compact_body(body: object) -> dict | None:
+    """An error reply's body as the daemon needs it: its code and the start of its message
+    (a source may answer with any amount of JSON; what a worker reports stays small)."""
+    if not isinstance(body, dict) or not isinstance(body.get("error"), dict):
+        return None
+    error = body["error"]
+    return {"error": {"code": str(error.get("code", ""))[:100],
+                      "message": str(error.get("message", ""))[:MESSAGE_CHARS]}}
 
 
 def _describe(e: BaseException) -> str:

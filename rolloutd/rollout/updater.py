@@ -141,8 +141,14 @@ class Updater:
         self._asked = False
         self._pending_since: float | None = None
         self._no_mirror_said = False
+        self.stopping = False  # the daemon stops: no pull starts, and a pull's failure is its cancellation
 
     # -- inputs from elsewhere ------------------------------------------------------------------
+    def stop(self) -> None:
+        """The daemon stops: from now on the loop starts nothing, and whatever a pull meets as
+        it is cancelled ends it cancelled (never a failure to retry)."""
+        self.stopping = self.puller.stopping = True
+
     def poke(self, asked: bool = True) -> None:
         """Look at the registry again now (``asked``: update even below the lag threshold)."""
         self._asked = self._asked or asked
@@ -213,6 +219,8 @@ class Updater:
     async def run(self) -> None:
         delay = self._conf().registry.retry_initial_s
         while True:
+            if self.stopping:  # a cancellation swallowed below (a library's bug) still ends the loop
+                raise asyncio.CancelledError()
             try:
                 info = await self._watch()
             except (errors.RegistryUnavailable, errors.RegistryError) as e:
@@ -225,8 +233,8 @@ class Updater:
             try:
                 stepped = await self._step(info)
             except Exception:  # a bug here must not take the node's servers down with the daemon
-                if _being_cancelled():  # the daemon stops: no next step, whatever this one met
-                    raise
+                if self.stopping:  # the daemon stops: no next step, whatever this one met
+                    raise asyncio.CancelledError() from None
                 log.exception("crash in the update step; retrying in %g s", delay)
                 self._metrics.task_errors.labels(task="updater").inc()
                 stepped = False
@@ -342,10 +350,12 @@ class Updater:
                 async with asyncio.timeout(cfg.pull.timeout_s):
                     result = await self.puller.pull(version)
             except (PullError, TimeoutError, errors.RegistryError) as e:
-                if _being_cancelled():  # a stop is not a failed pull to be tried again
+                if self.stopping:  # a stop is not a failed pull to be tried again
                     raise asyncio.CancelledError() from e
                 what = f"no result within pull.timeout_s={cfg.pull.timeout_s:g}" if isinstance(e, TimeoutError) else e
-                log.error("pull %s failed: %s", version, what)
+                # no room on the mirror's filesystem again: said at start and at the first failure
+                log.log(logging.DEBUG if self.puller.no_room_again and isinstance(e, PullError) else logging.ERROR,
+                        "pull %s failed: %s", version, what)
                 self._metrics.pulls.labels(result="failed").inc()
                 self._metrics.update_failures.labels(kind="pull").inc()
                 result = None
@@ -416,8 +426,3 @@ class Updater:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
-
-
-def _being_cancelled() -> bool:
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
