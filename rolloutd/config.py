@@ -320,10 +320,10 @@ class Pull(_Section):
     lease_ttl_s: float = Field(60.0, ge=5, description="lifetime of the lease that keeps the version's "
                                "bytes on the registry while pulling (renewed well before it ends)")
     read_timeout_s: Seconds = Field(30.0, description="longest silence while receiving bytes")
-    worker_silence_s: Seconds = Field(10.0, gt=1, description="a pull worker writes a line every second, busy "
-                                      "or not; one silent this long with no thread waiting for a CPU (stopped, "
-                                      "or stuck in the kernel) is killed and replaced, and its chunks fetched "
-                                      "again")
+    worker_silence_s: float = Field(10.0, gt=1, description="a pull worker writes a line every second, busy "
+                                    "or not; one silent this long with no thread waiting for a CPU (stopped, "
+                                    "or stuck in the kernel) is killed and replaced, and its chunks fetched "
+                                    "again")
     timeout_s: Seconds = Field(3600.0, description="longest time for a whole pull")
     keep_workers_s: float = Field(600.0, ge=0, description="how long the pull workers are kept after a pull "
                                   "for the next one: a node that pulls every RL step starts them once, not "
