@@ -327,6 +327,14 @@ def test_the_generated_token_is_never_written_through_a_link(tmp_path):
     assert sorted(p.name for p in state.iterdir()) == ["admin.token"]  # no part file left
 
 
+def test_a_token_that_cannot_be_written_stops_the_start_with_the_reason(tmp_path):
+    (tmp_path / "state").write_text("a file, not a directory")
+    cfg = config_mod.load_config(write_config(tmp_path / "rolloutd.yaml", 9100, None, state_dir=tmp_path / "state"))
+    with pytest.raises(OSError, match=r"admin: cannot write the actions' token to .*/state/admin.token: .*set "
+                                      r"admin.token_file"):
+        action_token(cfg)
+
+
 # Runs as another local user (nobody): reads the token file, then acts without it and reads status.
 OTHER_USER = textwrap.dedent("""
     import json, sys, urllib.error, urllib.request

@@ -289,7 +289,12 @@ def action_token(cfg: Config) -> str | None:
         log.warning("admin: allow_unauthenticated: anyone who can reach %s:%d can restart, update and reload",
                     admin.host, admin.port)
         return None
-    return write_token(cfg.admin_token_path)
+    path = cfg.admin_token_path
+    try:
+        return write_token(path)
+    except OSError as e:
+        raise OSError(f"admin: cannot write the actions' token to {path}: {e.strerror or e}; make state_dir "
+                      "writable by rolloutd's user, or set admin.token_file") from None
 
 
 def write_token(path: FilePath) -> str:
