@@ -695,6 +695,20 @@ def test_a_last_good_version_that_cannot_be_loaded_again_leaves_the_start_model(
     assert rig.sup.failures == 1, "a server that cannot load a version it held counts as failing"
 
 
+def test_a_step_the_version_plays_no_part_in_is_the_servers_failure_never_a_refusal(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, canary=True, restart={"max_retries": 1}).start()
+        await serving(rig, 1)
+        rig.vllm.faults["/weight_info"] = "fail"  # in every process: a broken server
+        await rig.publish(2)
+        await rig.arrows.reach(S.FATAL)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert refused(rig) == [] and rig.sup.incarnation == 2 and rig.failures("check") == 2
+
+
 def test_a_process_that_dies_twice_loading_the_same_version_refuses_it(tmp_path):
     async def scenario():
         rig = Rig(tmp_path, canary=True, restart={"max_retries": 1}).start()

@@ -48,12 +48,16 @@ RECALL_GRACE_S = 1.0
 
 class ApplyFailed(Exception):
     """``restart``: the server may hold weights it must never serve (half-loaded, or failing the
-    gate); ``version_fault``: the version is at fault for certain (a canary the server cannot
-    score), so neither loading it again nor a restart can help."""
+    gate). Whose fault, by the step that failed: ``version_fault``, the version's for certain (a
+    canary the server cannot score: neither loading it again nor a restart can help);
+    ``maybe_version``, the version's or the server's (its bytes loaded, ``/update_weights``, or
+    its gate); neither, the server's (pause, start, finish, check, resume: steps the version's
+    bytes play no part in)."""
 
-    def __init__(self, message: str, *, restart: bool, version_fault: bool = False):
+    def __init__(self, message: str, *, restart: bool, version_fault: bool = False, maybe_version: bool = False):
         super().__init__(message)
         self.restart, self.version_fault = restart, version_fault
+        self.maybe_version = maybe_version or version_fault
 
 
 @dataclass
@@ -144,7 +148,7 @@ class Applier:
                                       version_fault=True) from None
                 target = await self._again(target, record, e, attempt, attempts, step="gate",
                                            failed=f"version {target.version} failed the gate",
-                                           meanwhile="held out of traffic")
+                                           meanwhile="held out of traffic", maybe_version=True)
                 continue
             self.metrics.pause_seconds.labels(server=self.name).observe(paused_s)
             record.ok = True
@@ -187,17 +191,19 @@ class Applier:
                 self._failed(_KIND.get(e.route, "load"), e)
                 target = await self._again(target, record, e, attempt, attempts, step="apply",
                                            failed=f"loading version {target.version} failed",
-                                           meanwhile="the server stays paused")
+                                           meanwhile="the server stays paused",
+                                           maybe_version=e.route == "/update_weights")
         raise AssertionError("unreachable")
 
     async def _again(self, target: Target, record: UpdateRecord, error: Exception, attempt: int, attempts: int, *,
-                     step: str, failed: str, meanwhile: str) -> Target:
+                     step: str, failed: str, meanwhile: str, maybe_version: bool) -> Target:
         """After a failed attempt: recorded and logged; after the last one, ApplyFailed (restart);
         else the target for the next attempt, its mirror copy re-checked (pulled again if damaged)."""
         record.error = f"{error} (attempt {attempt} of {attempts})"
         log.error("%s %s: version %d failed: %s; %s", step, self.name, target.version, record.error, meanwhile)
         if attempt == attempts:
-            raise ApplyFailed(f"{failed} {attempts} time(s): {error}", restart=True) from None
+            raise ApplyFailed(f"{failed} {attempts} time(s): {error}", restart=True,
+                              maybe_version=maybe_version) from None
         try:
             return await self._verify(target)
         except Exception as e:  # noqa: BLE001 - any failure to re-pull ends in a restart

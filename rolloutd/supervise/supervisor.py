@@ -19,10 +19,11 @@
   restarts it through the admin API). Serving for ``restart.stable_after_s`` resets the count.
   FATAL is for a server that cannot start or cannot hold a version it held before, never for a
   bad version:
-- A version that fails on the server (its load or its gate, after ``update.max_reapply``
-  re-applies) is given one restart when the failure could be the server's (a fresh process
-  tells a broken server from a bad version; this restart does not count toward FATAL), none
-  when it is the version's for certain (a canary the server cannot score). If it fails again,
+- A version that fails on the server (its load, ``/update_weights``, or its gate, after
+  ``update.max_reapply`` re-applies; a failure of any other step is the server's) is given one
+  restart when the failure could be the server's (a fresh process tells a broken server from a
+  bad version; this restart does not count toward FATAL), none when it is the version's for
+  certain (a canary the server cannot score). If it fails again,
   the node **refuses** it (:class:`~rolloutd.rollout.refusals.Refusals`: no server of the node
   loads it again) and the server goes back to its last good version (:attr:`Supervisor.good`,
   loaded again and gated; its start model if it had none, by a restart); a process that dies
@@ -306,6 +307,8 @@ class Supervisor:
         except ApplyFailed as e:
             if not e.restart:
                 raise  # the weights are untouched: tried again later
+            if not e.maybe_version:
+                raise  # a step the version plays no part in: the server's failure
             if not e.version_fault and self._suspect != target:
                 self._suspect, self._free_restart = target, True
                 raise ApplyFailed(f"{e}; restarting once: a new process tells a broken server from a bad "
