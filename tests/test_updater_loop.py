@@ -82,6 +82,7 @@ class FakePuller:
         self.hang = False
         self.raises: Exception | None = None
         self.progress = None
+        self.no_room_again = False  # its failures are never a lack of room said before
 
     async def pull(self, version: int | str = "latest") -> PullResult:
         self.pulls.append((now(), version))

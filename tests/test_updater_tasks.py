@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 
 import pytest
 
@@ -17,6 +18,7 @@ from rolloutd.demo import tinymodel
 from rolloutd.node.metrics import Metrics
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.client import RegistryClient
+from rolloutd.rollout import mirror as mirror_module
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.updater import Updater
 
@@ -117,3 +119,36 @@ async def test_a_registry_restarted_numbering_again_moves_the_node_through_a_mir
             with contextlib.suppress(Exception):
                 reg.stop()
     mirror.close()
+
+
+async def test_no_room_on_the_mirrors_filesystem_is_said_once_not_at_every_retry(tmp_path, monkeypatch, caplog):
+    """mirror.max_bytes larger than its filesystem: a version that does not fit fails its pull, said
+    once (the updater's ERROR, the puller's WARNING); every retry after it fails the same way at
+    DEBUG. Room again: the version is pulled."""
+    room = {"free_bytes": 4096}
+    monkeypatch.setattr(mirror_module, "_free_bytes", lambda path: room["free_bytes"])  # fake: a full tmpfs
+    caplog.set_level(logging.DEBUG)
+    with EmbeddedRegistry(port=0) as reg:
+        publish(reg, 1, seed=1)
+        cfg = Config.model_validate({"registry": {"url": reg.url, "retry_initial_s": 0.05, "retry_max_s": 0.05},
+                                     "servers": [{"name": "s0", "model": "/m", "public_port": 9001}]})
+        mirror, metrics = Mirror(tmp_path / "mirror", 1 << 40), Metrics()
+        async with RegistryClient(reg.url) as client:
+            updater = Updater(lambda: cfg, client, mirror, metrics, in_use=set)
+            run = asyncio.ensure_future(updater.run())
+            run.set_name("updater")
+            try:
+                failed = metrics.pulls.labels(result="failed")
+                await until(lambda: failed._value.get() >= 4, 30, "four failed pulls")
+                about = [r for r in caplog.records if "No space left" in r.getMessage() or "[Errno 28]" in
+                         r.getMessage()]
+                said = [(r.levelname, r.getMessage().split(":")[0]) for r in about if r.levelno > logging.DEBUG]
+                assert said == [("WARNING", "abandon pull of 1"), ("ERROR", "pull latest failed")], said
+                assert len(about) >= 2 * 4, [r.getMessage() for r in about]
+                room["free_bytes"] = 1 << 40
+                await until(lambda: updater.target is not None and updater.target.version == 1, 30, "version 1")
+            finally:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                await updater.puller.close()
+        mirror.close()
