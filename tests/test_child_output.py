@@ -86,9 +86,14 @@ ROTARY = "(Worker pid=14540) WARNING 12-06 05:27:06 [layerwise.py:266] RotaryEmb
 LM_HEAD = "(Worker pid=14540) WARNING 12-06 05:27:06 [layerwise.py:266] ParallelLMHead: Failed to load weights"
 
 
+DEV_MODE = ("(APIServer pid=13695) WARNING 12-06 05:27:05 [__init__.py:44] SECURITY WARNING: Development endpoints "
+            "are enabled! This should NOT be used in production!")
+
+
 def test_an_expected_warning_is_debug_and_a_layer_that_missed_its_weights_stays_a_warning():
     levels = OutputLevels()
     assert (levels.level(ROTARY), levels.expected is not None) == (D, True)
+    assert (levels.level(DEV_MODE), "rolloutd enables them" in levels.expected) == (D, True)
     assert (levels.level(LM_HEAD), levels.expected) == (W, None)  # a failed update: tied embeddings
 
 

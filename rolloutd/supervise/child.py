@@ -106,6 +106,10 @@ EXPECTED_WARNINGS = (
     (re.compile(r"\bRotaryEmbedding: Failed to load weights\s*$"),
      "vLLM's warning 'RotaryEmbedding: Failed to load weights' at each update is expected (that layer holds "
      "only buffers it computes itself, which no checkpoint carries): logged at DEBUG from now on"),
+    (re.compile(r"\bSECURITY WARNING: Development endpoints are enabled!"),
+     "vLLM's warning 'Development endpoints are enabled' at each start is expected (rolloutd enables them to "
+     "pause and load weights, and vLLM listens only on a socket that rolloutd's user alone can reach): logged "
+     "at DEBUG from now on"),
 )
 # What vLLM prints while it stops because rolloutd stopped it: its shutdown steps' warnings
 # ("[shutdown] ... force killing", "engine core exited unexpectedly" when the engine core took the
