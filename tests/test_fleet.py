@@ -21,6 +21,7 @@ from rolloutd.fleet import (
     Sampling,
     Span,
     Unauthorized,
+    VersionRefused,
 )
 from rolloutd.wire import version_contract as contract
 
@@ -347,3 +348,23 @@ async def test_a_request_ended_early_at_the_models_length_is_complete(registry, 
         out = await fleet.generate(list(range(1, 11)), Sampling(max_tokens=100))
     assert len(out.token_ids) == 10 and out.finish_reason == "length" and out.attempts == 1
     assert len(f.requests) == 1
+
+
+async def test_wait_for_a_version_the_nodes_refused_fails_at_once_with_why(registry, http, fakes):
+    publish(registry, 1)
+    publish(registry, 2)
+    digest = registry.manifest(2).digest
+    a, b = fakes("1"), fakes("1")
+    why = "version 2 failed the gate 2 time(s): gate: canary mismatch"
+    for fake, refused in ((a, [{"version": 2, "digest": digest, "reason": why}]),
+                          (b, [{"version": 2, "digest": "0" * 64, "reason": "other bytes under that number"}])):
+        r = http.put(f"/v1/replicas/fake-node.s{fake.port}", json={**fake.heartbeat(1), "refused": refused})
+        assert r.status_code == 200, r.text
+    async with fleet_of(registry) as fleet:
+        assert len(fleet.directory.refusing(2)) == 1, "a refusal of other bytes is none"
+        t0 = time.monotonic()
+        with pytest.raises(VersionRefused, match="their nodes refused version 2") as e:
+            await fleet.wait_for(2, n=2, timeout_s=30)
+        assert time.monotonic() - t0 < 5 and e.value.reasons == [why]
+        with pytest.raises(NoReplica, match="1 of 1|0 of 1"):  # b may still get there: wait, then time out
+            await fleet.wait_for(2, n=1, timeout_s=0.3)

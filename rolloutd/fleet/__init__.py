@@ -10,10 +10,11 @@ from rolloutd.fleet.errors import (
     Rejected,
     RetriesExhausted,
     Unauthorized,
+    VersionRefused,
 )
 from rolloutd.fleet.result import Generation, Span
 from rolloutd.fleet.sampling import Sampling
 from rolloutd.fleet.sync import FleetSync
 
 __all__ = ["Fleet", "FleetSync", "Sampling", "Generation", "Span", "FleetError", "NoReplica", "RetriesExhausted",
-           "Rejected", "Unauthorized", "PromptTooLong", "GenerationTimeout"]
+           "Rejected", "Unauthorized", "PromptTooLong", "GenerationTimeout", "VersionRefused"]

@@ -53,6 +53,7 @@ from rolloutd.fleet.errors import (
     Rejected,
     RetriesExhausted,
     Unauthorized,
+    VersionRefused,
 )
 from rolloutd.fleet.result import BadAnswer, Generation, Part, parse_part
 from rolloutd.fleet.router import Router
@@ -161,7 +162,8 @@ class Fleet:
         except (aiohttp.ClientError, TimeoutError, ValueError) as e:
             raise FleetError(f"cannot read the registry's directory at {self.registry_url}: {e!r}") from None
         newest = latest.get("version") if latest else None
-        self.directory.apply(listing.get("replicas") or [], newest=newest, instance=listing.get("instance"))
+        self.directory.apply(listing.get("replicas") or [], newest=newest, instance=listing.get("instance"),
+                             newest_digest=latest.get("digest") if latest else None)
         listed, self._listed = self._listed, asyncio.Event()
         listed.set()
 
@@ -217,12 +219,20 @@ class Fleet:
         return [r.view() for r in sorted(self.directory.replicas.values(), key=lambda r: r.replica_id)]
 
     async def wait_for(self, min_version: int, n: int = 1, timeout_s: float = 600.0) -> list[dict]:
-        """Wait until ``n`` usable replicas hold ``min_version`` or newer; TimeoutError otherwise."""
+        """Wait until ``n`` usable replicas hold ``min_version`` or newer; NoReplica after
+        ``timeout_s``, or at once (VersionRefused) when too few can get there: the nodes of the
+        others refused the registry's newest version."""
         deadline = self.clock() + timeout_s
         while True:
             ready = self.directory.usable(min_version)
             if len(ready) >= n:
                 return [r.view() for r in ready]
+            if (stuck := self.directory.refusing(min_version)) and \
+                    sum(r.listed for r in self.directory.replicas.values()) - len(stuck) < n:
+                reasons = sorted({r.declined[(self.directory.newest, self.directory.newest_digest)] for r in stuck})
+                raise VersionRefused(f"{len(stuck)} replica(s) will not reach version {min_version} (for {n} "
+                                     f"wanted): their nodes refused version {self.directory.newest} "
+                                     f"({'; '.join(reasons)[:500]})", reasons)
             if self.clock() >= deadline:
                 raise NoReplica(f"{len(ready)} of {n} replicas at version >= {min_version} after {timeout_s:g} s "
                                 f"({self.directory.describe()})")

@@ -41,6 +41,7 @@ class Replica:
     failures: int = 0  # in a row
     avoid_until: float = 0.0
     max_model_len: int | None = None
+    declined: dict[tuple[int, str], str] = field(default_factory=dict)  # versions its node refused -> why
     stats: dict[str, int] = field(default_factory=lambda: {"answered": 0, "failed": 0})
 
     @property
@@ -99,16 +100,18 @@ class Directory:
         self.max_age_s, self.clock = max_age_s, clock
         self.replicas: dict[str, Replica] = {}
         self.newest: int | None = None  # the registry's newest version
+        self.newest_digest: str | None = None  # its manifest digest
         self.instance: str | None = None
         self.listed_at: float | None = None  # when the last listing arrived
 
-    def apply(self, listing: list[dict], newest: int | None = None, instance: str | None = None) -> None:
+    def apply(self, listing: list[dict], newest: int | None = None, instance: str | None = None,
+              newest_digest: str | None = None) -> None:
         """Take a listing of the registry's directory (the ``replicas`` of ``GET /v1/replicas``)."""
         if instance is not None and self.instance is not None and instance != self.instance:
             self.replicas.clear()  # a restarted registry: its versions are new numbers
         self.instance = instance or self.instance
         if newest is not None:
-            self.newest = newest
+            self.newest, self.newest_digest = newest, newest_digest
         seen = set()
         for entry in listing:
             rid, endpoint = entry.get("replica_id"), entry.get("endpoint")
@@ -125,6 +128,8 @@ class Directory:
             rep.listed_version = entry.get("version")
             rep.age_s = float(entry.get("age_s") or 0.0)
             rep.listed = True
+            rep.declined = {(r["version"], r["digest"]): str(r.get("reason", "")) for r in entry.get("refused") or ()
+                            if isinstance(r, dict) and "version" in r and "digest" in r}
             if rep.refused is not None and (rep.listed_version or 0) > (rep.refused_listed or 0):
                 rep.refused = None  # its heartbeat reports a newer load since
         for rid, rep in list(self.replicas.items()):
@@ -138,6 +143,14 @@ class Directory:
     def usable(self, min_version: int | None = None) -> list[Replica]:
         now = self.clock()
         return [r for r in self.replicas.values() if r.usable(now, self.max_age_s) and r.meets(min_version)]
+
+    def refusing(self, min_version: int) -> list[Replica]:
+        """Listed replicas below ``min_version`` whose node refused the registry's newest version
+        (those bytes): none of them gets there before a newer version is published."""
+        newest = (self.newest, self.newest_digest)
+        if self.newest is None or self.newest < min_version:
+            return []
+        return [r for r in self.replicas.values() if r.listed and not r.meets(min_version) and newest in r.declined]
 
     def describe(self) -> str:
         """One line on what the directory holds, for errors."""

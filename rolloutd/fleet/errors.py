@@ -5,7 +5,8 @@ replica may answer (a server paused, refusing, restarting, dying mid-request, be
 request's version); the caller only sees these once that is over or cannot help:
 
 - :class:`NoReplica`: no replica meets the request (serving, heard from lately, at the version
-  it asks for) within its wait;
+  it asks for) within its wait; :class:`VersionRefused`, a kind of it, when too few can ever
+  get to the version waited for (their nodes refused the newest one);
 - :class:`RetriesExhausted`: replicas were tried ``max_attempts`` times and each failed; it
   lists every attempt and why;
 - :class:`GenerationTimeout`: the request's ``timeout_s`` ran out;
@@ -23,6 +24,16 @@ class FleetError(Exception):
 
 class NoReplica(FleetError):
     """No replica meets the request's contract (serving, fresh, at its version) within the wait."""
+
+
+class VersionRefused(NoReplica):
+    """Too few replicas can reach the version waited for: the nodes of the others refused the
+    registry's newest version (it failed on their servers, which serve their last good version).
+    ``reasons``: the distinct reasons their nodes gave."""
+
+    def __init__(self, message: str, reasons: list[str]):
+        super().__init__(message)
+        self.reasons = reasons
 
 
 class RetriesExhausted(FleetError):
