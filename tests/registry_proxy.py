@@ -1,7 +1,8 @@
 """Fake network paths to the registry, for tests.
 
 - ``RegistryProxy`` forwards every request to the registry on ``upstream_port``, and can slow
-  down byte transfers (``byte_delay_s`` before each byte range). When the registry behind it is
+  down byte transfers (``byte_delay_s`` before each byte range) or answer each with an error
+  (``error_body``: a 404 with that body). When the registry behind it is
   down, the connection is dropped, as a dead host would. It runs on its own event loop in a
   thread, so a synchronous test drives it.
 - ``InLoopProxy`` is the base of the fakes an async test runs on its own loop (``async with``),
@@ -24,6 +25,7 @@ class RegistryProxy:
         self.upstream = f"http://127.0.0.1:{upstream_port}"
         self.byte_delay_s = 0.0
         self.byte_requests = 0
+        self.error_body: bytes | None = None
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -60,6 +62,8 @@ class RegistryProxy:
         if "/files/" in request.path and request.method == "GET":
             self.byte_requests += 1
             await asyncio.sleep(self.byte_delay_s)
+            if self.error_body is not None:
+                return web.Response(status=404, body=self.error_body, content_type="application/json")
         headers = {k: v for k, v in request.headers.items() if k.lower() in _FORWARD}
         try:
             async with self._session.request(request.method, self.upstream + request.path_qs, headers=headers,

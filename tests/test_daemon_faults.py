@@ -385,6 +385,59 @@ def test_a_version_slower_than_pull_timeout_s_arrives_in_tries_that_take_up_wher
         proxy.stop()
 
 
+def pull_workers(tag: str) -> list[int]:
+    """The daemon's pull workers (they inherit its environment, tag included)."""
+    found = []
+    for pid in tagged_pids(tag):
+        try:
+            if b"rolloutd.rollout.fetch_worker" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                found.append(pid)
+        except OSError:
+            continue
+    return found
+
+
+STOP_DEADLINE_S = 1 + 5 + 5 + 2  # the daemons fixture's shutdown.longest_s: server grace, kill wait, deregister, admin
+
+
+def test_a_stop_wins_over_a_pull_whose_source_answers_60_kb_errors_or_whose_worker_hangs(daemons, registry):
+    """Every byte range answered with a 404 of 60 KB of JSON: the pull used to hang on it (the
+    pool's reader died on the worker's line) and SIGTERM never ended the daemon, because the
+    cancelled pull ended as a failure and the updater started another that hung the same way.
+    Now each pull fails at once with the typed error, cut short, and SIGTERM ends the daemon
+    within its stop deadline with no pull worker left. The same with a pull stuck for good:
+    its byte range never answered and its worker stopped by SIGSTOP."""
+    import json
+    import uuid
+    proxy = RegistryProxy(registry.port).start()
+    proxy.error_body = json.dumps({"error": {"code": "file_unknown", "message": "é" * 30_000}},
+                                  ensure_ascii=False).encode()
+    try:
+        tag = uuid.uuid4().hex[:12]
+        d = daemons(registry_url=proxy.url, tag=tag, env={"ROLLOUTD_TEST_TAG": tag},
+                    pull={"workers": 1, "streams": 1, "keep_workers_s": 0})
+        st = d.wait(lambda s: (s["pull"] or {}).get("state") == "failed", 30, "a failed pull")
+        assert "FileUnknown: " + "é" * 1000 in st["pull"]["error"] and len(st["pull"]["error"]) < 1200, st["pull"]
+        wait_until(lambda: d.log_text().count("failed: version 1 file") >= 2, 30, "a second try, failed as fast")
+        t0 = time.monotonic()
+        assert d.stop(30) == 0
+        assert time.monotonic() - t0 < STOP_DEADLINE_S
+        assert tagged_pids(tag) == []  # servers and pull workers
+
+        proxy.error_body, proxy.byte_delay_s = None, 3600  # now no byte range is ever answered
+        tag = uuid.uuid4().hex[:12]
+        d = daemons(registry_url=proxy.url, tag=tag, env={"ROLLOUTD_TEST_TAG": tag}, pull={"workers": 1, "streams": 1})
+        wait_until(lambda: proxy.byte_requests >= 1 and pull_workers(tag), 30, "a pull waiting for its bytes")
+        [worker] = pull_workers(tag)
+        os.kill(worker, signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert d.stop(30) == 0
+        assert time.monotonic() - t0 < STOP_DEADLINE_S
+        assert tagged_pids(tag) == [] and not alive(worker)
+    finally:
+        proxy.stop()
+
+
 def test_a_bad_config_on_reload_keeps_the_running_one(daemons):
     d = daemons(servers=1)
     before = d.wait_versions({"s0": 1}, 30)["servers"][0]
