@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -20,6 +23,8 @@ from rolloutd.rollout import mirror as mirror_mod
 from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror, MirrorFull
 from rolloutd.rollout.updater import Updater
 from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks
+
+from .conftest import free_port
 
 CHUNK = 4096
 
@@ -601,3 +606,28 @@ def test_a_spare_file_another_user_owns_is_never_overwritten(shm_dir, caplog):
     for name, data in payload(3).items():
         st = (mirror.path(3) / name).stat()
         assert st.st_uid == os.geteuid() and (mirror.path(3) / name).read_bytes() == data
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another uid")
+def test_the_daemon_refuses_to_start_on_a_mirror_directory_another_user_made_first(tmp_path):
+    """As in /dev/shm: a local user made the default mirror directory before the daemon, with a
+    version in it. The daemon says why it stops, and neither reads nor changes anything there."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    os.chmod(shm, 0o1777)
+    planted = Mirror(shm / "rolloutd", max_bytes=1 << 20)
+    put(planted, 1)
+    for path in (planted.dir, *planted.dir.rglob("*")):
+        os.chown(path, NOBODY, NOBODY)
+    before = {p: p.stat() for p in (planted.dir, *planted.dir.rglob("*"))}
+    config = tmp_path / "rolloutd.yaml"
+    config.write_text(json.dumps({
+        "registry": {"url": "http://127.0.0.1:9"}, "state_dir": str(tmp_path / "state"),
+        "mirror": {"dir": str(planted.dir), "max_bytes": "1 GiB"}, "admin": {"port": free_port()},
+        "servers": [{"name": "s0", "model": "/m", "public_port": free_port()}]}))
+    proc = subprocess.run([sys.executable, "-m", "rolloutd.cli", "run", "-c", str(config)], capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 1, proc.stderr
+    assert (f"rolloutd: mirror directory {planted.dir}: owned by uid {NOBODY}, not by rolloutd's user (uid 0): "
+            "another user could replace a version's files; remove it") in proc.stderr
+    assert {p: p.stat() for p in (planted.dir, *planted.dir.rglob("*"))} == before, "nothing read or changed there"
