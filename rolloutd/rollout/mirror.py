@@ -4,20 +4,20 @@ Layout (contract, design §5)::
 
     <dir>/<version>/                 the version's files and manifest.json; exists only when complete
     <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)
-    <dir>/<version>/registry.json    where this copy came from: the registry instance, an id of the copy
+    <dir>/<version>/.registry.json   where this copy came from: the registry instance, an id of the copy
     <dir>/.<version>.partial/        a pull in progress: files at full size (allocated as they are written)
     <dir>/.<version>.<rand>.trash/   a version being removed (renamed away first)
     <dir>/.spare/                    files of removed versions, kept for the next pull to overwrite
 
 A pull writes into the hidden ``.partial`` directory; :meth:`Mirror.commit` fsyncs every file,
-writes ``manifest.json`` and ``registry.json``, fsyncs the directory and renames it into place
+writes ``manifest.json`` and ``.registry.json``, fsyncs the directory and renames it into place
 with one ``os.rename``, then fsyncs ``<dir>``. Removal renames a version away before deleting it. So a
 directory under a version's name is complete, never half-written nor half-deleted; one whose
 manifest is unreadable or disagrees with the files beside it is treated as not there.
 
 Registry instances: a registry that restarts numbers its versions again (a trainer that crashed
 and resumed publishes 1, 2, 3 anew), so a number alone does not name a version. Each committed
-copy records the instance it was pulled from (``registry.json``, written before the rename, and
+copy records the instance it was pulled from (``.registry.json``, written before the rename, and
 rewritten by :meth:`Mirror.claim` when a copy is reused for another instance); the updater says
 which instance the node follows (:meth:`Mirror.follow`). "The newest" (what gc keeps as a
 fallback, what serves while the registry is down at start) is the highest number **of the
@@ -78,7 +78,7 @@ from rolloutd.wire.manifest import Manifest, ManifestError, verify_file
 log = logging.getLogger("rolloutd.rollout.mirror")
 
 MANIFEST_NAME = "manifest.json"
-RECORD_NAME = "registry.json"
+RECORD_NAME = ".registry.json"  # hidden: no manifest can name a file so (FILE_NAME_RE)
 _VERSION_RE = re.compile(r"^[1-9][0-9]{0,15}$")
 _PARTIAL_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.partial$")
 _TRASH_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.[0-9a-f]+\.trash$")
@@ -316,8 +316,8 @@ class Mirror:
             return old
         new = Record(instance, old.copy or secrets.token_hex(8), time.time())
         vdir = self.path(version)
-        _write_synced(vdir / f".{RECORD_NAME}.tmp", _record_json(new))
-        os.rename(vdir / f".{RECORD_NAME}.tmp", vdir / RECORD_NAME)
+        _write_synced(vdir / f"{RECORD_NAME}.tmp", _record_json(new))
+        os.rename(vdir / f"{RECORD_NAME}.tmp", vdir / RECORD_NAME)
         _fsync_dir(vdir)
         log.info("claim version %d for registry instance %s (was %s)", version, instance, old.instance)
         return new
@@ -464,7 +464,7 @@ class Mirror:
         room -= self.spare_bytes()
         kept = 0
         for entry in sorted(os.scandir(trash), key=lambda e: e.name):
-            if entry.name in (MANIFEST_NAME, RECORD_NAME) or not entry.is_file(follow_symlinks=False):
+            if entry.name == MANIFEST_NAME or entry.name.startswith(".") or not entry.is_file(follow_symlinks=False):
                 continue
             st = entry.stat(follow_symlinks=False)
             if st.st_size == 0 or st.st_size > room - kept or _unreusable(st) is not None:
