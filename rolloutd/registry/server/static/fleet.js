@@ -8,7 +8,7 @@ const TOKEN_KEY = "rolloutd.registry.token";
 const STATES = ["SERVING", "UPDATING", "SYNCING", "STARTING", "BACKOFF", "FATAL", "STOPPING", "STOPPED"];
 const STATE_COLORS = {SERVING: "--serving", UPDATING: "--updating", SYNCING: "--syncing", STARTING: "--starting",
   BACKOFF: "--backoff", FATAL: "--fatal", STOPPING: "--stopped", STOPPED: "--stopped"};
-const PROBLEM_WORDS = {state: "failed", gate: "gate failed", silent: "silent"};
+const PROBLEM_WORDS = {state: "failed", gate: "gate failed", refused: "refused newest", silent: "silent"};
 
 // What tests and benchmarks read: render times and how many polls were shown.
 const stats = window.rolloutdFleet = {renders: 0, lastRenderMs: null, maxRenderMs: 0, lastOkAt: null, status: "starting"};
@@ -290,7 +290,8 @@ function replicaRow(r, staleS) {
   return el("tr", {class: r.problems.length ? "problem" : "", "data-replica": r.replica_id, "data-state": r.state},
     el("td", {class: "mono", title: r.endpoint || ""}, r.server),
     el("td", null, el("span", {class: "pill st-" + r.state, title: `for ${age(r.state_age_s)}`}, r.state),
-      ...r.problems.filter((p) => p !== "state").map((p) => el("span", {class: "tag"}, PROBLEM_WORDS[p] || p))),
+      ...r.problems.filter((p) => p !== "state").map((p) => el("span", {class: "tag",
+        title: p === "refused" ? refusedTitle(r.refused || []) : ""}, PROBLEM_WORDS[p] || p))),
     el("td", {class: "mono"}, r.version === null ? "start model" : ver(r.version)),
     el("td", {class: "n"}, behind),
     el("td", {class: "mono"}, r.target === r.version ? el("span", {class: "muted"}, ver(r.target)) : ver(r.target)),
@@ -302,6 +303,8 @@ function replicaRow(r, staleS) {
     el("td", {class: "err", title: r.error || ""}, r.error || ""));
 }
 
+// The versions the replica's node refused, one line each with why (the tag's tooltip).
+const refusedTitle = (list) => list.map((x) => `version ${x.version} refused: ${x.reason}`).join("\n");
 const gateTitle = (g) => `canary ${g.canary ? "scored" : "absent"}; ${g.tokens} tokens; ` +
   `max |Δlogprob| ${g.max_abs_dlogprob ?? "–"} (tolerance ${g.tolerance ?? "–"})`;
 const timingsTitle = (t) => Object.entries(t).map(([k, v]) => `${k} ${secs(v)}`).join(", ");
