@@ -116,6 +116,9 @@ class ReloadStatus(_Model):
                             "configuration before it still runs (until a reload succeeds)")
     error: str | None = Field(description="why the last reload was refused, one line per problem")
     where: str | None = Field(description="FILE:LINE of its first problem (the file alone when no line is known)")
+    needs_restart: list[str] = Field([], description="sections the file changes that run as they were until "
+                                     "rolloutd restarts (node, registry, mirror, ...), as of the last reload "
+                                     "that succeeded")
 
 
 class PullSources(_Model):

@@ -50,7 +50,7 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from rolloutd import __version__
@@ -106,9 +106,11 @@ class LastReload:
     ok: bool | None = None
     error: str | None = None
     where: str | None = None  # FILE:LINE of the first problem (the file alone when it names no line)
+    needs_restart: list[str] = field(default_factory=list)  # changed in the file, kept running as they were
 
     def as_dict(self) -> dict:
-        return {"last_attempt_unix": self.attempt_unix, "ok": self.ok, "error": self.error, "where": self.where}
+        return {"last_attempt_unix": self.attempt_unix, "ok": self.ok, "error": self.error, "where": self.where,
+                "needs_restart": self.needs_restart}
 
 
 class Daemon:
@@ -371,6 +373,7 @@ class Daemon:
             message += f"; needs a restart of rolloutd: {', '.join(kept)}"
         log.info("reload: %s", message)
         self.last_reload.ok, self.last_reload.error, self.last_reload.where = True, None, None
+        self.last_reload.needs_restart = kept
         self._check_mirror_room()
         self.metrics.reload_ok.set(1)
         self.notifier.ready()
