@@ -101,13 +101,18 @@ def test_non_finite_logprobs_fail_the_gate_and_the_server_is_never_serving(daemo
     def fatal(st: dict) -> bool:
         states.add(st["servers"][0]["state"])
         return st["servers"][0]["state"] == "FATAL"
-    st = d.wait(fatal, 60, "FATAL")["servers"][0]
+    status = d.wait(fatal, 60, "FATAL")
+    st = status["servers"][0]
     assert "SERVING" not in states, states
+    # version 1 failed in two processes (the second start does not count toward FATAL) and was
+    # refused; the start model then failed the probe too in every later process: a broken server
+    assert [r["version"] for r in status["refused"]] == [1]
+    assert "its start model fails the gate's probe too" in st["last_error"], st["last_error"]
     assert "gate: non-finite logprobs at 4 of 4 positions" in st["last_error"], st["last_error"]
     assert st["last_update"]["gate"]["ok"] is False
     text = httpx.get(d.url + "/metrics", timeout=10).text
-    # 3 processes (max_retries 2), each: the load and its re-apply
-    assert re.search(r'^rolloutd_update_failures_total\{kind="gate"\} 6\.0$', text, re.M), text
+    # 2 processes for the version, each: the load and its re-apply
+    assert re.search(r'^rolloutd_update_failures_total\{kind="gate"\} 4\.0$', text, re.M), text
 
 
 def test_a_frozen_server_fails_its_probes_and_is_restarted(daemons):
@@ -133,12 +138,12 @@ def test_a_failed_load_is_reapplied_and_never_resumed_half_loaded(daemons):
     assert "apply s0: version 1 failed: /update_weights: HTTP 500" in d.log_text()
 
 
-def test_a_load_that_always_fails_restarts_the_server_and_never_resumes_it(daemons):
+def test_a_load_that_always_fails_refuses_the_version_and_never_resumes_the_server(daemons):
     d = daemons("fail=/update_weights")
-    st = d.wait(lambda s: s["servers"][0]["state"] == "FATAL", 60, "FATAL")
-    assert "loading version 1 failed 2 time(s)" in st["servers"][0]["last_error"]
+    st = d.wait(lambda s: s["refused"] and s["servers"][0]["state"] == "SERVING", 60, "refused, serving")
+    assert "loading version 1 failed 2 time(s)" in st["refused"][0]["reason"], st["refused"]
     assert "/resume" not in requests_seen(d), "a server was resumed after a failed load"
-    assert server(d)["version"] is None
+    assert st["servers"][0]["version"] is None and st["servers"][0]["incarnation"] == 3, "its start model"
 
 
 def test_a_hanging_load_times_out(daemons):

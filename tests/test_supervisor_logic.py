@@ -674,7 +674,8 @@ def test_a_refused_version_with_no_good_version_before_it_restarts_the_server_on
 
     rig = run(scenario())
     assert rig.sup.incarnation == 2 and rig.vllm.loaded == ["2"], "the second process holds its start model"
-    assert rig.vllm.routes(1002) == [] and refused(rig)[0][0] == 2
+    assert rig.vllm.routes(1002) == ["/v1/models", "/v1/completions"], "its start model gets the probe"
+    assert refused(rig)[0][0] == 2
     assert rig.sup.failures == 0 and rig.sup.snapshot()["version"] is None
 
 
@@ -690,9 +691,26 @@ def test_a_last_good_version_that_cannot_be_loaded_again_leaves_the_start_model(
 
     rig = run(scenario())
     assert [v for v, _ in refused(rig)] == [2], "the version that failed is refused, not the last good one"
-    assert rig.sup.good is None and rig.sup.incarnation == 2 and rig.vllm.routes(1002) == []
+    assert rig.sup.good is None and rig.sup.incarnation == 2
+    assert rig.vllm.routes(1002) == ["/v1/models", "/v1/completions"]
     assert rig.sup.last_error.startswith("loading version 1 again (refused version 2) failed"), rig.sup.last_error
     assert rig.sup.failures == 1, "a server that cannot load a version it held counts as failing"
+
+
+def test_a_server_whose_start_model_fails_the_probe_too_is_broken_and_ends_fatal(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, version=None, restart={"max_retries": 1}).start()
+        await serving(rig, None)
+        rig.vllm.faults["/v1/completions"] = "nan"  # in every process, whatever it holds
+        await rig.publish(2)
+        await rig.arrows.reach(S.FATAL)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert [v for v, _ in refused(rig)] == [2], "the version failed twice: refused"
+    assert rig.sup.incarnation == 4 and "its start model fails the gate's probe too" in rig.sup.last_error
+    assert rig.arrows.states.count(S.SERVING) == 1, "never served again"
 
 
 def test_a_step_the_version_plays_no_part_in_is_the_servers_failure_never_a_refusal(tmp_path):

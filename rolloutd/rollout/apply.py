@@ -51,8 +51,8 @@ class ApplyFailed(Exception):
     gate). Whose fault, by the step that failed: ``version_fault``, the version's for certain (a
     canary the server cannot score: neither loading it again nor a restart can help);
     ``maybe_version``, the version's or the server's (its bytes loaded, ``/update_weights``, or
-    its gate); neither, the server's (pause, start, finish, check, resume: steps the version's
-    bytes play no part in)."""
+    its gate, answered); neither, the server's (pause, start, finish, check, resume: steps the
+    version's bytes play no part in; or no answer in time)."""
 
     def __init__(self, message: str, *, restart: bool, version_fault: bool = False, maybe_version: bool = False):
         super().__init__(message)
@@ -148,7 +148,7 @@ class Applier:
                                       version_fault=True) from None
                 target = await self._again(target, record, e, attempt, attempts, step="gate",
                                            failed=f"version {target.version} failed the gate",
-                                           meanwhile="held out of traffic", maybe_version=True)
+                                           meanwhile="held out of traffic", maybe_version=not e.no_answer)
                 continue
             self.metrics.pause_seconds.labels(server=self.name).observe(paused_s)
             record.ok = True
@@ -192,7 +192,7 @@ class Applier:
                 target = await self._again(target, record, e, attempt, attempts, step="apply",
                                            failed=f"loading version {target.version} failed",
                                            meanwhile="the server stays paused",
-                                           maybe_version=e.route == "/update_weights")
+                                           maybe_version=e.route == "/update_weights" and not e.timed_out)
         raise AssertionError("unreachable")
 
     async def _again(self, target: Target, record: UpdateRecord, error: Exception, attempt: int, attempts: int, *,

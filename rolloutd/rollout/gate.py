@@ -18,7 +18,8 @@ score as a request (HTTP 400 or 422: a token id outside its vocabulary, a canary
 ``max_model_len``), or one whose tolerance is above :data:`MAX_CANARY_TOLERANCE` (such a gate
 would pass anything), is the version's fault for certain: loading it again or restarting the
 server cannot change the answer. A mismatch, a non-finite value or a server that does not answer
-may be the server's.
+may be the server's; a server that gives no answer at all (:attr:`GateFailed.no_answer`) is at
+fault itself.
 """
 
 from __future__ import annotations
@@ -43,10 +44,11 @@ SCORE_ROUTE = "/v1/completions"  # the route of the scoring request itself (Vllm
 class GateFailed(Exception):
     """The server did not pass; ``result`` holds what was measured."""
 
-    def __init__(self, message: str, result: GateResult, *, version_fault: bool = False):
+    def __init__(self, message: str, result: GateResult, *, version_fault: bool = False, no_answer: bool = False):
         super().__init__(message)
         self.result = result
         self.version_fault = version_fault  # the version's canary is at fault for certain (module docstring)
+        self.no_answer = no_answer  # the server gave no answer to score: its failure, not the version's
 
 
 @dataclass
@@ -92,7 +94,8 @@ async def run_gate(vllm: VllmClient, canary: Canary | None, timeout_s: float) ->
                       and e.status in REFUSED_REQUEST)
         result.error = (f"gate: the server cannot score the canary of {len(ids)} tokens: {what}" if unscorable
                         else f"gate: scoring failed: {what}")
-        raise GateFailed(result.error, result, version_fault=unscorable) from None
+        raise GateFailed(result.error, result, version_fault=unscorable,
+                         no_answer=not isinstance(e, VllmError) or e.status is None) from None
     result.tokens = len(served)
     bad = [i + 1 for i, v in enumerate(served) if not math.isfinite(v)]
     if canary is not None:

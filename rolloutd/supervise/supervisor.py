@@ -26,7 +26,8 @@
   certain (a canary the server cannot score). If it fails again,
   the node **refuses** it (:class:`~rolloutd.rollout.refusals.Refusals`: no server of the node
   loads it again) and the server goes back to its last good version (:attr:`Supervisor.good`,
-  loaded again and gated; its start model if it had none, by a restart); a process that dies
+  loaded again and gated; its start model if it had none, by a restart, and probed: a server
+  whose start model fails the gate's probe too is broken, toward FATAL); a process that dies
   twice while loading the same version refuses it too. The next version is taken as usual. If
   the last good version cannot be loaded again, the server restarts on its start model.
 - Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to all its processes, grace, KILL,
@@ -51,6 +52,7 @@ from rolloutd.config import Server as ServerConfig
 from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
+from rolloutd.rollout.gate import GateFailed, run_gate
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Target, Updater
@@ -264,6 +266,18 @@ class Supervisor:
             await self._take(target)
         elif self.good is not None:
             await self._restore(self.good, f"version {target.version} is refused on this node")
+        else:
+            await self._probe_start_model(target)
+
+    async def _probe_start_model(self, refused: Target) -> None:
+        """The start model, the last good version after a refusal, gets the gate's probe: a
+        server whose start model fails it too is broken (a failure toward FATAL), whatever the
+        version it refused."""
+        try:
+            await run_gate(self.vllm, None, self._conf().update.finish_timeout_s)
+        except GateFailed as e:
+            raise ServerFailed(f"its start model fails the gate's probe too ({e}): the server, not only "
+                               f"version {refused.version}, is at fault") from None
 
     async def _serve(self) -> None:
         retries = 0  # updates in a row that failed and left the server serving as it was
