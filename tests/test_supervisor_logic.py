@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.node.metrics import Metrics
+from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.updater import Target
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.states import ARROWS, ServerState
@@ -601,12 +602,19 @@ def refused(rig: Rig) -> list[tuple[int, str]]:
 def test_a_canary_the_server_cannot_score_refuses_the_version_at_once_and_the_server_serves_the_last_good_one(
         tmp_path):
     async def scenario():
-        rig = Rig(tmp_path, canary=True).start()
+        rig = Rig(tmp_path, canary=True)
+        discarded = []  # the daemon's: the refused version's mirror copy removed once nobody holds it
+
+        async def discard(target):
+            discarded.append((target.version, rig.sup.loaded.version))
+        rig.sup.refusals = Refusals(rig.metrics, discard=discard)
+        rig.start()
         await serving(rig, 1)
         rig.vllm.bad_versions["2"] = "refuse"
         await rig.publish(2)
         await serving(rig, 1, nth=2)
         seen = (refused(rig), rig.sup.snapshot(), list(rig.vllm.loaded))
+        assert discarded == [(2, 1)], "discarded once the server is back on version 1"
         await rig.publish(3)
         await serving(rig, 3, nth=3)
         await rig.stop()

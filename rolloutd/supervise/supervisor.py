@@ -340,6 +340,7 @@ class Supervisor:
         version again, or restart on the start model (the last good one, or the one left)."""
         if self.good is None:
             self._free_restart = True
+            await self.refusals.discard(refused)  # the process holds its weights, not its files
             raise ApplyFailed(f"version {refused.version} refused; restarting on the start model, the last "
                               "good version", restart=True)
         await self._restore(self.good, f"refused version {refused.version}")
