@@ -149,7 +149,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
         manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
                                    metadata=metadata, progress=ProgressLine(f"upload v{args.version}"),
                                    canary=canary, partial=args.partial, to=args.to, store=store,
-                                   prune=not args.keep_objects)
+                                   prune=not args.keep_objects, hash_name=args.hash)
     finally:
         reg.close()
     where = f" at {manifest.source}" if manifest.source else ""
@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--registry", required=True, help="registry URL, e.g. http://trainer:8700")
     p.add_argument("--token-file", help="file holding the registry's bearer token")
     p.add_argument("--chunk-bytes", type=int, default=64 << 20, help="digest chunk size")
+    p.add_argument("--hash", choices=["xxh3-128", "blake3", "sha256"], default="xxh3-128",
+                   help="chunk digest: xxh3-128 (fastest; nodes take the version from its origin only) or "
+                   "blake3/sha256 (cryptographic: nodes may take it from their peers)")
     p.add_argument("--metadata", type=_metadata, action="append", default=[], metavar="KEY=VALUE",
                    help="label stored in the manifest (repeatable)")
     p.add_argument("--partial", action="store_true", help="the files carry only some of the model's tensors on "

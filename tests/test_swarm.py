@@ -1,7 +1,8 @@
 """The chunk swarm over real HTTP on loopback, in one process: a real registry (its tracker),
 nodes made of the daemon's own parts (mirror, puller, peer listener, announcer). Nodes pull
 one version together; the registry sends about one copy; a peer serving bad bytes (a fake, named
-so) or one that is gone is dropped and every mirror still ends complete and checked."""
+so) or one that is gone is dropped and every mirror still ends complete and checked. Versions are
+published with blake3 chunk digests, which peers may carry; an xxh3 version never goes near one."""
 
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.puller import Puller
-from rolloutd.rollout.swarm import Swarm, SwarmSettings
+from rolloutd.rollout.swarm import Swarm, SwarmSettings, peer_token
 from rolloutd.wire.manifest import verify_file
 
 from .conftest import free_port
 
 TOKEN = "swarm-token-5e1"
+PEER_TOKEN = peer_token(TOKEN)  # what nodes present to each other: never the registry's
 CHUNK = 64 << 10
 
 
@@ -31,12 +33,12 @@ def served(reg: EmbeddedRegistry) -> int:
     return int(reg.service.metrics.bytes_served._value.get())
 
 
-def publish(reg: EmbeddedRegistry, tmp_path, version: int = 1, mib: int = 4) -> None:
+def publish(reg: EmbeddedRegistry, tmp_path, version: int = 1, mib: int = 4, hash_name: str = "blake3") -> None:
     d = tmp_path / f"v{version}"
     d.mkdir()
     for i in range(2):
         (d / f"model-{i}.safetensors").write_bytes(os.urandom(mib << 19))
-    reg.publish_dir(version, d, chunk_bytes=CHUNK)
+    reg.publish_dir(version, d, chunk_bytes=CHUNK, hash_name=hash_name)
 
 
 @dataclass
@@ -68,9 +70,9 @@ def make_node(name: str, reg: EmbeddedRegistry, tmp_path, **settings) -> Node:
     mirror = Mirror(tmp_path / name, 1 << 30)
     client = RegistryClient(reg.url, reg.service.token)
     settings = {"announce_every_s": 0.1, "announce_idle_s": 0.5, "origin_wait_s": 2.0, **settings}
-    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=TOKEN, **settings), client,
-                  mirror, node=name)
-    server = PeerServer(mirror, swarm.ledger, "127.0.0.1", port, TOKEN).start()
+    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=PEER_TOKEN, **settings),
+                  client, mirror, node=name)
+    server = PeerServer(mirror, swarm.ledger, "127.0.0.1", port, PEER_TOKEN).start()
     puller = Puller(client, mirror, holder=name, streams=4, request_bytes=CHUNK, swarm=swarm)
     node = Node(name, mirror, client, swarm, server, puller)
     node.announcer = asyncio.ensure_future(swarm.run_announcer())
@@ -171,7 +173,7 @@ async def test_the_peer_listener_serves_only_checked_chunks_with_a_token(reg, tm
     try:
         manifest = await node.client.manifest(1)
         url = node.swarm.settings.url + "/v1/versions/1/files/" + manifest.files[0].name
-        auth = {"authorization": f"Bearer {TOKEN}"}
+        auth = {"authorization": f"Bearer {PEER_TOKEN}"}
         async with httpx.AsyncClient() as http:
             assert (await http.get(url, headers=auth)).json()["error"]["code"] == "version_unknown"
             partial = node.mirror.begin(manifest)
@@ -183,6 +185,9 @@ async def test_the_peer_listener_serves_only_checked_chunks_with_a_token(reg, tm
             assert r.status_code == 416 and r.json()["error"]["code"] == "range_not_satisfiable"
             r = await http.get(url, headers={"range": f"bytes={CHUNK}-{2 * CHUNK - 1}"})
             assert r.status_code == 401
+            wrong = {"authorization": f"Bearer {TOKEN}", "range": f"bytes={CHUNK}-{2 * CHUNK - 1}"}
+            r = await http.get(url, headers=wrong)
+            assert r.status_code == 401  # the registry's token is not the peer token
             r = await http.get(node.swarm.settings.url + "/v1/versions/1/files/..%2Fetc", headers=auth)
             assert r.status_code == 404
             assert (await http.get(node.swarm.settings.url + "/status", headers=auth)).status_code == 404
@@ -251,8 +256,8 @@ async def test_every_announcement_of_a_pull_names_the_peers_it_dropped(tmp_path)
 
     mirror = Mirror(tmp_path / "m", 1 << 30)
     swarm = Swarm(SwarmSettings(enabled=True, url="http://127.0.0.1:1"), RecordingClient(), mirror, node="me")
-    manifest = Manifest.model_validate({"version": 1, "chunk_bytes": 4096, "files": [
-        {"name": "a", "size": 8192, "chunks": ["0" * 32, "1" * 32]}]}).sealed()
+    manifest = Manifest.model_validate({"version": 1, "hash": "blake3", "chunk_bytes": 4096, "files": [
+        {"name": "a", "size": 8192, "chunks": ["0" * 64, "1" * 64]}]}).sealed()
     plan = swarm.plan(manifest, tmp_path)
     plan.update(SwarmView(peers=[{"node": "liar", "url": "http://127.0.0.1:2", "chunks": "3"}], origin="0"))
     pick = await plan.next()
@@ -261,3 +266,206 @@ async def test_every_announcement_of_a_pull_names_the_peers_it_dropped(tmp_path)
     await swarm.announce()
     await swarm.announce()
     assert sent == [["liar"], ["liar"]]
+
+
+# -- a version peers may not carry ----------------------------------------------------------------
+
+async def test_an_xxh3_version_is_never_taken_from_a_peer(reg, tmp_path, caplog):
+    """xxh3 guards against a damaged disk, not against a peer that crafts bytes to match: a version
+    with xxh3 chunk digests comes from its origin only, whoever claims to hold it (logged once)."""
+    from rolloutd.wire.messages import Announce, HeldVersion
+    publish(reg, tmp_path, hash_name="xxh3-128")
+    digest = reg.manifest(1).digest
+    asked = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:  # a FAKE peer: counts who asks it
+        asked.append(request.path)
+        return web.Response(status=500)
+    app = web.Application()
+    app.router.add_get("/v1/versions/{v}/files/{name}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    liar = RegistryClient(reg.url, TOKEN)
+    try:
+        claim = Announce(url=f"http://127.0.0.1:{port}", versions={"1": HeldVersion(digest=digest)})
+        await liar.announce("liar", claim)
+        node = make_node("honest", reg, tmp_path)
+        try:
+            await asyncio.wait_for(node.puller.pull("latest"), 60)
+            node.check(1)
+            assert asked == []
+            assert node.puller.last_plan.bytes_from.get("peers", 0) == 0
+            assert node.swarm.ledger.held() == {}  # nor offered to other nodes
+            await node.puller.pull("latest")
+            assert [r.message for r in caplog.records if "without peers" in r.message] == [
+                "pull version 1 from the registry only, without peers: its chunk digests are xxh3-128, which a "
+                "hostile peer could forge (publish with a cryptographic hash: blake3, sha256)"]
+        finally:
+            await node.close()
+    finally:
+        await liar.close()
+        await runner.cleanup()
+
+
+def test_the_registry_token_is_never_the_peer_token(tmp_path):
+    """Every announced peer URL receives the peer token: it must not open the registry."""
+    from rolloutd.node.daemon import swarm_settings
+
+    from .supervisor_fakes import config
+
+    cfg = config(peers={"enabled": True}, node={"advertise_host": "10.0.0.7"})
+    derived = swarm_settings(cfg, TOKEN).token
+    assert derived == PEER_TOKEN and TOKEN not in derived
+    # the same file for both (an old config): still derived, the same on every node
+    same = tmp_path / "same.token"
+    same.write_text(TOKEN)
+    cfg = config(peers={"enabled": True, "token_file": str(same)}, node={"advertise_host": "10.0.0.7"})
+    assert swarm_settings(cfg, TOKEN).token == PEER_TOKEN
+    own = tmp_path / "peers.token"
+    own.write_text("a-fleet-peer-token")
+    cfg = config(peers={"enabled": True, "token_file": str(own)}, node={"advertise_host": "10.0.0.7"})
+    assert swarm_settings(cfg, TOKEN).token == "a-fleet-peer-token"
+
+
+async def test_the_registry_refuses_the_peer_token(reg):
+    async with httpx.AsyncClient() as http:
+        r = await http.get(reg.url + "/v1/holders", headers={"authorization": f"Bearer {PEER_TOKEN}"})
+        assert r.status_code == 401
+        r = await http.get(reg.url + "/v1/holders", headers={"authorization": f"Bearer {TOKEN}"})
+        assert r.status_code == 200
+
+
+class RecordingClient:  # a FAKE registry client: records what would be announced, answers nothing
+    from rolloutd.registry.client import Timeouts
+
+    url, token, timeouts = "http://127.0.0.1:9", None, Timeouts()
+
+    def __init__(self):
+        self.sent = []
+
+    async def announce(self, node, body):
+        from rolloutd.wire.messages import AnnounceReply
+        self.sent.append(body)
+        return AnnounceReply(instance="x", versions={})
+
+
+async def test_a_version_with_more_chunks_than_a_map_holds_is_pulled_from_the_origin(tmp_path):
+    """The chunk map on the wire holds 16,384 chunks, a manifest any number: such a version is not
+    announced chunk by chunk (the announcer once crash-looped on it) and comes from the origin."""
+    from rolloutd.wire.chunkmap import MAX_CHUNKS
+    from rolloutd.wire.manifest import Manifest
+    count = MAX_CHUNKS + 1
+    manifest = Manifest.model_validate({"version": 1, "hash": "blake3", "chunk_bytes": 4096, "files": [
+        {"name": "a", "size": 4096 * count, "chunks": ["0" * 64] * count}]}).sealed()
+    client = RecordingClient()
+    swarm = Swarm(SwarmSettings(enabled=True, url="http://127.0.0.1:1"), client, Mirror(tmp_path / "m", 1 << 30),
+                  node="me")
+    plan = swarm.plan(manifest, tmp_path)
+    picks = [await plan.next() for _ in range(3)]
+    assert [p.source.kind for p in picks] == ["registry"] * 3  # every chunk given to the origin at once
+    last = plan.chunks[-1]
+    from rolloutd.rollout.swarm import Pick
+    swarm.landed(Pick(count - 1, last[0], last[1], plan.origin))  # a chunk past the map's reach lands
+    assert await swarm.announce() is not None
+    assert client.sent[-1].versions == {}
+
+
+# -- the ledger reads a manifest once ------------------------------------------------------------------
+
+async def test_announcements_and_peer_requests_parse_a_manifest_once(reg, tmp_path, monkeypatch):
+    """A large manifest takes tens of milliseconds to parse and check: announcements (several a
+    second while pulling) and peer requests use the one parsed when the version was first seen,
+    until its manifest.json is another file."""
+    from rolloutd.wire.manifest import Manifest
+    publish(reg, tmp_path)
+    node = make_node("n", reg, tmp_path)
+    try:
+        await node.puller.pull(1)
+        parsed = []
+        real = Manifest.model_validate_json.__func__
+
+        def counting(cls, data, *a, **kw):
+            parsed.append(1)
+            return real(cls, data, *a, **kw)
+        monkeypatch.setattr(Manifest, "model_validate_json", classmethod(counting))
+        manifest = node.mirror.manifest(1)
+        parsed.clear()
+        url = node.swarm.settings.url + "/v1/versions/1/files/" + manifest.files[0].name
+        auth = {"authorization": f"Bearer {PEER_TOKEN}", "range": "bytes=0-9"}
+        async with httpx.AsyncClient() as http:
+            for _ in range(5):
+                assert set(node.swarm.ledger.held()) == {"1"}
+                assert (await http.get(url, headers=auth)).status_code == 206
+        assert len(parsed) <= 1
+        node.mirror.remove(1, "test")  # gone: neither announced nor served
+        assert node.swarm.ledger.held() == {}
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(url, headers=auth)).status_code == 404
+        await node.puller.pull(1)  # back, as another file: read again
+        assert set(node.swarm.ledger.held()) == {"1"}
+    finally:
+        await node.close()
+
+
+# -- the listener before the token -----------------------------------------------------------------
+
+def _closed_by_server(sock, timeout_s: float) -> bool:
+    """True once the server closed ``sock`` (EOF or reset) within ``timeout_s``."""
+    sock.settimeout(timeout_s)
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+async def test_the_peer_listener_closes_a_connection_that_sends_half_a_head(tmp_path):
+    """Before the token is checked, a client has sent only bytes: a head that never ends must not
+    hold one of the daemon's file descriptors for long."""
+    import socket
+    mirror = Mirror(tmp_path / "m", 1 << 20)
+    from rolloutd.rollout.swarm import Ledger
+    server = PeerServer(mirror, Ledger(mirror), "127.0.0.1", 0, PEER_TOKEN, head_timeout_s=0.5).start()
+    try:
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:
+            sock.sendall(b"GET /v1/versions/1/files/a HTTP/1.1\r\nHost: x\r\n")
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+            for _ in range(3):  # bytes keep coming, the head never ends: no extension
+                await asyncio.sleep(0.1)
+                sock.sendall(b"X-Slow: 1\r\n")
+            assert await asyncio.to_thread(_closed_by_server, sock, 5.0)
+            assert loop.time() - started < 2.0
+        with socket.create_connection(("127.0.0.1", server.port)) as sock:  # nothing at all: the same
+            assert await asyncio.to_thread(_closed_by_server, sock, 5.0)
+    finally:
+        server.stop()
+
+
+async def test_the_peer_listener_caps_its_connections(tmp_path):
+    import socket
+    mirror = Mirror(tmp_path / "m", 1 << 20)
+    from rolloutd.rollout.swarm import Ledger
+
+    from .waiting import until
+    server = PeerServer(mirror, Ledger(mirror), "127.0.0.1", 0, PEER_TOKEN, max_connections=4).start()
+    socks = []
+    try:
+        for _ in range(4):
+            socks.append(socket.create_connection(("127.0.0.1", server.port)))
+        await until(lambda: len(server._runner.server.connections) == 4, what="4 connections open")
+        extra = socket.create_connection(("127.0.0.1", server.port))
+        assert await asyncio.to_thread(_closed_by_server, extra, 5.0)
+        extra.close()
+        assert server.refused_connections == 1
+        socks.pop().close()  # room again: served
+        await until(lambda: len(server._runner.server.connections) == 3, what="one connection gone")
+        async with httpx.AsyncClient() as http:
+            assert (await http.get(f"http://127.0.0.1:{server.port}/healthz")).status_code == 200
+    finally:
+        for s in socks:
+            s.close()
+        server.stop()

@@ -104,3 +104,13 @@ def test_unknown_versions_and_other_digests_are_ignored():
     body = Announce(url="http://x:1", versions={"3": HeldVersion(digest="f" * 64), "9": HeldVersion(digest="e" * 64)})
     assert tracker.announce("x", body, manifest_of) == {}
     assert tracker.summary() == {}
+
+
+def test_a_holder_that_lost_its_copy_and_pulls_again_is_given_origin_chunks():
+    """A node removes a damaged copy and pulls the version again under the same name: what it held
+    no longer counts as held anywhere (it once did until it left: the pull took a chunk each
+    4 x origin_wait_s)."""
+    tracker = Tracker(clock=FakeClock(), rng=random.Random(5))
+    announce(tracker, "n", None, pulling=False)  # complete, at rest
+    view = announce(tracker, "n", 0)["3"]  # the same node, pulling it again from nothing
+    assert from_hex(view["origin"], CHUNKS) != 0

@@ -67,7 +67,7 @@ from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.slots import RolloutSlots
-from rolloutd.rollout.swarm import Swarm, SwarmSettings
+from rolloutd.rollout.swarm import Swarm, SwarmSettings, peer_token
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.supervise.cgroups import contain
 from rolloutd.supervise.leftovers import ShmBaseline
@@ -513,6 +513,8 @@ class Daemon:
 def swarm_settings(cfg: Config, registry_token: str | None) -> SwarmSettings:
     p = cfg.peers
     token = read_token(p.token_file) if p.token_file is not None else registry_token
+    if token is not None and token == registry_token:  # never hand the registry's token to a peer URL
+        token = peer_token(token)
     return SwarmSettings(enabled=p.enabled, url=cfg.peers_url, token=token, announce_every_s=p.announce_every_s,
                          announce_idle_s=p.announce_idle_s, peer_timeout_s=p.peer_timeout_s,
                          peer_chunk_timeout_s=p.peer_chunk_timeout_s, origin_wait_s=p.origin_wait_s)

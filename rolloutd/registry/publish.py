@@ -49,6 +49,7 @@ from rolloutd.registry.shards import (  # noqa: F401 -- the trainer's names for 
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import (
     DEFAULT_CHUNK_BYTES,
+    DEFAULT_HASH,
     MAX_VERSION,
     Canary,
     FileEntry,
@@ -162,7 +163,8 @@ class RegistryHTTP:
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
+                store: ObjectStoreSettings | None = None, prune: bool = True,
+                hash_name: str = DEFAULT_HASH) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
         model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`). Each
         shard is streamed to the registry from the tensors' own memory (hashed as it goes, no
@@ -176,8 +178,8 @@ class RegistryHTTP:
                 for shard in shards:
                     with MappedFile(Path(tmp) / shard.name, shard.size) as dest:
                         entries.append(FileEntry(name=shard.name, size=shard.size,
-                                                 chunks=write_shard(shard, dest, chunk_bytes)))
-                manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
+                                                 chunks=write_shard(shard, dest, chunk_bytes, hash_name)))
+                manifest = Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=entries,
                                     metadata=metadata or {}, canary=canary, partial=partial or None,
                                     source=version_source(to, version)).sealed()
                 return self._upload(manifest, [Path(tmp) / e.name for e in entries], progress, store,
@@ -186,7 +188,8 @@ class RegistryHTTP:
         def sealed(chunks: list[list[str]] | None) -> Manifest:
             files = [FileEntry(name=sh.name, size=sh.size if c is not None else 0, chunks=c or [])
                      for sh, c in zip(shards, chunks or [None] * len(shards), strict=True)]
-            return Manifest(version=version, chunk_bytes=chunk_bytes, files=files, metadata=metadata or {},
+            return Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=files,
+                            metadata=metadata or {},
                             canary=canary, partial=partial or None).sealed()
         sealed(None)  # every field but the digests checked before a byte is sent
         total, done = sum(sh.size for sh in shards), 0
@@ -197,9 +200,9 @@ class RegistryHTTP:
             if progress:
                 progress(done, total)
         try:
-            manifest = sealed([self._stream_shard(version, sh, chunk_bytes, sent) for sh in shards])
+            manifest = sealed([self._stream_shard(version, sh, chunk_bytes, hash_name, sent) for sh in shards])
         except errors.VersionConflict:  # published already: the same tensors are a no-op, as a retry needs
-            manifest = sealed([hash_shard(sh, chunk_bytes) for sh in shards])
+            manifest = sealed([hash_shard(sh, chunk_bytes, hash_name) for sh in shards])
             try:
                 theirs = self.manifest(version).digest
             except (errors.VersionUnknown, errors.VersionRetired):  # another publish of it under way
@@ -211,9 +214,10 @@ class RegistryHTTP:
                    headers={"content-type": "application/json"})
         return manifest
 
-    def _stream_shard(self, version: int, shard: Shard, chunk_bytes: int, sent: Callable[[int], None]) -> list[str]:
+    def _stream_shard(self, version: int, shard: Shard, chunk_bytes: int, hash_name: str,
+                      sent: Callable[[int], None]) -> list[str]:
         """Upload one shard from the tensors' memory; returns its chunk digests."""
-        hasher = ChunkHasher(chunk_bytes, "xxh3-128", shard.size)
+        hasher = ChunkHasher(chunk_bytes, hash_name, shard.size)
 
         def body() -> Iterator[memoryview]:
             for block in read_shard(shard):
@@ -228,7 +232,8 @@ class RegistryHTTP:
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
                     canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                    store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
+                    store: ObjectStoreSettings | None = None, prune: bool = True,
+                    hash_name: str = DEFAULT_HASH) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
         Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
         ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
@@ -242,11 +247,16 @@ class RegistryHTTP:
         the credentials (:class:`~rolloutd.objstore.ObjectStoreSettings`). The registry holds no
         credentials; with ``prune`` (the default), once the version is published the trainer
         deletes the objects of the earlier versions under ``to`` that the registry no longer
-        holds (:meth:`prune_store`), so the bucket keeps about ``keep_versions`` versions."""
+        holds (:meth:`prune_store`), so the bucket keeps about ``keep_versions`` versions.
+
+        ``hash_name``: the chunk digest. ``xxh3-128`` (the default) is the fastest, and guards
+        against corruption only: nodes take such a version from its origin, never from their
+        peers. ``blake3`` (or ``sha256``) is cryptographic: publish with it where nodes have peers
+        on (docs/peers.md)."""
         files = safetensors_files(path)
         source = version_source(to, version) if to is not None else None
         manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                  partial=partial, source=source)
+                                  partial=partial, source=source, hash_name=hash_name)
         return self._upload(manifest, files, progress, store, prune_to=to if prune else None)
 
     def prune_store(self, to: str, store: ObjectStoreSettings | None = None, *,
@@ -371,23 +381,24 @@ class EmbeddedRegistry(RegistryHTTP):
                 shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
+                store: ObjectStoreSettings | None = None, prune: bool = True,
+                hash_name: str = DEFAULT_HASH) -> Manifest:
         """Write each tensor straight into the registry's store (one copy, in the caller's
         thread, hashed as it lands), then commit on the registry's loop. With ``to``, the files
         go to the object store (:meth:`RegistryHTTP.publish_dir`)."""
         if to is not None:
             return super().publish(version, state_dict, shard_bytes=shard_bytes, chunk_bytes=chunk_bytes,
                                    metadata=metadata, progress=progress, canary=canary, partial=partial,
-                                   to=to, store=store, prune=prune)
+                                   to=to, store=store, prune=prune, hash_name=hash_name)
         shards = plan_shards(state_dict, shard_bytes)
         with self._turn.mine():
             return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
-                                        progress=progress, canary=canary, partial=partial)
+                                        progress=progress, canary=canary, partial=partial, hash_name=hash_name)
 
     def publish_async(self, version: int, state_dict: Mapping[str, Any], *, snapshot: bool = True,
                       shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                       metadata: dict[str, str] | None = None, canary: Canary | None = None,
-                      partial: bool = False) -> PublishHandle:
+                      partial: bool = False, hash_name: str = DEFAULT_HASH) -> PublishHandle:
         """Publish on a thread of its own; returns a :class:`PublishHandle` at once (``wait``,
         ``cancel``, ``progress``). ``snapshot`` (the default): the tensors are copied to host
         memory first, in the caller's thread (for tensors on an accelerator this is the
@@ -402,7 +413,7 @@ class EmbeddedRegistry(RegistryHTTP):
 
         def run(handle: PublishHandle) -> Manifest:
             return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
-                                        canary=canary, partial=partial, handle=handle)
+                                        canary=canary, partial=partial, handle=handle, hash_name=hash_name)
         self._pending = {h for h in self._pending if not h.done()}
         handle = PublishHandle(version, total, run, self._turn)
         self._pending.add(handle)
@@ -410,7 +421,8 @@ class EmbeddedRegistry(RegistryHTTP):
 
     def _publish_shards(self, version: int, shards: list[Shard], *, chunk_bytes: int,
                         metadata: dict[str, str] | None, canary: Canary | None, partial: bool,
-                        progress: Progress | None = None, handle: PublishHandle | None = None) -> Manifest:
+                        progress: Progress | None = None, handle: PublishHandle | None = None,
+                        hash_name: str = DEFAULT_HASH) -> Manifest:
         total = sum(nbytes(p.tensor) for shard in shards for p in shard.tensors)  # headers come on top
         done = 0
 
@@ -422,7 +434,7 @@ class EmbeddedRegistry(RegistryHTTP):
             for shard in shards:
                 staged = self.service.blobs.stage_view(version, shard.name, shard.size)
                 try:
-                    chunks = write_shard(shard, staged.view, chunk_bytes, on_bytes=on_bytes,
+                    chunks = write_shard(shard, staged.view, chunk_bytes, hash_name, on_bytes=on_bytes,
                                          cancelled=handle.cancelled if handle else None)
                     staged.finish()
                 except BaseException:
@@ -432,7 +444,7 @@ class EmbeddedRegistry(RegistryHTTP):
                 done += sum(nbytes(p.tensor) for p in shard.tensors)
                 if progress:
                     progress(min(total, done), total)
-            manifest = Manifest(version=version, chunk_bytes=chunk_bytes, files=entries,
+            manifest = Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=entries,
                                 metadata=metadata or {}, canary=canary, partial=partial or None).sealed()
             if handle is not None:
                 handle.set_state(PublishState.COMMITTING)  # refused once a cancel came
@@ -442,15 +454,16 @@ class EmbeddedRegistry(RegistryHTTP):
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
                     canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                    store: ObjectStoreSettings | None = None, prune: bool = True) -> Manifest:
+                    store: ObjectStoreSettings | None = None, prune: bool = True,
+                    hash_name: str = DEFAULT_HASH) -> Manifest:
         if to is not None:
             return super().publish_dir(version, path, chunk_bytes=chunk_bytes, metadata=metadata,
                                        progress=progress, canary=canary, partial=partial, to=to, store=store,
-                                       prune=prune)
+                                       prune=prune, hash_name=hash_name)
         files = safetensors_files(path)
         with self._turn.mine(), self._staging(version):
             manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                  partial=partial)
+                                      partial=partial, hash_name=hash_name)
             done = 0
             for p in files:
                 self.service.blobs.stage_file(version, p)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rolloutd.wire.manifest import chunk_count
+from rolloutd.wire.manifest import DEFAULT_HASH, chunk_count, new_hasher
 
 DEFAULT_SHARD_BYTES = 5 << 30  # Hugging Face's usual shard size
 BLOCK_BYTES = 8 << 20          # copied, then hashed while in cache; the unit of progress and cancel
@@ -208,10 +208,7 @@ class ChunkHasher:
     """The manifest's per-chunk digests of bytes fed in file order."""
 
     def __init__(self, chunk_bytes: int, hash_name: str, total: int):
-        import hashlib
-
-        import xxhash
-        self._new = xxhash.xxh3_128 if hash_name == "xxh3-128" else hashlib.sha256
+        self._new = lambda: new_hasher(hash_name)
         self.chunk_bytes, self.expected = chunk_bytes, chunk_count(total, chunk_bytes)
         self.digests: list[str] = []
         self._h, self._in_chunk = self._new(), 0
@@ -235,7 +232,7 @@ class ChunkHasher:
         return self.digests
 
 
-def write_shard(shard: Shard, dest: memoryview, chunk_bytes: int, hash_name: str = "xxh3-128", *,
+def write_shard(shard: Shard, dest: memoryview, chunk_bytes: int, hash_name: str = DEFAULT_HASH, *,
                 on_bytes: Callable[[int], None] | None = None,
                 cancelled: Callable[[], bool] | None = None) -> list[str]:
     """Write ``shard`` into ``dest`` (exactly ``shard.size`` bytes, writable) and return its
@@ -316,7 +313,7 @@ def read_shard(shard: Shard) -> Iterator[memoryview]:
             yield scratch[:n]
 
 
-def hash_shard(shard: Shard, chunk_bytes: int, hash_name: str = "xxh3-128") -> list[str]:
+def hash_shard(shard: Shard, chunk_bytes: int, hash_name: str = DEFAULT_HASH) -> list[str]:
     """The chunk digests of ``shard`` as :func:`write_shard` gives them, without writing it."""
     hasher = ChunkHasher(chunk_bytes, hash_name, shard.size)
     for piece in read_shard(shard):

@@ -7,8 +7,14 @@ that touches another chunk is ``416``). ``GET /healthz`` needs no token. Nothing
 served: no vLLM route, no admin action, no directory listing.
 
 It runs on its own thread with its own event loop (aiohttp, ``sendfile``): serving peers is pull
-work, and pull work never shares a loop with generation traffic (design §9). A listener on an
+work, and pull work never shares a loop with generation traffic. A listener on an
 address other than loopback refuses to start without a token (fail closed).
+
+Before the token is checked a client has sent nothing but bytes: each connection must send a
+whole request head within ``head_timeout_s`` of connecting or of its last response (else it is
+closed), and at most ``max_connections`` are open at once (more are closed as they come), so
+that nobody without the token holds the daemon's file descriptors. A complete version's
+manifest is read once (:meth:`Ledger.complete`), not at every request.
 """
 
 from __future__ import annotations
@@ -30,6 +36,9 @@ from rolloutd.wire.ranges import parse_range
 
 log = logging.getLogger("rolloutd.rollout.peerserve")
 
+HEAD_TIMEOUT_S = 10.0  # a request head (line and headers) within this long, or the connection is closed
+MAX_CONNECTIONS = 256  # a fleet's pullers each keep a few connections to a peer they use
+
 
 class PeerServerError(Exception):
     """The listener cannot start (address in use, or no token off loopback)."""
@@ -40,14 +49,17 @@ def _error(err: errors.RegistryError) -> web.Response:
 
 
 class PeerServer:
-    def __init__(self, mirror: Mirror, ledger: Ledger, host: str, port: int, token: str | None):
+    def __init__(self, mirror: Mirror, ledger: Ledger, host: str, port: int, token: str | None, *,
+                 head_timeout_s: float = HEAD_TIMEOUT_S, max_connections: int = MAX_CONNECTIONS):
         if token is None and not is_loopback(host):
             raise PeerServerError(f"peers: a listener on {host} needs a token (peers.token_file or "
                                   "registry.token_file)")
         self.mirror, self.ledger, self.host, self.port = mirror, ledger, host, port
         self._token = token.encode() if token else None
+        self.head_timeout_s, self.max_connections = head_timeout_s, max_connections
         self.served_bytes = 0
         self.requests = 0
+        self.refused_connections = 0
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
@@ -81,13 +93,32 @@ class PeerServer:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_route("GET", "/v1/versions/{version:[1-9][0-9]{0,15}}/files/{name}", self._file)
         app.router.add_route("HEAD", "/v1/versions/{version:[1-9][0-9]{0,15}}/files/{name}", self._file)
-        self._runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        # aiohttp closes a connection whose next request head is not complete when its keep-alive
+        # time runs out (partial bytes do not extend it): that time is the head deadline.
+        self._runner = web.AppRunner(app, access_log=None, handle_signals=False,
+                                     keepalive_timeout=self.head_timeout_s)
         await self._runner.setup()
+        self._cap_connections(self._runner.server)
         site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
         if self.port == 0:
             self.port = site._server.sockets[0].getsockname()[1]
         self._started.set()
+
+    def _cap_connections(self, server: web.Server) -> None:
+        """Close each connection past ``max_connections`` as it is made. aiohttp has no such
+        bound; its server object hears of every connection first (then the handler starts)."""
+        made = server.connection_made
+
+        def connection_made(handler, transport) -> None:
+            made(handler, transport)
+            if len(server.connections) > self.max_connections:
+                self.refused_connections += 1
+                if self.refused_connections & (self.refused_connections - 1) == 0:  # 1, 2, 4, 8...
+                    log.warning("refuse a peer connection: %d open already (%d refused so far)",
+                                self.max_connections, self.refused_connections)
+                transport.abort()
+        server.connection_made = connection_made
 
     def stop(self) -> None:
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
@@ -128,7 +159,7 @@ class PeerServer:
         """(path, size, allowed(start, end)) of a file this node may serve, or a RegistryError."""
         if not valid_file_name(name):
             raise errors.FileUnknown(f"no file {name[:200]!r}")
-        manifest = self.mirror.manifest(version)
+        manifest = self.ledger.complete(version)
         if manifest is not None:
             entry = manifest.file(name)
             if entry is None:
@@ -150,7 +181,7 @@ class PeerServer:
         def checked(start: int, end: int) -> bool:
             bits = self.ledger.partial(version)
             if bits is None:  # committed meanwhile (or abandoned): the complete copy, if any
-                return self.mirror.manifest(version) is not None
+                return self.ledger.complete(version) is not None
             lo, hi = start // chunk_bytes, (end - 1) // chunk_bytes
             want = ((1 << (hi - lo + 1)) - 1) << (first_bit + lo)
             return bits.bits & want == want

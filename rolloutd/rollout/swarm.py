@@ -21,14 +21,22 @@ holds for its peers, and the announcements that tie both to the registry's track
   ``announce_idle_s`` at rest; each reply updates the plan of the pull in progress.
 
 Without peers (``peers.enabled: false``) the plan hands out every chunk from the origin, in
-file order, and nothing is announced.
+file order, and nothing is announced. The same for a version peers may not carry
+(:func:`peers_refused`): its chunk digests are not cryptographic (a peer could forge bytes that
+match an xxh3 digest), or it has more chunks than a chunk map holds; it is not announced either.
+
+The token this node presents to its peers, and that its listener takes, is the peer token
+(:func:`peer_token`), never the registry's: a peer can read chunks with it, and nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import logging
+import os
 import random
 import threading
 import time
@@ -38,24 +46,43 @@ from pathlib import Path
 
 from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.registry.client import RegistryClient
-from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror
 from rolloutd.rollout.sources import SourceSpec
 from rolloutd.wire import errors
-from rolloutd.wire.chunkmap import chunk_index, from_hex, full, to_hex
-from rolloutd.wire.manifest import FileEntry, Manifest
+from rolloutd.wire.chunkmap import MAX_CHUNKS, chunk_index, from_hex, full, to_hex
+from rolloutd.wire.manifest import CRYPTO_HASHES, FileEntry, Manifest
 from rolloutd.wire.messages import Announce, AnnounceReply, HeldVersion, SwarmView
 
 log = logging.getLogger("rolloutd.rollout.swarm")
 
 ANNOUNCE_MIN_GAP_S = 0.2  # a landed chunk is announced at most this soon after the last announcement
 STALL_FACTOR = 4  # nothing to fetch and nothing in flight for this many origin_wait_s: one chunk from the origin
+PEER_TOKEN_LABEL = b"rolloutd peer token v1"
+
+
+def peer_token(registry_token: str) -> str:
+    """The token nodes present to each other's peer listeners, derived from the registry's:
+    every node of a fleet computes the same one, and a peer that learns it (any URL a node
+    announced receives it) can read chunks with it but cannot reach the registry (HMAC is one-way)."""
+    return hmac.new(registry_token.encode(), PEER_TOKEN_LABEL, hashlib.sha256).hexdigest()
+
+
+def peers_refused(manifest: Manifest) -> str | None:
+    """Why a version is pulled from its origin only and not announced (None: peers may carry it)."""
+    if manifest.hash not in CRYPTO_HASHES:
+        return (f"its chunk digests are {manifest.hash}, which a hostile peer could forge (publish with "
+                f"a cryptographic hash: {', '.join(sorted(CRYPTO_HASHES))})")
+    count = sum(len(f.chunks) for f in manifest.files)
+    if count > MAX_CHUNKS:
+        return f"it has {count} chunks, more than a chunk map holds ({MAX_CHUNKS}; publish with larger chunks)"
+    return None
 
 
 @dataclass(frozen=True)
 class SwarmSettings:
     enabled: bool = False
     url: str | None = None            # this node's peer listener, as other nodes reach it
-    token: str | None = None          # what peers present, and what this node presents to them
+    token: str | None = None          # the peer token: what peers present, and what this node presents to them
     announce_every_s: float = 0.5
     announce_idle_s: float = 10.0
     peer_timeout_s: float = 10.0      # longest silence from a peer
@@ -73,12 +100,20 @@ class PartialView:
 
 
 class Ledger:
-    """Complete versions come from the mirror; the pull in progress from :meth:`begin`/:meth:`add`."""
+    """Complete versions come from the mirror; the pull in progress from :meth:`begin`/:meth:`add`.
+
+    Read at every announcement and every peer request: a complete version's manifest is parsed
+    once (a large one takes tens of milliseconds) and kept while its ``manifest.json`` is the same
+    file (same inode, size, mtime): a commit, a removal or a replaced copy makes another.
+    """
+
+    MAX_HELD = 8  # complete versions announced (newest first), within Announce's 16
 
     def __init__(self, mirror: Mirror):
         self.mirror = mirror
         self._lock = threading.Lock()
         self._partial: PartialView | None = None
+        self._complete: dict[int, tuple[tuple[int, int, int], Manifest | None]] = {}
 
     def begin(self, manifest: Manifest, directory: Path, bits: int = 0) -> None:
         with self._lock:
@@ -98,12 +133,41 @@ class Ledger:
         p = self._partial  # one read: the view is immutable
         return p if p is not None and p.manifest.version == version else None
 
+    def complete(self, version: int) -> Manifest | None:
+        """The manifest of a complete version in the mirror (None: not there, or broken), parsed
+        and checked by the mirror once per ``manifest.json``."""
+        try:
+            st = os.stat(self.mirror.path(version) / MANIFEST_NAME, follow_symlinks=False)
+        except OSError:
+            self._complete.pop(version, None)
+            return None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        known = self._complete.get(version)
+        if known is not None and known[0] == key:
+            return known[1]
+        manifest = self.mirror.manifest(version)
+        self._complete[version] = (key, manifest)  # one writer per key: a race parses twice, no harm
+        return manifest
+
+    def complete_versions(self) -> list[int]:
+        """Complete versions in the mirror, oldest first (directories named like a version)."""
+        try:
+            names = [e.name for e in os.scandir(self.mirror.dir) if e.name.isdigit() and e.is_dir()]
+        except OSError:
+            return []
+        versions = sorted(int(n) for n in names if not n.startswith("0"))
+        for gone in set(self._complete) - set(versions):
+            self._complete.pop(gone, None)
+        return [v for v in versions if self.complete(v) is not None]
+
     def held(self) -> dict[str, HeldVersion]:
+        """What peers may take from this node: the newest complete versions and the pull in
+        progress, each only if peers may carry it (:func:`peers_refused`)."""
         out: dict[str, HeldVersion] = {}
-        for version in self.mirror.versions()[-8:]:
-            manifest = self.mirror.manifest(version)
-            if manifest is not None:
-                out[str(version)] = HeldVersion(digest=manifest.digest)
+        complete = [(v, m) for v in self.complete_versions() if (m := self.complete(v)) is not None
+                    and peers_refused(m) is None]
+        for version, manifest in complete[-self.MAX_HELD:]:
+            out[str(version)] = HeldVersion(digest=manifest.digest)
         p = self._partial
         if p is not None and str(p.manifest.version) not in out:
             out[str(p.manifest.version)] = HeldVersion(digest=p.manifest.digest, chunks=to_hex(p.bits),
@@ -284,6 +348,7 @@ class Swarm:
         self._plan: ChunkPlan | None = None
         self._dirty = asyncio.Event()
         self._last_announce = 0.0
+        self._refused_logged: set[str] = set()  # manifest digests whose origin-only pull was logged
 
     @property
     def registry(self) -> SourceSpec:
@@ -301,7 +366,7 @@ class Swarm:
     def plan(self, manifest: Manifest, directory: Path, done_bits: int = 0) -> ChunkPlan:
         """The plan of a pull into ``directory`` (its partial directory, where the chunks
         ``done_bits`` are checked already), announced from now on."""
-        on = self.settings.enabled
+        on = self.settings.enabled and self._peers_may_carry(manifest)
         plan = ChunkPlan(manifest, self.origin(manifest), peers=on, make_peer=self._peer if on else None,
                          origin_wait_s=self.settings.origin_wait_s, done_bits=done_bits)
         self._plan = plan
@@ -310,9 +375,17 @@ class Swarm:
             self._dirty.set()
         return plan
 
+    def _peers_may_carry(self, manifest: Manifest) -> bool:
+        why = peers_refused(manifest)
+        if why is not None and manifest.digest not in self._refused_logged:
+            self._refused_logged.add(manifest.digest)
+            log.warning("pull version %d from the %s only, without peers: %s", manifest.version,
+                        self.origin(manifest).label, why)
+        return why is None
+
     def landed(self, pick: Pick) -> None:
         """A chunk of the plan's pull is written and checked: peers may have it."""
-        if self.settings.enabled:
+        if self.settings.enabled:  # a plan without peers began no partial in the ledger: a no-op
             self.ledger.add(pick.bit)
             self._dirty.set()
 

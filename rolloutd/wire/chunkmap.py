@@ -9,7 +9,11 @@ import re
 
 from rolloutd.wire.manifest import FileEntry, Manifest
 
-HEX_RE = re.compile(r"^[0-9a-f]{1,4096}$")  # 16,384 chunks: 1 TiB of 64 MiB chunks
+# The most chunks a map on the wire holds (1 TiB of 64 MiB chunks): announcements and replies stay
+# small. A version with more is pulled from its origin only (rollout/swarm.py, peers_refused).
+MAX_CHUNKS = 16_384
+MAX_HEX_CHARS = MAX_CHUNKS // 4
+HEX_RE = re.compile(rf"^[0-9a-f]{{1,{MAX_HEX_CHARS}}}$")
 
 
 def chunk_index(manifest: Manifest) -> list[tuple[FileEntry, int]]:

@@ -2,7 +2,8 @@
 
 Contract (design §3): a version is one or more safetensors files; the manifest lists each
 file with its size and one digest per fixed-size chunk (``hash``: xxh3-128 by default, for
-speed), plus a digest of the manifest itself: always sha256 over its canonical JSON (sorted
+speed; sha256 or blake3, cryptographic, for a version that peers may carry: docs/peers.md), plus
+a digest of the manifest itself: always sha256 over its canonical JSON (sorted
 keys, no spaces, ASCII, without the ``digest`` field). sha256 because any reader can check it
 with its standard library: the vLLM plugin does, in an environment without xxhash.
 A reader checks the manifest digest first, then every chunk it receives.
@@ -47,11 +48,39 @@ DEFAULT_CANARY_TOLERANCE = 0.05
 # Above this (nats: a factor e in probability) a canary's check would pass wrong weights.
 MAX_CANARY_TOLERANCE = 1.0
 
-HashName = Literal["xxh3-128", "sha256"]
-_HEX_LEN = {"xxh3-128": 32, "sha256": 64}
+HashName = Literal["xxh3-128", "sha256", "blake3"]
+DEFAULT_HASH: HashName = "xxh3-128"  # 15 GB/s a core: a pull from the origin as fast as a copy
+# Chunk digests nobody can collide on purpose: the only ones a node accepts peers' bytes against
+# (xxh3-128 guards against corruption, not against a hostile peer; docs/peers.md, threat model).
+CRYPTO_HASHES = frozenset({"sha256", "blake3"})
+_HEX_LEN = {"xxh3-128": 32, "sha256": 64, "blake3": 64}
+
+
+def new_hasher(hash_name: str):
+    """An incremental hasher (``update``, ``hexdigest``) of the chunk digest ``hash_name``."""
+    if hash_name == "xxh3-128":
+        return xxhash.xxh3_128()
+    if hash_name == "sha256":
+        return hashlib.sha256()
+    if hash_name == "blake3":
+        import blake3  # only where a version uses it
+
+        return blake3.blake3()
+    raise ValueError(f"unknown chunk hash {hash_name!r}")
+
+
+def _one_shot(hash_name: str) -> Callable[[bytes | memoryview], str]:
+    def fn(data: bytes | memoryview) -> str:
+        h = new_hasher(hash_name)
+        h.update(data)
+        return h.hexdigest()
+    return fn
+
+
 _HASHERS: dict[str, Callable[[bytes | memoryview], str]] = {
     "xxh3-128": xxhash.xxh3_128_hexdigest,
     "sha256": lambda data: hashlib.sha256(data).hexdigest(),
+    "blake3": _one_shot("blake3"),
 }
 
 # One path component, no leading dot: ".." and "a/b" can never be a file name.
@@ -169,7 +198,7 @@ class Manifest(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     version: VersionNumber
-    hash: HashName = "xxh3-128"
+    hash: HashName = DEFAULT_HASH
     chunk_bytes: ChunkBytes = DEFAULT_CHUNK_BYTES
     files: list[FileEntry] = Field(min_length=1, max_length=MAX_FILES)
     metadata: dict[str, str] = Field(default_factory=dict, max_length=64,
@@ -299,7 +328,7 @@ def hash_file(path: Path, chunk_bytes: int, hash_name: str,
 
 
 def build_manifest(version: int, paths: Iterable[Path], *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                   hash_name: str = "xxh3-128", metadata: dict[str, str] | None = None,
+                   hash_name: str = DEFAULT_HASH, metadata: dict[str, str] | None = None,
                    canary: Canary | None = None, partial: bool = False, source: str | None = None) -> Manifest:
     """Hash ``paths`` (in the given order) into a sealed manifest for ``version``."""
     with ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2))) as pool:

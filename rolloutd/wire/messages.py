@@ -9,6 +9,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
+from rolloutd.wire.chunkmap import HEX_RE, MAX_HEX_CHARS
 from rolloutd.wire.manifest import Count, ManifestDigest, VersionNumber
 
 MAX_ERROR_CHARS = 512
@@ -103,7 +104,7 @@ class HeldVersion(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
     digest: ManifestDigest = Field(description="the manifest digest it holds (another is ignored)")
-    chunks: str | None = Field(None, pattern=r"^[0-9a-f]{1,4096}$", description="chunks held and checked, "
+    chunks: str | None = Field(None, pattern=HEX_RE.pattern, description="chunks held and checked, "
                                "bit i = chunk i of the version in manifest order, lowercase hex; null: all")
     pulling: bool = Field(False, description="a pull of it is in progress: the reply says where from")
 
@@ -161,21 +162,22 @@ class Replicas(Reply):
     replicas: list[dict]
 
 
+# Replies are bounded like requests: a node parses them on its event loop.
 class PeerInfo(Reply):
-    node: str
-    url: str
-    chunks: str  # hex chunk map, as in HeldVersion (every bit set: complete)
+    node: str = Field(max_length=253)
+    url: str = Field(max_length=512)
+    chunks: str = Field(max_length=MAX_HEX_CHARS)  # hex chunk map, as in HeldVersion (every bit set: complete)
 
 
 class SwarmView(Reply):
     """For one version being pulled: peers that hold chunks the puller lacks (a sample, spread
     over pullers) and the chunks it should take from the origin (registry or object store) now."""
 
-    peers: list[PeerInfo]
-    origin: str  # hex chunk map
+    peers: list[PeerInfo] = Field(max_length=64)  # the registry's --max-peers is at most 64
+    origin: str = Field(max_length=MAX_HEX_CHARS)  # hex chunk map
     pullers: int = 0  # nodes pulling the version now
 
 
 class AnnounceReply(Reply):
     instance: str
-    versions: dict[str, SwarmView]
+    versions: dict[str, SwarmView] = Field(max_length=16)  # at most one per version announced

@@ -120,8 +120,11 @@ class Tracker:
                 bits = full(count) if held.chunks is None else from_hex(held.chunks, count)
             except ValueError:
                 continue
-            if node not in swarm.holders:
+            before = swarm.holders.get(node)
+            if before is None:
                 swarm.names.append(node)
+            elif before.bits & ~bits:
+                swarm.stale = True  # it lost chunks (a damaged copy removed, pulled again): off the union
             swarm.holders[node] = _Held(body.url, bits, held.pulling, now)
             if node not in self._suspect:
                 swarm.union |= bits
