@@ -61,7 +61,7 @@ STATUS = {
     "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
                      "url": "http://10.0.0.7:9300", "served_bytes": 9 << 30, "served_requests": 1152},
     "reload": {"last_attempt_unix": NOW - 60, "ok": False, "error": "c.yaml:3: servers[0].port: bad",
-               "where": "c.yaml:3"},
+               "where": "c.yaml:3", "needs_restart": ["mirror"]},
     "mirror": {"dir": "/dev/shm/rolloutd", "max_bytes": 32 << 30, "usage_bytes": 8 << 30, "spare_bytes": 0,
                "versions": [10, 11]},
     "servers": [
