@@ -200,17 +200,52 @@ async def test_a_worker_line_over_the_readers_limit_fails_its_chunk_and_the_work
         tmp_path, monkeypatch):
     """A FAKE worker (the real one bounds its lines) that answers a job with a line over the
     limit: the chunk fails at once, the worker is killed and another started."""
-    script = tmp_path / "fake_pull_worker.py"
-    script.write_text(FAKE_WORKER % (2 * EVENT_LINE_LIMIT))
-    python = tmp_path / "python"
-    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
-    python.chmod(0o755)
-    monkeypatch.setattr(sys, "executable", str(python))
+    fake_python(tmp_path, monkeypatch, FAKE_WORKER % (2 * EVENT_LINE_LIMIT))
     async with FetchPool(workers=1, streams=1, restart_initial_s=0.01) as pool:
         [pid] = pool.pids
         job = a_chunk(tmp_path, SourceSpec("registry", "http://127.0.0.1:9"))
         with pytest.raises(WorkerCrashed, match=f"pull worker {pid} wrote a line over {EVENT_LINE_LIMIT} bytes"):
             await asyncio.wait_for(pool.fetch(job, lambda n: None), 10)
+        await until(lambda: gone(pid) and pool.restarts == 1 and len(pool.pids) == 1, 10, "a new worker")
+
+
+def fake_python(tmp_path: Path, monkeypatch, code: str) -> None:
+    """The pool's workers become ``code`` (a FAKE worker), whatever module they are asked to run."""
+    script = tmp_path / "fake_pull_worker.py"
+    script.write_text(code)
+    python = tmp_path / "python"
+    python.write_text(f"#!/bin/sh\nexec {sys.executable} {script}\n")
+    python.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(python))
+
+
+STUCK_WORKER = """
+import sys, threading, time
+sys.stdin.readline()
+print('{"ready": 1}', flush=True)
+def beat():
+    while True:
+        time.sleep(0.2)
+        print('{"beat": 1}', flush=True)
+threading.Thread(target=beat, daemon=True).start()
+for line in sys.stdin:  # jobs taken, never ended: a stream stuck where its own deadline does not reach
+    pass
+"""
+
+
+async def test_a_worker_that_beats_but_never_ends_a_peer_chunk_is_replaced_past_the_chunks_deadline(
+        tmp_path, monkeypatch):
+    """A FAKE worker whose beat goes on while the stream holding the chunk is stuck (in the
+    kernel, say, where the worker's own deadline cannot reach it): ``silence_s`` after the
+    chunk's deadline the chunk fails and the worker is replaced."""
+    fake_python(tmp_path, monkeypatch, STUCK_WORKER)
+    async with FetchPool(workers=1, streams=1, beat_s=0.2, silence_s=1.5, restart_initial_s=0.01) as pool:
+        [pid] = pool.pids
+        job = a_chunk(tmp_path, SourceSpec("peer", "http://127.0.0.1:9", node="n"), timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerCrashed, match=f"pull worker {pid} did not end a chunk 2 s after it began"):
+            await asyncio.wait_for(pool.fetch(job, lambda n: None), 20)
+        assert time.monotonic() - t0 < 4
         await until(lambda: gone(pid) and pool.restarts == 1 and len(pool.pids) == 1, 10, "a new worker")
 
 
