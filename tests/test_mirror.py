@@ -567,6 +567,11 @@ def test_a_mirror_directory_another_user_owns_is_refused(tmp_path):
         Mirror(open_parent / "m", max_bytes=1 << 20)
     os.chmod(open_parent, 0o1777)  # as /dev/shm: sticky, so only its owner renames an entry
     assert Mirror(open_parent / "m", max_bytes=1 << 20).versions() == []
+    (open_parent / "theirs").symlink_to(tmp_path / "elsewhere")  # a link another user made in it
+    os.lchown(open_parent / "theirs", NOBODY, NOBODY)
+    with pytest.raises(OSError, match=rf"{open_parent / 'theirs'} is owned by uid {NOBODY}"):
+        Mirror(open_parent / "theirs" / "m", max_bytes=1 << 20)
+    assert os.listdir(tmp_path / "elsewhere") == [], "nothing made through it"
 
 
 def test_a_mirror_directory_of_ours_is_closed_to_other_users(tmp_path):

@@ -481,16 +481,16 @@ def prepare_mirror_dir(path: Path) -> Path:
     through directories no other user can change. MirrorDirError otherwise, saying what to do:
     whoever controls the directory could replace a version's files after they were checked."""
     path = Path(os.path.abspath(path))
+    euid = os.geteuid()
     try:
+        _refuse_unsafe_parents(path)  # before anything is made through them
         path.mkdir(mode=0o700, parents=True, exist_ok=True)
+        _refuse_unsafe_parents(path)  # and the ones just made
         st = path.lstat()
-        unsafe = _unsafe_ancestor(path)
+    except MirrorDirError:
+        raise
     except OSError as e:
         raise MirrorDirError(f"mirror directory {path}: {e.strerror or e}") from None
-    euid = os.geteuid()
-    if unsafe is not None:
-        raise MirrorDirError(f"mirror directory {path}: {unsafe}; another user could replace it: choose a "
-                             f"mirror.dir whose parents only root or uid {euid} can change")
     if not stat.S_ISDIR(st.st_mode):  # a symbolic link included: it could point anywhere
         raise MirrorDirError(f"mirror directory {path}: not a directory (a symbolic link or a file); remove it")
     if st.st_uid != euid:
@@ -501,6 +501,12 @@ def prepare_mirror_dir(path: Path) -> Path:
         os.chmod(path, 0o700)
         log.info("restrict mirror directory %s to mode 0700 (was %04o)", path, stat.S_IMODE(st.st_mode))
     return path
+
+
+def _refuse_unsafe_parents(path: Path) -> None:
+    if (unsafe := _unsafe_ancestor(path)) is not None:
+        raise MirrorDirError(f"mirror directory {path}: {unsafe}; another user could replace it: choose a "
+                             f"mirror.dir whose parents only root or uid {os.geteuid()} can change")
 
 
 def _unsafe_ancestor(path: Path) -> str | None:
@@ -514,7 +520,10 @@ def _unsafe_ancestor(path: Path) -> str | None:
         chains.append([real, *real.parents])
     for chain in chains:
         for parent in chain:
-            st = os.lstat(parent)
+            try:
+                st = os.lstat(parent)
+            except FileNotFoundError:  # not made yet: what is above it decides
+                continue
             if st.st_uid not in (0, euid):
                 return f"{parent} is owned by uid {st.st_uid}"
             if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
