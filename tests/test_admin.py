@@ -523,6 +523,9 @@ def test_status_table():
     for line in (gpu0, gpu1):  # columns line up under their headers
         assert line.index("v12") == header.index("TARGET")
         assert line.index("ago") > header.index("UPDATED")
+    assert lines[-3:] == ["", "reload refused: configuration error at c.yaml:3, running the previous one (c.yaml:3: "
+                          "servers[0].port: bad)", "reload: mirror changed in the file; they take effect when "
+                          "rolloutd restarts"]
 
 
 def test_status_table_before_anything_happened():
@@ -531,6 +534,7 @@ def test_status_table_before_anything_happened():
     doc["registry"].update(reachable=False, instance=None, latest=None, demand=None, last_contact_age_s=None,
                            last_error="connection refused")
     doc["mirror"]["versions"] = []
+    doc["reload"] = {"last_attempt_unix": None, "ok": None, "error": None, "where": None, "needs_restart": []}
     lines = render_status(doc, now_unix=NOW).splitlines()
     assert lines[0].endswith(", not ready")
     assert lines[1] == "registry http://trainer:8700: UNREACHABLE, latest -, error: connection refused"

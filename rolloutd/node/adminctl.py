@@ -205,7 +205,22 @@ def render_status(st: dict, now_unix: float | None = None) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     if not st["servers"]:
         lines.append("(no servers configured)")
+    lines += _reload_lines(st.get("reload"))
     return "\n".join(lines)
+
+
+def _reload_lines(r: dict | None) -> list[str]:
+    """What the config file says that does not run: a refused reload, sections kept until a restart."""
+    if r is None:
+        return []
+    out = []
+    if r["ok"] is False:
+        first = (r["error"] or "").splitlines()[0] if r["error"] else "?"
+        out.append(f"reload refused: configuration error at {r['where']}, running the previous one ({first})")
+    if r.get("needs_restart"):
+        out.append(f"reload: {', '.join(r['needs_restart'])} changed in the file; they take effect when rolloutd "
+                   "restarts")
+    return [""] + out if out else []
 
 
 def _node_line(st: dict) -> str:
