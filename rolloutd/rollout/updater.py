@@ -302,8 +302,9 @@ class Updater:
             await asyncio.to_thread(self.mirror.remove, version, "damaged", digest=manifest.digest)
             return
         record = await asyncio.to_thread(self.mirror.record, version)
-        log.warning("serve version %d from the mirror (registry instance %s): the registry is unreachable at start "
-                    "(update.serve_mirror_when_registry_down)", version, record.instance)
+        log.warning("serve version %d from the mirror: the registry is unreachable at start "
+                    "(update.serve_mirror_when_registry_down; the version of registry instance %s)", version,
+                    record.instance)
         await self._publish(Target(version, manifest.digest, self.mirror.path(version), None, record.copy))
         self.settled.set()
 
