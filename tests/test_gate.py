@@ -107,6 +107,7 @@ def test_a_bad_version_is_refused_and_the_server_serves_its_last_good_version_th
             assert metric(daemon.url, "update_failures_total", kind="gate") == 1, "never loaded again"
             assert metric(daemon.url, "versions_refused_total") == 1
             assert generate(gateway) == v1_tokens, "back on version 1, exactly"
+            daemon.wait(lambda st: st["mirror"]["versions"] == [1], 15, "the refused version gone from the mirror")
             answered = [tokens for status, tokens in hammer.results if status == 200]
             assert answered and all(t == v1_tokens for t in answered), [t for t in answered if t != v1_tokens][:3]
             assert all(status in (200, 503) for status, _ in hammer.results), hammer.results
