@@ -347,8 +347,9 @@ class Peers(_Section):
     advertise_url: str | None = Field(None, description="the listener's URL as other nodes reach it, e.g. "
                                       "http://10.0.0.7:9300; null: http://<node.advertise_host>:<port>")
     token_file: LaxPath | None = Field(None, description="file holding the token every node of the fleet "
-                                       "presents to its peers; null: registry.token_file (a listener off "
-                                       "loopback refuses to start without either)")
+                                       "presents to its peers; null: one derived from the registry's token "
+                                       "(HMAC-SHA256), never the registry's own (a listener off loopback "
+                                       "refuses to start without either)")
     announce_every_s: Seconds = Field(0.5, description="while pulling: how often the registry's tracker "
                                       "hears which chunks this node holds (and says where to take the rest)")
     announce_idle_s: Seconds = Field(10.0, description="at rest: how often it hears which complete versions "

@@ -405,6 +405,8 @@ async def test_announcements_and_peer_requests_parse_a_manifest_once(reg, tmp_pa
             assert (await http.get(url, headers=auth)).status_code == 404
         await node.puller.pull(1)  # back, as another file: read again
         assert set(node.swarm.ledger.held()) == {"1"}
+        (node.mirror.path(1) / "manifest.json").write_text("{}")  # another file in place: read again
+        assert node.swarm.ledger.held() == {}
     finally:
         await node.close()
 
@@ -469,3 +471,23 @@ async def test_the_peer_listener_caps_its_connections(tmp_path):
         for s in socks:
             s.close()
         server.stop()
+
+
+def test_a_tracker_reply_is_bounded_like_a_request():
+    """A node parses the registry's replies on its event loop: a reply naming more peers than any
+    registry sends, or a chunk map longer than a version's, is refused (the pull goes on from the
+    origin), not parsed whatever its size."""
+    from pydantic import ValidationError
+
+    from rolloutd.wire.chunkmap import MAX_HEX_CHARS
+    from rolloutd.wire.messages import AnnounceReply
+    peer = {"node": "p", "url": "http://10.0.0.1:9300", "chunks": "f"}
+    AnnounceReply.model_validate({"instance": "i", "versions": {"1": {"peers": [peer] * 64, "origin": "0"}}})
+    for view in ({"peers": [peer] * 65, "origin": "0"},
+                 {"peers": [], "origin": "f" * (MAX_HEX_CHARS + 1)},
+                 {"peers": [{**peer, "chunks": "f" * (MAX_HEX_CHARS + 1)}], "origin": "0"}):
+        with pytest.raises(ValidationError):
+            AnnounceReply.model_validate({"instance": "i", "versions": {"1": view}})
+    with pytest.raises(ValidationError):
+        AnnounceReply.model_validate({"instance": "i", "versions": {str(v): {"peers": [], "origin": "0"}
+                                                                    for v in range(1, 18)}})
