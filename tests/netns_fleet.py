@@ -185,10 +185,13 @@ class Fleet:
                                                                                self.ns("store")])
         return self.s3.start()
 
-    def publish(self, version: int, directory: Path, *, chunk_bytes: int, to: str | None = None) -> float:
-        """``rolloutd publish`` from the root namespace; returns when the version became visible."""
+    def publish(self, version: int, directory: Path, *, chunk_bytes: int, to: str | None = None,
+                hash_name: str = "blake3") -> float:
+        """``rolloutd publish`` from the root namespace; returns when the version became visible.
+        blake3 chunk digests by default: nodes take only such versions from their peers."""
         argv = [PYTHON, "-m", "rolloutd.cli", "publish", "--registry", self.registry_url, "--token-file",
-                str(self.token_file), "--chunk-bytes", str(chunk_bytes), str(version), str(directory)]
+                str(self.token_file), "--chunk-bytes", str(chunk_bytes), "--hash", hash_name, str(version),
+                str(directory)]
         if to is not None:
             argv += ["--to", to, "--s3-endpoint", self.s3.endpoint, "--s3-credentials", str(self.s3.credentials_file)]
         visible: list[float] = []
