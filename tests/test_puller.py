@@ -353,6 +353,35 @@ async def test_a_chunk_corrupted_every_time_fails_the_pull_and_the_next_try_fetc
     assert f"{len(kept_chunks)} chunks ({kept.bytes} bytes) checked by the last try" in caplog.text
 
 
+async def test_a_failed_pull_leaves_its_task_not_cancelled_and_a_later_crash_is_not_taken_for_a_stop(
+        registry, proxy, client, mirror):
+    """Python 3.11's task groups left the task of a pull that failed reading as cancelled. The
+    daemon's crash policy (``keep``) then took a later crash of the updater for a stop and ended
+    it for good: a node that never updated again."""
+    from rolloutd.node.daemon import keep
+    from rolloutd.node.metrics import Metrics
+
+    manifest, _ = publish(registry, 1)
+    proxy.flip(manifest.files[0].name, 0, times=None)
+    runs = []
+
+    async def updater_like() -> None:
+        runs.append(1)
+        if len(runs) == 1:
+            with pytest.raises(PullError):
+                await make_puller(client, mirror, max_chunk_retries=0).pull(1)
+            assert asyncio.current_task().cancelling() == 0
+            raise RuntimeError("a bug after a failed pull")
+        await asyncio.sleep(3600)
+    task = asyncio.create_task(keep("updater", updater_like, Metrics(), initial_s=0.01))
+    try:
+        await until(lambda: len(runs) == 2 or task.done(), 30, "the loop started again")
+        assert not task.done(), task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 async def test_a_pull_of_another_version_removes_what_a_failed_pull_kept(registry, proxy, client, mirror):
     manifest, _ = publish(registry, 1)
     # the second file's first chunk: taken once every chunk of the first is done or in flight

@@ -191,18 +191,22 @@ class FetchPool:
             stdout=asyncio.subprocess.PIPE, env=env, start_new_session=True, limit=EVENT_LINE_LIMIT)
         try:
             hello = {"hello": {**self._hello["hello"], "streams": w.capacity}}
-            try:
-                w.proc.stdin.write(json.dumps(hello).encode() + b"\n")
-                await w.proc.stdin.drain()
-            except (ConnectionError, RuntimeError):
-                pass  # it is gone already: its exit status says why, below
-            try:
-                async with asyncio.timeout(self._start_timeout_s):
+            async with asyncio.timeout(self._start_timeout_s):
+                try:
+                    w.proc.stdin.write(json.dumps(hello).encode() + b"\n")
+                    await w.proc.stdin.drain()
+                except (ConnectionError, RuntimeError):
+                    pass  # it is gone already: its exit status says why, below
+                try:
                     line = await w.proc.stdout.readline()
-            except ValueError:  # a line over the limit
-                line = b""
+                except ValueError:  # a line over the limit
+                    line = b""
             if not line.startswith(b'{"ready"'):
-                raise WorkerCrashed(f"pull worker {w.proc.pid} did not start ({_status(await w.proc.wait())})")
+                status = None
+                with contextlib.suppress(TimeoutError):  # one that goes on running is stopped below
+                    async with asyncio.timeout(self._stop_grace_s):
+                        status = await w.proc.wait()
+                raise WorkerCrashed(f"pull worker {w.proc.pid} did not start ({_status(status)})")
         except BaseException:
             await self._stop(w)
             raise
@@ -237,7 +241,7 @@ class FetchPool:
                     self._hung(w, why)
                     status = await _kill(w.proc)
                 else:
-                    status = await w.proc.wait()
+                    status = await _reap(w.proc)
                 w.ready = False
                 if self._closing:
                     return
@@ -293,16 +297,13 @@ class FetchPool:
     async def _next_line(self, w: _Worker) -> bytes:
         """The worker's next line; TimeoutError once it is silent ``silence_s`` and not waiting
         for a CPU (a silent worker that is runnable is starved, not hung: wait on)."""
-        read = asyncio.ensure_future(w.proc.stdout.readline())
-        try:
-            while True:
-                done, _ = await asyncio.wait({read}, timeout=self._silence_s)
-                if done:
-                    return read.result()
+        while True:
+            try:
+                async with asyncio.timeout(self._silence_s):  # a readline cut short leaves its bytes buffered
+                    return await w.proc.stdout.readline()
+            except TimeoutError:
                 if not _runnable(w.proc.pid):
-                    raise TimeoutError
-        finally:
-            read.cancel()
+                    raise
 
     def _hung(self, w: _Worker, why: str) -> None:
         """A worker that stopped working: its chunks fail now (a hung process may take long to
@@ -339,9 +340,12 @@ class FetchPool:
                             "allocate": job.allocate}}
             try:
                 w.proc.stdin.write(json.dumps(line).encode() + b"\n")
-                await w.proc.stdin.drain()
+                async with asyncio.timeout(self._silence_s):  # a stopped worker's pipe fills up
+                    await w.proc.stdin.drain()
             except (ConnectionError, RuntimeError) as e:  # it died under us: its keeper restarts it
                 raise WorkerCrashed(f"pull worker {w.proc.pid} is gone ({e})") from None
+            except TimeoutError:  # its keeper finds it silent and replaces it
+                raise WorkerCrashed(f"pull worker {w.proc.pid} takes no job ({self._silence_s:g} s)") from None
             await self._outcome(w, pending, job)
         finally:
             w.inflight.pop(job_id, None)
@@ -379,6 +383,16 @@ def _error(e: dict) -> BaseException:
     if kind == "write":
         return OSError(message)
     return RuntimeError(f"pull worker: {message}")
+
+
+async def _reap(proc: asyncio.subprocess.Process) -> int | None:
+    """The exit status of a worker whose output ended; one that does not exit within
+    ``KILL_WAIT_S`` (stuck as it exits) is killed."""
+    try:
+        async with asyncio.timeout(KILL_WAIT_S):
+            return await proc.wait()
+    except TimeoutError:
+        return await _kill(proc)
 
 
 async def _kill(proc: asyncio.subprocess.Process) -> int | None:

@@ -434,6 +434,7 @@ class Puller:
         if not streams:
             return  # only empty files: they exist at their size already
         failures: dict[int, int] = {}  # chunk -> failed attempts from the origin
+        task, cancels = asyncio.current_task(), asyncio.current_task().cancelling()
         try:
             async with asyncio.TaskGroup() as tg:
                 keeper = tg.create_task(self._keep_lease(manifest.version))  # also while workers start
@@ -450,6 +451,12 @@ class Puller:
                     await self._put_back(pool, keep=done)  # or stopped and reaped, on every other path
                 keeper.cancel()
         except BaseExceptionGroup as group:
+            # Python 3.11: a task group whose task fails while the group waits for it cancels
+            # the group's own task and never takes that back (fixed in 3.12). Left so, the
+            # updater's task would read as cancelled for good after one failed pull, and the
+            # daemon's crash policy would take a later crash of it for a stop.
+            while task.cancelling() > cancels:
+                task.uncancel()
             raise _first(group) from None
 
     async def _take_pool(self, workers: int, streams: int) -> FetchPool:
