@@ -171,11 +171,7 @@ class PeerServer:
         entry = partial.manifest.file(name)
         if entry is None:
             raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
-        first_bit = 0
-        for f in partial.manifest.files:
-            if f.name == name:
-                break
-            first_bit += len(f.chunks)
+        first_bit = partial.first_bit[name]
         chunk_bytes = partial.manifest.chunk_bytes
 
         def checked(start: int, end: int) -> bool:

@@ -97,6 +97,15 @@ class PartialView:
     manifest: Manifest
     dir: Path
     bits: int
+    first_bit: dict[str, int]  # file name -> the bit of its first chunk (computed once per pull)
+
+
+def first_bits(manifest: Manifest) -> dict[str, int]:
+    out, bit = {}, 0
+    for f in manifest.files:
+        out[f.name] = bit
+        bit += len(f.chunks)
+    return out
 
 
 class Ledger:
@@ -117,13 +126,13 @@ class Ledger:
 
     def begin(self, manifest: Manifest, directory: Path, bits: int = 0) -> None:
         with self._lock:
-            self._partial = PartialView(manifest, directory, bits)
+            self._partial = PartialView(manifest, directory, bits, first_bits(manifest))
 
     def add(self, bit: int) -> None:
         with self._lock:
             p = self._partial
             if p is not None:
-                self._partial = PartialView(p.manifest, p.dir, p.bits | 1 << bit)
+                self._partial = PartialView(p.manifest, p.dir, p.bits | 1 << bit, p.first_bit)
 
     def end(self) -> None:
         with self._lock:

@@ -18,6 +18,7 @@ import os
 import re
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
+from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -267,10 +268,11 @@ class Manifest(BaseModel):
         return sum(f.size for f in self.files)
 
     def file(self, name: str) -> FileEntry | None:
-        for f in self.files:
-            if f.name == name:
-                return f
-        return None
+        return self._by_name.get(name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, FileEntry]:  # a peer listener looks a file up at every request
+        return {f.name: f for f in self.files}
 
     def chunk_span(self, entry: FileEntry, index: int) -> tuple[int, int]:
         """Byte range [start, end) of chunk ``index`` of ``entry``."""
