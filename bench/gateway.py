@@ -34,6 +34,18 @@ object with ``added_p50_ms`` / ``added_p99_ms`` (during the pull) and ``idle_add
     .venv/bin/python bench/gateway.py            # about 2 minutes
     .venv/bin/python bench/gateway.py --quick    # about 1 minute
     .venv/bin/python bench/gateway.py --during-pull   # 2 pulls of 2 GiB, a few minutes after vLLM's start
+
+``--attack``: the gateway (its own process on core 1, with a token, as on a node) while
+``--attackers`` connections send trailer bombs: a chunked request whose last chunk is followed
+by a trailer field that never ends (each connection sends up to ``--bomb-mib``, then starts
+again on a new connection). Blocks of ``--block-s`` seconds in turns, their order rotating every
+round: quiet, attackers without the token, attackers with it (the trailer bound alone stops
+those). In every block, paired one-token ``/v1/completions``, direct to vLLM and through the
+gateway in turns, as ``--during-pull`` measures them; the gateway process's RSS is sampled every
+50 ms. The attackers run at nice 10 on core 0, with vLLM (they stand for other hosts). With
+``--ref-repo DIR`` the gateway is that build's (e.g. the one before the trailer bound).
+
+    .venv/bin/python bench/gateway.py --attack   # about 3 minutes
 """
 
 from __future__ import annotations
@@ -86,6 +98,27 @@ def serve_gateway(upstream: str, port: str) -> None:
         print("ready", flush=True)
         await asyncio.Event().wait()
     uvloop.run(main())
+
+
+# The gateway alone, as the daemon runs it, for --attack (run with ``-c`` so that PYTHONPATH
+# picks the build: this tree, or --ref-repo).
+GATEWAY_CHILD = """
+import asyncio, sys
+from pathlib import Path
+import uvloop
+from rolloutd.config import Gateway as Settings
+from rolloutd.gateway.relay import Gateway
+from rolloutd.node.metrics import Metrics
+from rolloutd.supervise.states import ServerState
+
+async def main():
+    gw = Gateway("bench", Path(sys.argv[1]), int(sys.argv[2]), Settings(host="127.0.0.1"), sys.argv[3], Metrics())
+    await gw.start()
+    gw.on_state(ServerState.SERVING)
+    print("ready", flush=True)
+    await asyncio.Event().wait()
+uvloop.run(main())
+"""
 
 
 def pct(values: list[float], q: float) -> float:
@@ -257,14 +290,17 @@ class Completions:
     """One kept-alive connection (to a port, or a UNIX socket); ``once()`` times a one-token
     completion, in ms."""
 
-    def __init__(self, where: int | Path, model: str):
+    def __init__(self, where: int | Path, model: str, token: str | None = None):
         self.conn = (_UnixConnection(where, 60) if isinstance(where, Path)
                      else http.client.HTTPConnection("127.0.0.1", where, timeout=60))
         self.body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": 1, "temperature": 0}).encode()
+        self.headers = {"content-type": "application/json"}
+        if token is not None:
+            self.headers["authorization"] = f"Bearer {token}"
 
     def once(self) -> float:
         t0 = time.perf_counter()
-        self.conn.request("POST", "/v1/completions", body=self.body, headers={"content-type": "application/json"})
+        self.conn.request("POST", "/v1/completions", body=self.body, headers=self.headers)
         r = self.conn.getresponse()
         r.read()
         if r.status != 200:
@@ -532,6 +568,148 @@ def during_pull(args: argparse.Namespace) -> int:
     return 0 if dp["added_p50_ms"] <= 1.0 and dp["added_p99_ms"] <= 5.0 else 1
 
 
+# -- the gateway under attack: trailer bombs ------------------------------------------------------
+
+ATTACK_TOKEN = "bench-attack-token"
+
+
+def serve_attack(port: int, attackers: int, token: str, bomb_mib: float) -> None:
+    """``--serve-attack``: ``attackers`` connections sending trailer bombs until SIGTERM
+    ("ready" once they start), then one JSON line: connections made, bytes sent."""
+    auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
+    head = (b"POST /inference/v1/generate HTTP/1.1\r\nHost: node\r\nTransfer-Encoding: chunked\r\n" + auth
+            + b"\r\n5\r\nhello\r\n0\r\nX-Bomb: ")
+    filler, limit = b"a" * 65536, int(bomb_mib * (1 << 20))
+    stats = {"connections": 0, "bytes": 0}
+
+    async def bomber() -> None:
+        while True:
+            try:
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                stats["connections"] += 1
+                writer.write(head)
+                sent = 0
+                while sent < limit:
+                    writer.write(filler)
+                    await writer.drain()
+                    sent += len(filler)
+                    stats["bytes"] += len(filler)
+                writer.close()
+            except OSError:
+                await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        tasks = [asyncio.create_task(bomber()) for _ in range(attackers)]
+        print("ready", flush=True)
+        await stop.wait()
+        for t in tasks:
+            t.cancel()
+        print(json.dumps(stats), flush=True)
+    asyncio.run(main())
+
+
+class RssWatch(threading.Thread):
+    """The gateway process's resident memory every 50 ms, by the block it fell in."""
+
+    def __init__(self, pid: int):
+        super().__init__(daemon=True)
+        self.pid, self.kind, self.stop = pid, "warm-up", threading.Event()
+        self.peak: dict[str, int] = {}
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            with contextlib.suppress(OSError, StopIteration):
+                rss = next(int(line.split()[1]) << 10 for line in Path(f"/proc/{self.pid}/status").open()
+                           if line.startswith("VmRSS:"))
+                self.peak[self.kind] = max(self.peak.get(self.kind, 0), rss)
+            self.stop.wait(0.05)
+
+
+def attack(args: argparse.Namespace) -> int:
+    kinds = ("quiet", "attack_without_token", "attack_with_token")
+    work = Path(tempfile.mkdtemp(prefix="rolloutd-bench-gateway-attack."))
+    model = tinymodel.build(work / "model", seed=0)
+    server = VllmServer(model, work / "vllm.sock", work / "vllm.log", pythonpath=[install_plugin(work / "plugin")],
+                        cpus="0")
+    subprocess.run(["taskset", "-a", "-p", "-c", "0", str(server.proc.pid)], check=True, capture_output=True)
+    os.sched_setaffinity(0, {1 % os.cpu_count()})
+    gw_port = free_port()
+    gateway = subprocess.Popen(["taskset", "-c", str(1 % os.cpu_count()), sys.executable, "-c", GATEWAY_CHILD,
+                                str(server.socket), str(gw_port), ATTACK_TOKEN], stdout=subprocess.PIPE, text=True,
+                               cwd="/", env={**os.environ, "PYTHONPATH": str(args.ref_repo or ROOT)})
+    samples: dict[str, list[tuple]] = {kind: [] for kind in kinds}
+    attackers: dict[str, list[dict]] = {kind: [] for kind in kinds[1:]}
+    rss = RssWatch(gateway.pid)
+    attacker = None
+    try:
+        assert gateway.stdout.readline().strip() == "ready"
+        server.wait_healthy()
+        model_name = str(model)
+        direct = Completions(server.socket, model_name)
+        through = Completions(gw_port, model_name, ATTACK_TOKEN)
+        for _ in range(20):
+            direct.once(), through.once()
+        rss.start()
+        for i in range(args.blocks):
+            for kind in turns(list(kinds), i):
+                attacker = None
+                if kind != "quiet":
+                    token = ATTACK_TOKEN if kind == "attack_with_token" else ""
+                    attacker = subprocess.Popen(["taskset", "-c", "0", "nice", "-n", "10", sys.executable, __file__,
+                                                 "--serve-attack", str(gw_port), str(args.attackers), token,
+                                                 str(args.bomb_mib)], stdout=subprocess.PIPE, text=True,
+                                                start_new_session=True)
+                    lower_session(attacker.pid)
+                    assert attacker.stdout.readline().strip() == "ready"
+                    time.sleep(0.5)  # the bombs under way
+                direct.warm(), through.warm()  # (vLLM closes a connection idle for 5 s)
+                rss.kind = kind
+                deadline = time.monotonic() + args.block_s
+                while time.monotonic() < deadline:
+                    samples[kind].append(one_pair(direct, through, len(samples[kind])))
+                rss.kind = "between"
+                if attacker is not None:
+                    attacker.send_signal(signal.SIGTERM)
+                    out, _ = attacker.communicate(timeout=60)
+                    attackers[kind].append(json.loads(out.strip().splitlines()[-1]))
+                attacker = None
+                time.sleep(1.0)  # the attack's connections end before the next block
+        rss.stop.set()
+        hwm = next(int(line.split()[1]) << 10 for line in Path(f"/proc/{gateway.pid}/status").open()
+                   if line.startswith("VmHWM:"))
+    finally:
+        if attacker is not None:
+            attacker.kill()
+        gateway.terminate()
+        gateway.wait(10)
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+    result = {"build": str(args.ref_repo or "this tree"), "attackers": args.attackers, "bomb_mib": args.bomb_mib,
+              "block_s": args.block_s, "blocks": args.blocks,
+              "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
+    for kind in kinds:
+        result[kind] = {**added(samples[kind]), "gateway_rss_max_mib": round(rss.peak.get(kind, 0) / (1 << 20), 1)}
+        if kind in attackers:
+            result[kind]["attacker_connections"] = sum(a["connections"] for a in attackers[kind])
+            result[kind]["attacker_mib_sent"] = round(sum(a["bytes"] for a in attackers[kind]) / (1 << 20), 1)
+    result["gateway_rss_peak_mib"] = round(hwm / (1 << 20), 1)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"gateway-attack{'-ref' if args.ref_repo else ''}.json").write_text(json.dumps(result, indent=1))
+    for kind in kinds:
+        a = result[kind]
+        print(f"{kind:21} {a['pairs']:5d} pairs: direct p50 {a['direct_p50_ms']:.2f} p99 {a['direct_p99_ms']:.2f} ms, "
+              f"gateway p50 {a['gateway_p50_ms']:.2f} p99 {a['gateway_p99_ms']:.2f} ms; added p50 "
+              f"{a['added_p50_ms']:+.3f} ms, p99 {a['added_p99_ms']:+.3f} ms; gateway RSS max "
+              f"{a['gateway_rss_max_mib']} MiB" + (f"; attackers: {a['attacker_connections']} connections, "
+                                                   f"{a['attacker_mib_sent']} MiB sent" if kind in attackers else ""))
+    print(f"gateway RSS peak (VmHWM): {result['gateway_rss_peak_mib']} MiB")
+    print(json.dumps({kind: {k: result[kind][k] for k in ("added_p50_ms", "added_p99_ms", "gateway_rss_max_mib")}
+                      for kind in kinds}))
+    return 0
+
+
 def wait_up(reg) -> None:
     deadline = time.monotonic() + 60
     while True:
@@ -561,13 +739,26 @@ def main() -> int:
     p.add_argument("--daemon-fifo", action="store_true", help="--during-pull, an experiment: the daemon's main "
                    "thread (its loop: the gateway) real-time, SCHED_FIFO priority 1")
     p.add_argument("--ref-repo", type=Path, help="--during-pull: run the daemon and the registry of another build "
-                   "(a directory holding its rolloutd/ and vllm_plugin/), to compare")
+                   "(a directory holding its rolloutd/ and vllm_plugin/), to compare; --attack: that build's gateway")
+    p.add_argument("--attack", action="store_true", help="the gateway while connections send trailer bombs")
+    p.add_argument("--attackers", type=int, default=20, help="--attack: connections sending bombs at once")
+    p.add_argument("--bomb-mib", type=float, default=32.0, help="--attack: most one connection sends before it "
+                   "starts again on a new one")
+    p.add_argument("--block-s", type=float, default=10.0, help="--attack: seconds of each block")
+    p.add_argument("--blocks", type=int, default=3, help="--attack: rounds of (quiet, without token, with token)")
+    p.add_argument("--serve-attack", nargs=4, metavar=("PORT", "N", "TOKEN", "MIB"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_gateway:
         serve_gateway(*args.serve_gateway)
         return 0
+    if args.serve_attack:
+        port, n, token, mib = args.serve_attack
+        serve_attack(int(port), int(n), token, float(mib))
+        return 0
     if args.during_pull:
         return during_pull(args)
+    if args.attack:
+        return attack(args)
     n, seconds, rounds = (60, 2.0, 4) if args.quick else (200, 3.0, 12)
 
     work = Path(tempfile.mkdtemp(prefix="rolloutd-bench-gateway."))
