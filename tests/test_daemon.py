@@ -270,6 +270,11 @@ def test_a_damaged_copy_in_the_mirror_is_never_reused(node):
     assert TOKEN not in log and TOKEN not in json.dumps(st)
 
 
+def server_lines(log: str, name: str, pid: int) -> list[tuple[str, str]]:
+    """(level, line) of each line process ``pid`` of server ``name`` printed, as the daemon logged it."""
+    return re.findall(rf"^\S+ \S+ (\w+) rolloutd\.server\.{name}: {name}\[{pid}\]: (.*)$", log, re.M)
+
+
 def _engine_core(pgid: int) -> int:
     core = engine_core(pgid)
     assert core is not None, f"no EngineCore process in group {pgid}"
@@ -312,6 +317,10 @@ def test_killed_servers_come_back_through_backoff_on_the_newest_version(node):
         assert log.index(f"update {name}[", failed) > failed  # loaded after the failure, in the same sync
         assert f"state {name}: SYNCING -> SERVING (version 8)" in log[failed:]
     assert "verify version 8: the mirror copy is damaged" in log
+    # an engine core that died without rolloutd asking is a failure, logged as vLLM logs it
+    died = {level for level, line in server_lines(log, "gpu0", pids["gpu0"])
+            if "EngineDeadError" in line or "engine core exited unexpectedly" in line}
+    assert died == {"ERROR", "WARNING"}, died
 
 
 def test_registry_away_for_30_s_then_back_as_a_new_instance(node):
@@ -351,6 +360,9 @@ def test_sighup_adds_and_removes_servers_without_touching_the_other(node):
     assert gpu2["version"] == 1 and node.outputs("gpu2") == node.reference(1)
     assert not group_pids(old_gpu1)
     wait_until(lambda: "gpu1" not in node.replicas(), 10, "gpu1 deregistered")
+    log = node.daemon.log_text()  # a stop the reload asked for: vLLM's shutdown noise is not a warning
+    stopped = log[log.index(f"stop gpu1[{old_gpu1}]: SIGTERM"):]
+    assert [(lv, ln) for lv, ln in server_lines(stopped, "gpu1", old_gpu1) if lv != "INFO"] == []
 
 
 def test_sigterm_stops_everything(node):
@@ -362,4 +374,14 @@ def test_sigterm_stops_everything(node):
     assert node.replicas() == {}, "replicas not deregistered"
     log = node.daemon.log_text()
     assert "stop rolloutd: every server stopped" in log
+    # A stop rolloutd asked for: what vLLM prints as it stops (its "[shutdown] ... force killing"
+    # warnings, the shared memory Python says was leaked, an EngineDeadError) is no warning or
+    # error to an operator. It was printed, and logged at INFO.
+    stop = log[log.rindex("stop: deregister"):]
+    assert re.findall(r"^\S+ \S+ (?:WARNING|ERROR|CRITICAL) rolloutd\.server\.\w+: .*$", stop, re.M) == []
+    assert re.search(r"^\S+ \S+ INFO rolloutd\.server\.\w+: \w+\[\d+\]: \(APIServer pid=\d+\) WARNING .*\[shutdown\]",
+                     stop, re.M), stop
+    # vLLM's RotaryEmbedding warning at every update, every worker: expected, said once
+    assert not re.search(r"^\S+ \S+ WARNING .*RotaryEmbedding: Failed to load weights", log, re.M)
+    assert log.count("'RotaryEmbedding: Failed to load weights' at each update is expected") == 1
     assert stopped_s < 30, stopped_s
