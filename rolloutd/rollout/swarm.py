@@ -123,6 +123,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._partial: PartialView | None = None
         self._complete: dict[int, tuple[tuple[int, int, int], Manifest | None]] = {}
+        self._complete_lock = threading.Lock()  # the announcer's thread and the peer listener's share it
 
     def begin(self, manifest: Manifest, directory: Path, bits: int = 0) -> None:
         with self._lock:
@@ -145,18 +146,19 @@ class Ledger:
     def complete(self, version: int) -> Manifest | None:
         """The manifest of a complete version in the mirror (None: not there, or broken), parsed
         and checked by the mirror once per ``manifest.json``."""
-        try:
-            st = os.stat(self.mirror.path(version) / MANIFEST_NAME, follow_symlinks=False)
-        except OSError:
-            self._complete.pop(version, None)
-            return None
-        key = (st.st_ino, st.st_size, st.st_mtime_ns)
-        known = self._complete.get(version)
-        if known is not None and known[0] == key:
-            return known[1]
-        manifest = self.mirror.manifest(version)
-        self._complete[version] = (key, manifest)  # one writer per key: a race parses twice, no harm
-        return manifest
+        with self._complete_lock:
+            try:
+                st = os.stat(self.mirror.path(version) / MANIFEST_NAME, follow_symlinks=False)
+            except OSError:
+                self._complete.pop(version, None)
+                return None
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            known = self._complete.get(version)
+            if known is not None and known[0] == key:
+                return known[1]
+            manifest = self.mirror.manifest(version)
+            self._complete[version] = (key, manifest)
+            return manifest
 
     def complete_versions(self) -> list[int]:
         """Complete versions in the mirror, oldest first (directories named like a version)."""
@@ -165,8 +167,9 @@ class Ledger:
         except OSError:
             return []
         versions = sorted(int(n) for n in names if not n.startswith("0"))
-        for gone in set(self._complete) - set(versions):
-            self._complete.pop(gone, None)
+        with self._complete_lock:
+            for gone in set(self._complete) - set(versions):
+                del self._complete[gone]
         return [v for v in versions if self.complete(v) is not None]
 
     def held(self) -> dict[str, HeldVersion]:
@@ -434,7 +437,8 @@ class Swarm:
         self._last_announce = time.monotonic()
         plan = self._plan
         failed = plan.dropped if plan is not None else []
-        body = Announce(url=self.settings.url, versions=self.ledger.held(), failed=failed)
+        # Off the loop: the first look at a version parses its manifest (0.2 s for 16,000 chunks).
+        body = Announce(url=self.settings.url, versions=await asyncio.to_thread(self.ledger.held), failed=failed)
         try:
             reply = await self.client.announce(self.node, body)
         except errors.RegistryError as e:
