@@ -71,7 +71,7 @@ def test_a_bad_version_is_refused_and_the_server_serves_its_last_good_version_th
     v1_tokens, v3_tokens = good.continuation_ids, good3.continuation_ids  # greedy, by transformers
     v2_tokens = make_canary(m2, PROMPT).continuation_ids
     assert len({tuple(v1_tokens), tuple(v2_tokens), tuple(v3_tokens)}) == 3, "the versions must answer differently"
-    # version 2's canary is longer than the server's max_model_len (512): vLLM refuses to score it
+    # version 2's canary is longer than the server's max_model_len (256, FAST_CPU_FLAGS): vLLM refuses to score it
     unscorable = Canary(prompt_ids=(PROMPT * 80)[:600], continuation_ids=[5], logprobs=[-1.0])
 
     with EmbeddedRegistry(port=free_port()) as reg:
