@@ -82,7 +82,8 @@ class Metrics:
         self.gateway_held = Counter("rolloutd_gateway_held", "Requests a gateway held while its server was "
                                     "paused for an update", ["server"], registry=r)
         self.gateway_refused_connections = Counter("rolloutd_gateway_refused_connections", "Client connections "
-                                                   "a gateway refused (503 and closed) at gateway.max_connections",
+                                                   "a gateway refused (503 and closed) at gateway.max_connections, or "
+                                                   "ended there to make room (one that had not sent the token)",
                                                    ["server"], registry=r)
         self.reload_failures = Counter("rolloutd_reload_failures", "Reloads refused because the new "
                                        "configuration file was bad (the running configuration stays)", registry=r)
