@@ -266,7 +266,8 @@ class Gateway(_Section):
     idle_timeout_s: Seconds = Field(60.0, description="a kept-alive client connection with no request for "
                                     "this long is closed (a request being answered is never timed out)")
     max_connections: int = Field(4096, ge=1, description="most client connections of one server's gateway; "
-                                 "one more is answered 503 and closed at once")
+                                 "one more ends the oldest connection that has not sent the token, or, "
+                                 "when every one has, is answered 503 and closed at once")
 
     @model_validator(mode="after")
     def _check_open(self) -> Gateway:
