@@ -526,11 +526,14 @@ def test_status_table():
     assert lines[-3:] == ["", "reload refused: configuration error at c.yaml:3, running the previous one (c.yaml:3: "
                           "servers[0].port: bad)", "reload: mirror changed in the file; they take effect when "
                           "rolloutd restarts"]
+    assert lines[-5] == "" and lines[-4] == ("refused v9 (gpu0, serving its last good version): version 9 failed the "
+                                             "gate: gate: the server cannot score the canary of 600 tokens: "
+                                             "/v1/completions:…"), "the reason clipped to 100 characters"
 
 
 def test_status_table_before_anything_happened():
     doc = copy.deepcopy(STATUS)
-    doc.update(target=None, pull=None, servers=[], ready=False)
+    doc.update(target=None, pull=None, servers=[], ready=False, refused=[])
     doc["registry"].update(reachable=False, instance=None, latest=None, demand=None, last_contact_age_s=None,
                            last_error="connection refused")
     doc["mirror"]["versions"] = []
