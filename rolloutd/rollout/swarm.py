@@ -38,6 +38,7 @@ import hmac
 import logging
 import os
 import random
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,7 @@ log = logging.getLogger("rolloutd.rollout.swarm")
 ANNOUNCE_MIN_GAP_S = 0.2  # a landed chunk is announced at most this soon after the last announcement
 STALL_FACTOR = 4  # nothing to fetch and nothing in flight for this many origin_wait_s: one chunk from the origin
 PEER_TOKEN_LABEL = b"rolloutd peer token v1"
+VERSION_NAME_RE = re.compile(r"[1-9][0-9]{0,15}")  # a complete version's directory in the mirror
 
 
 def peer_token(registry_token: str) -> str:
@@ -112,8 +114,9 @@ class Ledger:
     """Complete versions come from the mirror; the pull in progress from :meth:`begin`/:meth:`add`.
 
     Read at every announcement and every peer request: a complete version's manifest is parsed
-    once (a large one takes tens of milliseconds) and kept while its ``manifest.json`` is the same
-    file (same inode, size, mtime): a commit, a removal or a replaced copy makes another.
+    and checked by the mirror once (a large one takes a fifth of a second) and kept while the
+    version's directory and its ``manifest.json`` are the same files, unchanged (inode, owner,
+    size, mtime, ctime): a commit, a removal, a replaced copy or a chown makes the mirror look again.
     """
 
     MAX_HELD = 8  # complete versions announced (newest first), within Announce's 16
@@ -122,7 +125,7 @@ class Ledger:
         self.mirror = mirror
         self._lock = threading.Lock()
         self._partial: PartialView | None = None
-        self._complete: dict[int, tuple[tuple[int, int, int], Manifest | None]] = {}
+        self._complete: dict[int, tuple[tuple[int, ...], Manifest | None]] = {}
         self._complete_lock = threading.Lock()  # the announcer's thread and the peer listener's share it
 
     def begin(self, manifest: Manifest, directory: Path, bits: int = 0) -> None:
@@ -147,12 +150,15 @@ class Ledger:
         """The manifest of a complete version in the mirror (None: not there, or broken), parsed
         and checked by the mirror once per ``manifest.json``."""
         with self._complete_lock:
+            vdir = self.mirror.path(version)
             try:
-                st = os.stat(self.mirror.path(version) / MANIFEST_NAME, follow_symlinks=False)
+                d = os.stat(vdir, follow_symlinks=False)
+                f = os.stat(vdir / MANIFEST_NAME, follow_symlinks=False)
             except OSError:
                 self._complete.pop(version, None)
                 return None
-            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            key = (d.st_ino, d.st_uid, d.st_mode, f.st_ino, f.st_uid, f.st_mode, f.st_size, f.st_mtime_ns,
+                   f.st_ctime_ns)
             known = self._complete.get(version)
             if known is not None and known[0] == key:
                 return known[1]
@@ -163,10 +169,10 @@ class Ledger:
     def complete_versions(self) -> list[int]:
         """Complete versions in the mirror, oldest first (directories named like a version)."""
         try:
-            names = [e.name for e in os.scandir(self.mirror.dir) if e.name.isdigit() and e.is_dir()]
+            names = [e.name for e in os.scandir(self.mirror.dir) if e.is_dir(follow_symlinks=False)]
         except OSError:
             return []
-        versions = sorted(int(n) for n in names if not n.startswith("0"))
+        versions = sorted(int(n) for n in names if VERSION_NAME_RE.fullmatch(n))
         with self._complete_lock:
             for gone in set(self._complete) - set(versions):
                 del self._complete[gone]
