@@ -472,3 +472,32 @@ def test_a_standalone_registry_receives_an_upload_without_a_page_fault_per_page(
               headers={"content-length": str(size)}).raise_for_status()
     per_page = (faults() - before) / (size / 4096)
     assert per_page < 0.25, f"{per_page:.2f} page faults per page received"
+
+
+def test_every_publish_path_takes_a_cryptographic_chunk_hash(registry, tmp_path, capsys):
+    """Nodes take a version from their peers only with blake3 or sha256 chunk digests: each way
+    of publishing must be able to make them, and the registry must hold bytes that match."""
+    import hashlib
+
+    import blake3
+    new = {"blake3": blake3.blake3, "sha256": hashlib.sha256}
+
+    def check(m, hash_name: str) -> None:  # right after the publish: the registry keeps few versions
+        assert m.hash == hash_name
+        f = m.files[0]
+        r = httpx.get(f"{registry.url}/v1/versions/{m.version}/files/{f.name}")
+        assert r.status_code == 200, r.text
+        assert [new[hash_name](r.content[i:i + 4096]).hexdigest() for i in range(0, len(r.content), 4096)] == f.chunks
+    sd = numpy_state_dict(3)
+    http = RegistryHTTP(registry.url, registry.service.token)
+    ckpt = tmp_path / "ckpt"
+    save_shards(sd, ckpt, shard_bytes=50_000)
+    check(registry.publish(1, sd, chunk_bytes=4096, hash_name="blake3"), "blake3")
+    check(http.publish(2, sd, chunk_bytes=4096, hash_name="blake3"), "blake3")
+    check(registry.publish_async(3, sd, chunk_bytes=4096, hash_name="sha256").wait(60), "sha256")
+    check(http.publish_dir(4, ckpt, chunk_bytes=4096, hash_name="blake3"), "blake3")
+    check(registry.publish_dir(5, ckpt, chunk_bytes=4096, hash_name="blake3"), "blake3")
+    run = run_cli(capsys, "publish", "--registry", registry.url, "--chunk-bytes", "4096", "--hash", "blake3", "6",
+                  str(ckpt))
+    assert run.returncode == 0, run.stderr
+    check(registry.manifest(6), "blake3")
