@@ -361,6 +361,11 @@ class Peers(_Section):
                                           "it is dropped for the pull and the chunk fetched elsewhere")
     origin_wait_s: Seconds = Field(5.0, description="with nothing to fetch and no word from the tracker "
                                    "for this long, take the rest from the origin (registry or object store)")
+    head_timeout_s: Seconds = Field(10.0, description="the peer listener closes a connection that has not sent "
+                                    "a whole request head this long after connecting or after its last response "
+                                    "(nothing is authenticated before the head)")
+    max_connections: int = Field(256, ge=1, description="most connections the peer listener keeps open; more are "
+                                 "closed as they come")
 
     @field_validator("advertise_url")
     @classmethod

@@ -167,7 +167,8 @@ class Daemon:
                 gateways[spec.name] = await self._open_gateway(spec)
             if cfg.peers.enabled:
                 self.peer_server = PeerServer(self.mirror, self.swarm.ledger, cfg.peers.host, cfg.peers.port,
-                                              self.swarm.settings.token).start()
+                                              self.swarm.settings.token, head_timeout_s=cfg.peers.head_timeout_s,
+                                              max_connections=cfg.peers.max_connections).start()
         except (GatewayError, PeerServerError):
             self.shm.forget()  # no server was spawned
             await asyncio.gather(*(g.stop() for g in gateways.values()))

@@ -36,8 +36,8 @@ from rolloutd.wire.ranges import parse_range
 
 log = logging.getLogger("rolloutd.rollout.peerserve")
 
-HEAD_TIMEOUT_S = 10.0  # a request head (line and headers) within this long, or the connection is closed
-MAX_CONNECTIONS = 256  # a fleet's pullers each keep a few connections to a peer they use
+HEAD_TIMEOUT_S = 10.0  # peers.head_timeout_s: a request head within this long, or the connection is closed
+MAX_CONNECTIONS = 256  # peers.max_connections: a fleet's pullers each keep a few connections to a peer they use
 
 
 class PeerServerError(Exception):
