@@ -28,6 +28,7 @@ from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv
 
 from .fake_time import run
 from .supervisor_fakes import CANARY, UPDATE_ROUTES, Arrows, FakeUpdater, FakeVllm, config, mirror_version, now
+from .waiting import until
 
 S = ServerState
 pytestmark = pytest.mark.timeout(30)
@@ -719,6 +720,30 @@ def test_a_server_whose_start_model_fails_the_probe_too_is_broken_and_ends_fatal
     assert [v for v, _ in refused(rig)] == [2], "the version failed twice: refused"
     assert rig.sup.incarnation == 4 and "its start model fails the gate's probe too" in rig.sup.last_error
     assert rig.arrows.states.count(S.SERVING) == 1, "never served again"
+
+
+def test_a_version_refused_by_one_server_is_never_loaded_by_another_waiting_for_a_slot(tmp_path):
+    async def scenario():
+        updater, sem, refusals = FakeUpdater(), asyncio.Semaphore(1), Refusals()
+        rigs = [Rig(tmp_path, updater=updater, slots=sem, index=i, canary=True) for i in (0, 1)]
+        for rig in rigs:
+            rig.sup.refusals = refusals  # the node's, shared
+            rig.vllm.bad_versions["2"] = "refuse"
+            rig.start()
+        await updater.publish(rigs[0].version(1))
+        for rig in rigs:
+            await serving(rig, 1)
+        await updater.publish(rigs[0].version(2))
+        await until(lambda: refusals.as_list() and all(r.sup.state is S.SERVING for r in rigs), 10, "refused")
+        await asyncio.sleep(30)
+        held = [r.sup.loaded.version for r in rigs]
+        for rig in rigs:
+            await rig.stop()
+        return rigs, refusals, held
+
+    rigs, refusals, held = run(scenario())
+    assert sorted(r.vllm.loaded.count("2") for r in rigs) == [0, 1], "loaded by the first server only"
+    assert [r["version"] for r in refusals.as_list()] == [2] and held == [1, 1]
 
 
 def test_a_step_the_version_plays_no_part_in_is_the_servers_failure_never_a_refusal(tmp_path):

@@ -299,6 +299,8 @@ class Supervisor:
     async def _update(self, target: Target) -> bool:
         """Load ``target`` when a rollout slot is free; False: it failed, the server serves on as it was."""
         async with self._slots():
+            if self.refusals.refused(target) is not None:
+                return True  # another server refused it while this one waited for a slot: nothing to load
             self.lifecycle.set(S.UPDATING, f"version {self._version_text()} -> {target.version}")
             try:
                 await self._take(target)
