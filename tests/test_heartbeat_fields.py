@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -73,13 +74,14 @@ async def test_a_registry_from_before_the_fields_gets_heartbeats_without_them(mo
     caplog.set_level(logging.WARNING, "rolloutd.rollout.heartbeat")
     with EmbeddedRegistry(port=0) as reg:
         hb, client, replies = heartbeater(reg.url, last_error)
+        hb.server.refusals.refuse(Target(3, "ab" * 32, Path("/nowhere"), "i"), "gate: canary mismatch", "gpu0")
         try:
             assert await hb.beat() and await hb.beat()
         finally:
             await client.close()
         assert "node-a.gpu0" in reg.service.store.directory()
-    refused = ["gate"] + (["last_error"] if last_error else [])
-    assert [r.getMessage().split(" (")[0] for r in caplog.records] == \
+    refused = ["gate"] + (["last_error"] if last_error else []) + ["refused"]
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "rolloutd.rollout.heartbeat"] == \
         [f"heartbeat node-a.gpu0: the registry does not take {' and '.join(refused)}"]
     assert len(replies) == 2 and hb._refused == set(refused)
 
