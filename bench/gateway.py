@@ -627,6 +627,19 @@ class RssWatch(threading.Thread):
             self.stop.wait(0.05)
 
 
+def tried(c: Completions, failed: list) -> float:
+    """``c.once()``, or when it fails (a gateway stalled past the client's 60 s timeout, or one
+    that closed the connection) the time the client waited, noted in ``failed``; a new
+    connection follows."""
+    t0 = time.perf_counter()
+    try:
+        return c.once()
+    except (OSError, http.client.HTTPException, RuntimeError) as e:
+        failed.append(f"{type(e).__name__}: {e}")
+        c.conn.close()
+        return (time.perf_counter() - t0) * 1e3
+
+
 def attack(args: argparse.Namespace) -> int:
     kinds = ("quiet", "attack_without_token", "attack_with_token")
     work = Path(tempfile.mkdtemp(prefix="rolloutd-bench-gateway-attack."))
@@ -640,6 +653,8 @@ def attack(args: argparse.Namespace) -> int:
                                 str(server.socket), str(gw_port), ATTACK_TOKEN], stdout=subprocess.PIPE, text=True,
                                cwd="/", env={**os.environ, "PYTHONPATH": str(args.ref_repo or ROOT)})
     samples: dict[str, list[tuple]] = {kind: [] for kind in kinds}
+    failed: dict[str, list[str]] = {kind: [] for kind in kinds}
+    recovery: dict[str, list[float]] = {kind: [] for kind in kinds[1:]}  # s until it answered again
     attackers: dict[str, list[dict]] = {kind: [] for kind in kinds[1:]}
     rss = RssWatch(gateway.pid)
     attacker = None
@@ -664,16 +679,31 @@ def attack(args: argparse.Namespace) -> int:
                     lower_session(attacker.pid)
                     assert attacker.stdout.readline().strip() == "ready"
                     time.sleep(0.5)  # the bombs under way
-                direct.warm(), through.warm()  # (vLLM closes a connection idle for 5 s)
                 rss.kind = kind
+                for c in (direct, through):  # a fresh connection (vLLM closes one idle for 5 s)
+                    c.conn.close()
+                    tried(c, failed[kind])
                 deadline = time.monotonic() + args.block_s
                 while time.monotonic() < deadline:
-                    samples[kind].append(one_pair(direct, through, len(samples[kind])))
+                    t0 = time.perf_counter()
+                    if len(samples[kind]) % 2 == 0:
+                        x, y = tried(direct, failed[kind]), tried(through, failed[kind])
+                    else:
+                        y, x = tried(through, failed[kind]), tried(direct, failed[kind])
+                    samples[kind].append((t0, time.perf_counter(), x, y))
                 rss.kind = "between"
                 if attacker is not None:
                     attacker.send_signal(signal.SIGTERM)
                     out, _ = attacker.communicate(timeout=60)
                     attackers[kind].append(json.loads(out.strip().splitlines()[-1]))
+                    # Until the gateway answers again (at once, unless the attack left it busy).
+                    t0, gone = time.monotonic(), []
+                    while time.monotonic() - t0 < 300:
+                        before = len(gone)
+                        tried(through, gone)
+                        if len(gone) == before:
+                            break
+                    recovery[kind].append(round(time.monotonic() - t0, 2))
                 attacker = None
                 time.sleep(1.0)  # the attack's connections end before the next block
         rss.stop.set()
@@ -690,10 +720,12 @@ def attack(args: argparse.Namespace) -> int:
               "block_s": args.block_s, "blocks": args.blocks,
               "loadavg": Path("/proc/loadavg").read_text().split()[:3]}
     for kind in kinds:
-        result[kind] = {**added(samples[kind]), "gateway_rss_max_mib": round(rss.peak.get(kind, 0) / (1 << 20), 1)}
+        result[kind] = {**added(samples[kind]), "gateway_rss_max_mib": round(rss.peak.get(kind, 0) / (1 << 20), 1),
+                        "failed_requests": len(failed[kind]), "failures": sorted(set(failed[kind]))[:5]}
         if kind in attackers:
             result[kind]["attacker_connections"] = sum(a["connections"] for a in attackers[kind])
             result[kind]["attacker_mib_sent"] = round(sum(a["bytes"] for a in attackers[kind]) / (1 << 20), 1)
+            result[kind]["recovery_s"] = recovery[kind]
     result["gateway_rss_peak_mib"] = round(hwm / (1 << 20), 1)
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"gateway-attack{'-ref' if args.ref_repo else ''}.json").write_text(json.dumps(result, indent=1))
@@ -702,8 +734,10 @@ def attack(args: argparse.Namespace) -> int:
         print(f"{kind:21} {a['pairs']:5d} pairs: direct p50 {a['direct_p50_ms']:.2f} p99 {a['direct_p99_ms']:.2f} ms, "
               f"gateway p50 {a['gateway_p50_ms']:.2f} p99 {a['gateway_p99_ms']:.2f} ms; added p50 "
               f"{a['added_p50_ms']:+.3f} ms, p99 {a['added_p99_ms']:+.3f} ms; gateway RSS max "
-              f"{a['gateway_rss_max_mib']} MiB" + (f"; attackers: {a['attacker_connections']} connections, "
-                                                   f"{a['attacker_mib_sent']} MiB sent" if kind in attackers else ""))
+              f"{a['gateway_rss_max_mib']} MiB; {a['failed_requests']} requests failed"
+              + (f"; attackers: {a['attacker_connections']} connections, "
+                                                   f"{a['attacker_mib_sent']} MiB sent, answering again "
+                                                   f"{a['recovery_s']} s after it" if kind in attackers else ""))
     print(f"gateway RSS peak (VmHWM): {result['gateway_rss_peak_mib']} MiB")
     print(json.dumps({kind: {k: result[kind][k] for k in ("added_p50_ms", "added_p99_ms", "gateway_rss_max_mib")}
                       for kind in kinds}))
