@@ -12,8 +12,10 @@ pause and hold, counting) lets through to that socket:
   is closed before the answer's end, so a cut answer never looks complete.
 - **Bounded.** Each client connection is a state machine (:class:`Reading`) whose states carry
   their timeouts (head, body, idle keep-alive; none while a request is being answered); at most
-  ``max_connections`` per gateway; per connection, a bounded number of requests and bytes read
-  ahead, and no new answer while the client does not take the last one.
+  ``max_connections`` per gateway, where a connection that never sent the token gives way to a
+  new one; per connection, a bounded number of requests and bytes read ahead (heads, bodies,
+  and a chunked body's framing and trailers, which are never passed on), no new answer while
+  the client does not take the last one, and nothing parsed after a request without the token.
 
 Errors are JSON ``{"error": {"code", "message"}}``, as in the admin API and the registry.
 
@@ -54,7 +56,7 @@ HEAD_LIMIT = 64 * 1024  # request line and headers, as most servers allow
 FRAMING_LIMIT = HEAD_LIMIT
 IDLE_UPSTREAM_S = 2.0  # a kept-alive connection to vLLM older than this is not reused (uvicorn drops them at 5 s)
 IDLE_UPSTREAM_MAX = 64
-LINGER_S = 2.0  # after refusing a request whose body still comes: read and drop it this long, then close
+LINGER_S = 2.0  # after a refusal whose body still comes: drop it (max_body_bytes at most) this long, then close
 MAX_HEADERS = 128  # header lines of one request (64 KiB of tiny ones would be thousands of objects)
 PIPELINE_MAX = 16  # requests of one connection read ahead of the one being answered
 FEED_BYTES = 4096  # what one read is parsed in pieces of, so that reading ahead stops near PIPELINE_MAX
