@@ -324,7 +324,7 @@ class Daemon:
 
     def _remove_refused(self, target: Target) -> None:
         if self.mirror.has(target.version, target.digest):
-            self.mirror.remove(target.version, "refused on this node")
+            self.mirror.remove(target.version, "refused on this node", digest=target.digest)
 
     # -- admin actions ----------------------------------------------------------------------------------
     async def restart_server(self, name: str) -> str:
