@@ -698,7 +698,7 @@ def attack(args: argparse.Namespace) -> int:
                     attackers[kind].append(json.loads(out.strip().splitlines()[-1]))
                     # Until the gateway answers again (at once, unless the attack left it busy).
                     t0, gone = time.monotonic(), []
-                    while time.monotonic() - t0 < 300:
+                    while time.monotonic() - t0 < args.recovery_max_s:
                         before = len(gone)
                         tried(through, gone)
                         if len(gone) == before:
@@ -780,6 +780,8 @@ def main() -> int:
                    "starts again on a new one")
     p.add_argument("--block-s", type=float, default=10.0, help="--attack: seconds of each block")
     p.add_argument("--blocks", type=int, default=3, help="--attack: rounds of (quiet, without token, with token)")
+    p.add_argument("--recovery-max-s", type=float, default=120.0, help="--attack: longest wait for the gateway "
+                   "to answer again after an attack")
     p.add_argument("--serve-attack", nargs=4, metavar=("PORT", "N", "TOKEN", "MIB"), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_gateway:
