@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 
 import uvicorn
 import uvloop
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 log = logging.getLogger("rolloutd")
 
@@ -155,8 +156,110 @@ def bind(host: str, port: int, backlog: int = 2048) -> socket.socket:
     return sock
 
 
+# What a client may cost before its request is answered: a whole head within HEAD_TIMEOUT_S of
+# connecting or of starting it, at most MAX_HEAD_BYTES of it, and at most MAX_FRAMING_BYTES of a
+# body that are not body (chunk sizes, extensions, trailers) in a row. uvicorn bounds none of these
+# with httptools: a half-sent head held its connection for as long as the client liked, and a
+# trailer section streamed without end was parsed on the server's only loop by repeated
+# concatenation, stalling every other request of the registry or the admin API (a token-less
+# client was enough: authentication runs once the head is complete, trailers come after it).
+HEAD_TIMEOUT_S = 10.0
+MAX_HEAD_BYTES = 64 << 10
+MAX_FRAMING_BYTES = 64 << 10
+MAX_CONNECTIONS = 4096
+
+
+class BoundedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the bounds above; a connection past one is closed."""
+
+    max_connections = MAX_CONNECTIONS
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._in_head = False  # the parser is inside a request's head
+        self._in_body = False  # ... inside its body (trailers included)
+        self._head_bytes = 0
+        self._framing = 0  # bytes fed since the body last moved, in a body
+        self._body_moved = False
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        if len(self.connections) > self.max_connections:
+            log.warning("refuse a connection from %s: %d open", self.client, len(self.connections) - 1)
+            transport.abort()
+            return
+        self._arm_head_timer()  # a connection that sends nothing is closed like a half-sent head
+
+    def connection_lost(self, exc) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        self._body_moved = False
+        super().data_received(data)
+        if self.transport.is_closing():
+            return
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._refuse(431, "request head too large")
+        elif self._in_body:
+            self._framing = 0 if self._body_moved else self._framing + len(data)
+            if self._framing > MAX_FRAMING_BYTES:
+                self._refuse(431, "chunk framing or trailers too large")
+
+    # The parser's callbacks say where in a request it is: the state the checks above read.
+    def on_message_begin(self) -> None:
+        self._in_head, self._head_bytes = True, 0
+        self._arm_head_timer()
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._in_head, self._in_body, self._framing = False, True, 0
+        self._disarm_head_timer()
+        super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        self._body_moved = True
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        self._in_body = False
+        super().on_message_complete()
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._in_head:  # a trailer field: never one of the request's headers
+            return
+        super().on_header(name, value)
+
+    def _arm_head_timer(self) -> None:
+        self._disarm_head_timer()
+        self._head_timer = self.loop.call_later(HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+    def _refuse(self, status: int, why: str) -> None:
+        """Answer and close; a request already given to the app sees a disconnect."""
+        if self.cycle is not None and not self.cycle.response_complete:
+            self.transport.abort()  # its answer may be under way: nothing more on this connection
+            return
+        self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                             % (status, why.encode()))
+        self.transport.close()
+
+
 def server_config(app, **kwargs) -> uvicorn.Config:
     """uvicorn settings shared by every embedded server (no access log: it is per request)."""
+    kwargs.setdefault("http", BoundedHttpToolsProtocol)
     kwargs.setdefault("timeout_keep_alive", 75)
     kwargs.setdefault("timeout_graceful_shutdown", 5)
     kwargs.setdefault("proxy_headers", False)  # no proxy is trusted: the peer is who connected

@@ -143,6 +143,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def crash(request: Request, exc: Exception):
+        if isinstance(exc, ClientDisconnect):  # the client left, or was cut off mid-body: nobody to answer
+            log.info("drop %s %s: the client disconnected before its body ended", request.method,
+                     request.url.path[:200])
+            return error_response(errors.InvalidRequest("client disconnected before sending its body"))
         log.exception("internal error on %s %s", request.method, request.url.path)
         return error_response(errors.Internal(f"{type(exc).__name__} (see the registry's log)"))
 
