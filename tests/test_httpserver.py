@@ -96,7 +96,8 @@ async def echo_headers(scope, receive, send):
         size += len(message.get("body", b""))
         more = message.get("more_body", False)
     body = (",".join(sorted(n.decode() for n, _ in scope["headers"])) + f";{size}").encode()
-    await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", str(len(body)).encode())]})
+    headers = [(b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
     await send({"type": "http.response.body", "body": body})
 
 
