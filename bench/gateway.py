@@ -45,7 +45,7 @@ gateway in turns, as ``--during-pull`` measures them; the gateway process's RSS 
 50 ms. The attackers run at nice 10 on core 0, with vLLM (they stand for other hosts). With
 ``--ref-repo DIR`` the gateway is that build's (e.g. the one before the trailer bound).
 
-    .venv/bin/python bench/gateway.py --attack   # about 3 minutes
+    .venv/bin/python bench/gateway.py --attack   # about 4 minutes
 """
 
 from __future__ import annotations
