@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from rolloutd.wire import errors
 
+OWS = " \t"
+
 
 def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
     """A single ``bytes=`` range as [start, end); None for no header; 416 for anything else."""
@@ -15,8 +17,10 @@ def parse_range(header: str | None, size: int) -> tuple[int, int] | None:
         f"Range {header[:100]!r} is not one byte range within {size} bytes")
     unsatisfiable.headers = {"content-range": f"bytes */{size}"}
     unit, _, spec = header.partition("=")
-    first, dash, last = spec.strip().partition("-")
-    if unit.strip().lower() != "bytes" or not dash or "," in spec:
+    # HTTP's optional whitespace is spaces and tabs; str.strip() would also take '\x85' and
+    # other Unicode spaces, turning 'bytes=\x85-1' into the range 'bytes=-1'.
+    first, dash, last = spec.strip(OWS).partition("-")
+    if unit.strip(OWS).lower() != "bytes" or not dash or "," in spec:
         raise unsatisfiable
     if not (_digits(first) or first == "") or not (_digits(last) or last == ""):
         raise unsatisfiable
