@@ -113,10 +113,12 @@ EXPECTED_WARNINGS = (
 )
 # What vLLM prints while it stops because rolloutd stopped it: its shutdown steps' warnings
 # ("[shutdown] ... force killing", "engine core exited unexpectedly" when the engine core took the
-# signal first), Python's note on the shared memory its processes left (rolloutd removes that),
+# signal first), Python's notes on the shared memory its processes left (rolloutd removes that) or
+# found already gone when its tracker came to remove it,
 # and the API server's EngineDeadError traceback. Logged at INFO during such a stop only; any
 # other line keeps its level, and the same lines outside a stop are real failures.
-_STOP_WARNINGS = re.compile(r"\[shutdown\] |resource_tracker: There appear to be \d+ leaked \w+ objects")
+_STOP_WARNINGS = re.compile(r"\[shutdown\] |resource_tracker: There appear to be \d+ leaked \w+ objects"
+                            r"|resource_tracker: '[^']*': \[Errno 2\] No such file or directory")
 _STOP_ERRORS = re.compile(r"\bEngineDeadError\b")
 
 
