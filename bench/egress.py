@@ -47,18 +47,22 @@ MiB = 1 << 20
 
 
 def make_version(directory: Path, size_mib: int, files: int) -> dict[str, str]:
-    """``files`` files of random bytes, ``size_mib`` in all; their sha256 by name."""
+    """``files`` safetensors files of random bytes (one uint8 tensor each), ``size_mib`` in all;
+    their sha256 by name. Real safetensors, so the servers load the version: one they could not
+    load would be refused, and its copy leave the mirrors before they are compared."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
     directory.mkdir(parents=True, exist_ok=True)
     sums = {}
     per = size_mib * MiB // files
     for i in range(files):
         path = directory / f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        save_file({f"model.layers.{i}.blob": np.frombuffer(os.urandom(per), dtype=np.uint8)}, str(path))
         h = hashlib.sha256()
-        with open(path, "wb") as f:
-            for _ in range(per // MiB):
-                block = os.urandom(MiB)
+        with open(path, "rb") as f:
+            while block := f.read(8 * MiB):
                 h.update(block)
-                f.write(block)
         sums[path.name] = h.hexdigest()
     return sums
 
