@@ -1,5 +1,5 @@
-"""libtorrent beside rolloutd's swarm, on the same many-nodes harness (design §9 asks for the
-comparison before a swarm of our own): egress from the trainer, time, and failure behaviour.
+"""libtorrent beside rolloutd's swarm, on the same many-nodes harness (an existing engine measured
+before keeping a swarm of our own): egress from the trainer, time, and failure behaviour.
 
 The version (``--size-mib`` in ``--files`` files) is published to a registry on the shaped
 trainer host, as for ``bench/egress.py``. A BitTorrent v2 torrent of the same files (SHA-256

@@ -1,14 +1,14 @@
 """What the plugin checks in a mirror directory before it touches a single layer.
 
 Standard library only, so it runs in any vLLM environment and is tested without vLLM.
-Contract (design §5): ``<mirror>/<version>/`` holds ``manifest.json`` and the version's
+Contract (docs/plugin.md): ``<mirror>/<version>/`` holds ``manifest.json`` and the version's
 safetensors files; the daemon passes the directory and the manifest's digest. A directory is
 loaded only if its manifest has exactly that digest and lists each file once, every file has
 exactly the size the manifest gives, and no tensor name comes twice (in one header or across
 files: a loader would silently keep one of them); the puller already checked every chunk's
 digest on the way in, and a half-written (hidden ``.partial``) directory is refused by name.
 
-Coverage (design §6, exactness): a version must carry every tensor of the checkpoint the
+Coverage (exactness, docs/plugin.md): a version must carry every tensor of the checkpoint the
 server started from, or say ``"partial": true`` in its manifest. Tied embeddings count as one
 tensor under either name: :func:`tie` makes the stream carry both, since vLLM keeps the
 output head's own copy and reloads it only when ``lm_head.weight`` itself arrives.

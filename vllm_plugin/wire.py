@@ -4,7 +4,7 @@ and the plugin inside vLLM import it from here; standard library only, since the
 vLLM's environment, where rolloutd may not be installed.
 
 - A manifest's digest is sha256 over its canonical JSON: keys sorted, no spaces, ASCII, without
-  the ``digest`` field itself (design §3).
+  the ``digest`` field itself (docs/registry-api.md).
 - A safetensors file is an 8-byte little-endian header length, a JSON object header of
   ``name -> {dtype, shape, data_offsets}`` (plus ``__metadata__``), then the data.
 """

@@ -30,7 +30,6 @@ with it), so a worker never outlives the daemon.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -38,9 +37,8 @@ import sys
 import threading
 import time
 
-import xxhash
-
 from rolloutd.rollout.sources import MESSAGE_CHARS, Source, SourceError, SourceSpec, compact_body
+from rolloutd.wire.hashes import new_hasher
 
 MiB = 1 << 20
 KEPT_SOURCES = 8  # per stream: the places it fetched from last, their connections kept open
@@ -109,7 +107,7 @@ class Worker:
     def _fetch(self, source: Source, job: dict) -> None:
         start, end = int(job["start"]), int(job["end"])
         deadline = time.monotonic() + float(job["timeout_s"]) if job.get("timeout_s") else None
-        hasher = _hasher(job["hash"])
+        hasher = new_hasher(job["hash"])
         fd = os.open(job["path"], os.O_RDWR | os.O_CLOEXEC)
         try:
             # The chunk's pages in one call, here at the worker's priority: the mirror left the
@@ -211,19 +209,6 @@ def main() -> None:
     for line in sys.stdin:
         worker.jobs.put(json.loads(line)["job"])
     os._exit(0)  # stdin ended: the daemon closed it or died; threads mid-job end with us
-
-
-def _hasher(hash_name: str):
-    """The manifest's chunk hash (rolloutd.wire.manifest.new_hasher, without importing pydantic here)."""
-    if hash_name == "xxh3-128":
-        return xxhash.xxh3_128()
-    if hash_name == "sha256":
-        return hashlib.sha256()
-    if hash_name == "blake3":
-        import blake3  # only for a version that uses it: the worker starts without it
-
-        return blake3.blake3()
-    raise ValueError(f"unknown chunk hash {hash_name!r}")
 
 
 if __name__ == "__main__":

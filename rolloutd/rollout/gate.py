@@ -1,4 +1,4 @@
-"""The gate: a server that loaded a version proves it before it takes traffic again (design §7.4).
+"""The gate: a server that loaded a version proves it before it takes traffic again (docs/daemon.md, "The gate").
 
 After a load and ``/resume``, while the supervisor still holds the server out of traffic
 (UPDATING or SYNCING: its gateway forwards nothing), the daemon asks the server itself, on its

@@ -1,6 +1,6 @@
 """The node mirror: complete weight versions in a local directory (tmpfs), one pull per node.
 
-Layout (contract, design §5)::
+Layout (contract; docs/plugin.md, "The mirror")::
 
     <dir>/<version>/                 the version's files and manifest.json; exists only when complete
     <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)

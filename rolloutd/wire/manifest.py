@@ -1,6 +1,6 @@
 """Manifests: what one weight version holds and how every byte of it is checked.
 
-Contract (design §3): a version is one or more safetensors files; the manifest lists each
+Contract (docs/registry-api.md): a version is one or more safetensors files; the manifest lists each
 file with its size and one digest per fixed-size chunk (``hash``: xxh3-128 by default, for
 speed; sha256 or blake3, cryptographic, for a version that peers may carry: docs/peers.md), plus
 a digest of the manifest itself: always sha256 over its canonical JSON (sorted
@@ -34,6 +34,7 @@ from pydantic import (
     model_validator,
 )
 
+from rolloutd.wire.hashes import new_hasher
 from vllm_plugin.wire import canonical_json, read_header
 
 MiB = 1 << 20
@@ -55,19 +56,6 @@ DEFAULT_HASH: HashName = "xxh3-128"  # 15 GB/s a core: a pull from the origin as
 # (xxh3-128 guards against corruption, not against a hostile peer; docs/peers.md, threat model).
 CRYPTO_HASHES = frozenset({"sha256", "blake3"})
 _HEX_LEN = {"xxh3-128": 32, "sha256": 64, "blake3": 64}
-
-
-def new_hasher(hash_name: str):
-    """An incremental hasher (``update``, ``hexdigest``) of the chunk digest ``hash_name``."""
-    if hash_name == "xxh3-128":
-        return xxhash.xxh3_128()
-    if hash_name == "sha256":
-        return hashlib.sha256()
-    if hash_name == "blake3":
-        import blake3  # only where a version uses it
-
-        return blake3.blake3()
-    raise ValueError(f"unknown chunk hash {hash_name!r}")
 
 
 def _one_shot(hash_name: str) -> Callable[[bytes | memoryview], str]:

@@ -1,4 +1,4 @@
-"""The messages a node, a trainer and the registry exchange (contract, design §4), written once:
+"""The messages a node, a trainer and the registry exchange (contract: docs/registry-api.md), written once:
 the registry parses requests with these models, its clients send them; clients parse replies
 with the reply models, which ignore keys they do not know, so a newer registry may add some."""
 

@@ -1,4 +1,4 @@
-"""The registry's HTTP API v1 (design §4) over FastAPI.
+"""The registry's HTTP API v1 (docs/registry-api.md) over FastAPI.
 
 Every error is JSON ``{"error": {"code", "message"}}`` with a stable code (see ``errors``).
 A pure-ASGI guard in front of the app checks the bearer token, bounds request bodies and
