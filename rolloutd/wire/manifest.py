@@ -7,6 +7,13 @@ a digest of the manifest itself: always sha256 over its canonical JSON (sorted
 keys, no spaces, ASCII, without the ``digest`` field). sha256 because any reader can check it
 with its standard library: the vLLM plugin does, in an environment without xxhash.
 A reader checks the manifest digest first, then every chunk it receives.
+
+A **delta version** (docs/deltas.md) carries a ``delta`` section beside the target's description:
+the base it applies to (version and manifest digest), the encoding, and the delta files with
+their own chunk digests, one per target file. The section is sealed by its own ``digest`` and
+left out of the manifest's: the manifest digest of a delta version is the digest a full publish
+of the same tensors has, so the node's mirror, the plugin and the gate see an ordinary version
+once the target is rebuilt and checked against it.
 """
 
 from __future__ import annotations
@@ -174,7 +181,54 @@ class Canary(BaseModel):
 
 # Optional keys left out of every dump while unset, so that a manifest without them keeps the
 # canonical bytes, and so the digest, it had before they existed (the plugin hashes the raw JSON).
-_OMITTED_WHEN_NONE = ("canary", "partial", "source")
+_OMITTED_WHEN_NONE = ("canary", "partial", "source", "delta")
+
+DeltaEncoding = Literal["xor-planes-zstd", "xor-zstd", "index-value-zstd"]
+MAX_REMOVED = 100_000
+MAX_TENSOR_NAME = 1000
+
+
+class DeltaFile(FileEntry):
+    """One delta file: the encoded changes that rebuild target file ``target`` from the base."""
+
+    target: str = Field(description="the target file this delta file rebuilds")
+
+
+class Delta(BaseModel):
+    """How to rebuild a version from an earlier one: sealed by its own ``digest`` (sha256 of its
+    canonical JSON without that field), which the manifest's digest does not cover."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+
+    base_version: VersionNumber = Field(description="the version the delta applies to")
+    base_digest: ManifestDigest = Field(description="that version's manifest digest")
+    encoding: DeltaEncoding = Field(description="how changed tensors are encoded (docs/deltas.md)")
+    files: list[DeltaFile] = Field(min_length=1, max_length=MAX_FILES,
+                                   description="the delta files, one per target file, chunked and hashed "
+                                               "as the target's files are")
+    removed: list[Annotated[str, Field(max_length=MAX_TENSOR_NAME)]] = Field(
+        default_factory=list, max_length=MAX_REMOVED, description="tensors of the base that the target lacks")
+    digest: ManifestDigest | None = Field(None, description="sha256 of this section's canonical JSON without "
+                                          "this field")
+
+    def canonical_bytes(self) -> bytes:
+        return canonical_json(self.model_dump(mode="json", exclude={"digest"}))
+
+    def compute_digest(self) -> str:
+        return hashlib.sha256(self.canonical_bytes()).hexdigest()
+
+    def sealed(self) -> Delta:
+        actual = self.compute_digest()
+        if self.digest is not None and self.digest != actual:
+            raise ManifestError(f"delta section digest {self.digest} does not match its contents ({actual})")
+        return self.model_copy(update={"digest": actual})
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def for_target(self, name: str) -> DeltaFile | None:
+        return next((f for f in self.files if f.target == name), None)
 
 # Where a version's bytes are when not on the registry: an S3 bucket and key prefix; file
 # ``name`` is the object ``<prefix>/<name>``. Bucket names as S3 allows them.
@@ -200,6 +254,9 @@ class Manifest(BaseModel):
     source: str | None = Field(None, description="where the bytes are when not on the registry: "
                                "s3://bucket/prefix, file <name> being the object <prefix>/<name> (absent: "
                                "on the registry)", json_schema_extra={"pattern": SOURCE_RE.pattern})
+    delta: Delta | None = Field(None, description="how to rebuild this version from an earlier one the node "
+                                "holds (absent: a full version only); not covered by ``digest``, sealed by "
+                                "its own")
 
     @field_validator("source")
     @classmethod
@@ -233,22 +290,56 @@ class Manifest(BaseModel):
                 if len(d) != want_len or not _is_lower_hex(d):
                     raise ValueError(f"file {f.name!r}: chunk digest {d[:80]!r} is not a "
                                      f"{self.hash} hex digest")
+        if self.delta is not None:
+            self._consistent_delta(set(names), want_len)
         return self
+
+    def _consistent_delta(self, targets: set[str], want_len: int) -> None:
+        delta = self.delta
+        if delta.base_version >= self.version:
+            raise ValueError(f"delta base version {delta.base_version} is not older than version {self.version}")
+        names = [f.name for f in delta.files]
+        if len(set(names)) != len(names):
+            raise ValueError("duplicate delta file names")
+        if clash := targets & set(names):
+            raise ValueError(f"delta file names {sorted(clash)[:3]} are also target file names")
+        rebuilt = [f.target for f in delta.files]
+        if sorted(rebuilt) != sorted(targets):
+            raise ValueError("the delta files must rebuild every target file, each once")
+        for f in delta.files:
+            if len(f.chunks) != chunk_count(f.size, self.chunk_bytes):
+                raise ValueError(f"delta file {f.name!r}: {len(f.chunks)} chunk digests for {f.size} bytes")
+            if any(len(d) != want_len or not _is_lower_hex(d) for d in f.chunks):
+                raise ValueError(f"delta file {f.name!r}: a chunk digest is not a {self.hash} hex digest")
 
     # -- sealing ---------------------------------------------------------------------------
     def canonical_bytes(self) -> bytes:
-        return canonical_json(self.model_dump(mode="json", exclude={"digest"}))
+        return canonical_json(self.model_dump(mode="json", exclude={"digest", "delta"}))
 
     def compute_digest(self) -> str:
         return hashlib.sha256(self.canonical_bytes()).hexdigest()
 
     def sealed(self) -> Manifest:
-        """This manifest with its digest filled in (and checked if it was given)."""
+        """This manifest with its digest filled in (and checked if it was given), and its delta
+        section's likewise."""
         actual = self.compute_digest()
         if self.digest is not None and self.digest != actual:
             raise ManifestError(f"manifest digest {self.digest} does not match its "
                                 f"contents ({actual})")
-        return self.model_copy(update={"digest": actual})
+        update: dict = {"digest": actual}
+        if self.delta is not None:
+            update["delta"] = self.delta.sealed()
+        return self.model_copy(update=update)
+
+    def target(self) -> Manifest:
+        """The full version this manifest describes, without its delta section: same digest."""
+        return self if self.delta is None else self.model_copy(update={"delta": None})
+
+    def with_delta(self, delta: Delta | None) -> Manifest:
+        """This manifest with ``delta`` as its delta section (sealed; checked against the files)."""
+        data = self.model_dump(mode="json")
+        data["delta"] = None if delta is None else delta.sealed().model_dump(mode="json")
+        return Manifest.model_validate(data).sealed()
 
     # -- queries -----------------------------------------------------------------------------
     @property
