@@ -11,7 +11,7 @@ from rolloutd.registry.server.fleet import FAILING_STATES, FleetQuery, FleetView
 from rolloutd.registry.server.rollouts import RolloutLog
 from rolloutd.registry.server.store import Store
 from rolloutd.supervise.states import ServerState
-from rolloutd.wire.messages import GateReport, Heartbeat, RefusedVersion
+from rolloutd.wire.messages import GateReport, Heartbeat, PullReport, RefusedVersion
 
 from .test_store import publish
 
@@ -107,7 +107,7 @@ def test_a_row_carries_what_the_replica_reported_and_its_problems(store, clock, 
                   "target": 2, "lag": 1, "lag_s": 20.0, "incarnation": 2, "endpoint": "http://n1:9001",
                   "age_s": 20.0, "paused_s": 0.42, "pull_s": 3.5,
                   "timings": {"paused": 0.42, "pull": 3.5, "load": 0.3}, "gate": bad_gate.model_dump(),
-                  "error": "version 2 failed the gate", "refused": [], "problems": ["gate", "silent"]}
+                  "error": "version 2 failed the gate", "refused": [], "pull": None, "problems": ["gate", "silent"]}
     assert s1["problems"] == ["state", "silent"] and n2["replicas"][0]["problems"] == []
     assert (n1["with_problems"], n1["states"], n1["max_age_s"]) == (2, {"SERVING": 1, "FATAL": 1}, 20.0)
     assert doc["summary"] == {"replicas": 3, "nodes": 2, "by_state": {"FATAL": 1, "SERVING": 2},
@@ -116,6 +116,24 @@ def test_a_row_carries_what_the_replica_reported_and_its_problems(store, clock, 
     assert doc["latest"] == {"version": 2, "published_age_s": 20.0}
     assert [(v["version"], v["held_by"], v["serving"]) for v in doc["versions"]] == [(1, 1, 1), (2, 2, 1)]
     assert view.document(FleetQuery(stale_s=30))["summary"]["silent"] == 0
+
+
+def test_a_row_shows_the_last_pull_and_the_share_of_the_version_it_fetched(store, view):
+    publish(store, 1)
+    publish(store, 2)
+    delta = PullReport(version=2, kind="delta", base=1, bytes_fetched=21_000, version_bytes=1_000_000, seconds=0.5,
+                       reconstruct_s=0.125)
+    fell_back = PullReport(version=2, kind="full", bytes_fetched=1_000_000, version_bytes=1_000_000, seconds=2.0,
+                           delta_error="version 2: delta file w.safetensors.delta: chunk 0 digest differs")
+    beat(store, "n1", "s0", version=2, last_pull=delta)
+    beat(store, "n2", "s0", version=2, last_pull=fell_back)
+    beat(store, "n3", "s0", version=2, last_pull=delta.model_copy(update={"version_bytes": 0, "bytes_fetched": 0}))
+    n1, n2, n3 = (n["replicas"][0]["pull"] for n in view.document(FleetQuery())["nodes"]["items"])
+    assert n1 == {"version": 2, "kind": "delta", "base": 1, "bytes_fetched": 21_000, "version_bytes": 1_000_000,
+                  "seconds": 0.5, "reconstruct_s": 0.125, "delta_error": None, "fetched_ratio": 0.021}
+    assert (n2["kind"], n2["base"], n2["fetched_ratio"], n2["reconstruct_s"]) == ("full", None, 1.0, None)
+    assert n2["delta_error"].startswith("version 2: delta file w.safetensors.delta")
+    assert n3["fetched_ratio"] is None  # an empty version: no share to speak of
 
 
 def test_a_replica_whose_node_refused_the_newest_version_has_a_problem_until_it_holds_a_newer_one(store, clock,

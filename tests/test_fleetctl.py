@@ -10,7 +10,7 @@ import pytest
 
 from rolloutd import cli
 from rolloutd.registry import EmbeddedRegistry, fleetctl
-from rolloutd.wire.messages import GateReport, Heartbeat
+from rolloutd.wire.messages import GateReport, Heartbeat, PullReport
 
 from .conftest import free_port
 from .test_store import manifest
@@ -67,6 +67,34 @@ def test_the_table_shows_every_replica_grouped_by_node(tmp_path, reg, clock, cap
     a1 = next(ln for ln in lines if ln.startswith("node-a  gpu1"))
     assert "base" in a1 and "failed" in a1 and "vllm serve exited with status 1 (see its log)" in a1
     assert "gate" in next(ln for ln in lines if ln.startswith("node-b  gpu0"))
+
+
+def test_the_table_shows_how_the_last_pull_came_and_what_it_fetched(tmp_path, reg, clock, capsys):
+    from rolloutd.registry.server.blobs import MemoryBlob
+    store = reg.service.store
+    store.publish(manifest(1), {"model.safetensors": MemoryBlob(b"x")})
+    pulls = {"delta": PullReport(version=1, kind="delta", base=6, bytes_fetched=21, version_bytes=1000,
+                                 seconds=0.5, reconstruct_s=0.25),
+             "full": PullReport(version=1, kind="full", bytes_fetched=1000, version_bytes=1000, seconds=2.0),
+             "resumed": PullReport(version=1, kind="full", bytes_fetched=400, version_bytes=1000, seconds=1.0),
+             "fellback": PullReport(version=1, kind="full", bytes_fetched=1000, version_bytes=1000, seconds=2.0,
+                                    delta_error="version 1: delta file m.delta: chunk 0 digest differs"),
+             "held": PullReport(version=1, kind="full", bytes_fetched=0, version_bytes=1000, seconds=0.01),
+             "tiny": PullReport(version=1, kind="delta", base=6, bytes_fetched=3, version_bytes=10_000,
+                                seconds=0.5, reconstruct_s=1.5)}
+    for node, pull in pulls.items():
+        store.heartbeat(f"{node}.gpu0", Heartbeat(node=node, server="gpu0", state="SERVING", version=1,
+                                                  timings={"pull": pull.seconds}, last_pull=pull))
+    store.heartbeat("none.gpu0", Heartbeat(node="none", server="gpu0", state="SERVING", version=1))
+    assert fleet(tmp_path, reg) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(ln for ln in lines if ln.startswith("NODE "))
+    at, rebuild = header.index("FETCHED"), header.index("REBUILD")
+    cells = {ln.split()[0]: (ln[at:rebuild].strip(), ln[rebuild:].split()[0]) for ln in lines
+             if ln.split() and ln.split()[0] in {*pulls, "none"}}
+    assert cells == {"delta": ("delta 2.1% on v6", "250ms"), "full": ("full", "-"), "resumed": ("full 40%", "-"),
+                     "fellback": ("full (delta failed)", "-"), "held": ("held", "-"),
+                     "tiny": ("delta 0.03% on v6", "1.5s"), "none": ("-", "-")}
 
 
 def test_filters_and_json(tmp_path, reg, clock, capsys):

@@ -3,7 +3,9 @@ trainer's host; ``--json`` prints the ``GET /v1/fleet`` document with every page
 
 Contract: exits 0 when the registry answered, 1 otherwise with one line on stderr (no traceback).
 The table is a few summary lines, the versions with their publish-to-serving figures, then one row
-per replica, grouped by node; ``--problems`` keeps only replicas with a problem.
+per replica, grouped by node (its node's last pull: full or delta, the share of the version's size
+it fetched, the seconds its rebuild from the base took); ``--problems`` keeps only replicas with a
+problem.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ PAGE_NODES = 1000  # nodes asked per request; the command asks until it has ever
 ERROR_WIDTH = 60
 VERSION_COLUMNS = ("VERSION", "STATE", "PUBLISHED", "SIZE", "LEASES", "SERVING", "HELD BY", "REACHED",
                    "P50", "P90", "MAX")
-REPLICA_COLUMNS = ("NODE", "SERVER", "STATE", "VERSION", "BEHIND", "TARGET", "PAUSE", "PULL", "GATE",
-                   "HEARTBEAT", "STARTS", "PROBLEMS", "LAST ERROR")
+REPLICA_COLUMNS = ("NODE", "SERVER", "STATE", "VERSION", "BEHIND", "TARGET", "PAUSE", "PULL", "FETCHED",
+                   "REBUILD", "GATE", "HEARTBEAT", "STARTS", "PROBLEMS", "LAST ERROR")
 PROBLEM_WORDS = {"state": "failed", "gate": "gate", "silent": "silent"}
 
 
@@ -120,8 +122,30 @@ def _replica_row(node: str, r: dict) -> tuple[str, ...]:
     problems = ",".join(PROBLEM_WORDS.get(p, p) for p in r["problems"]) or "-"
     return (node, r["server"], f"{r['state']} {age(r['state_age_s'])}",
             "base" if r["version"] is None else ver(r["version"]), behind, ver(r["target"]),
-            _secs(r["paused_s"]), _secs(r["pull_s"]), gate, f"{age(r['age_s'])} ago", str(r["incarnation"]),
-            problems, error)
+            _secs(r["paused_s"]), _secs(r["pull_s"]), fetched(r.get("pull")),  # absent from older registries
+            _secs((r.get("pull") or {}).get("reconstruct_s")), gate, f"{age(r['age_s'])} ago",
+            str(r["incarnation"]), problems, error)
+
+
+def fetched(pull: dict | None) -> str:
+    """The last pull in a narrow cell: how it came and the share of the version's size it fetched
+    ("delta 2.1% on v6"; "full"; "full 40%" when an earlier try had fetched the rest)."""
+    if pull is None:
+        return "-"
+    ratio = pull.get("fetched_ratio")
+    if pull["bytes_fetched"] == 0:
+        return "held"  # the mirror had the version: nothing fetched
+    share = "?" if ratio is None else percent(ratio)
+    if pull["kind"] == "delta":
+        return f"delta {share}" + (f" on {ver(pull['base'])}" if pull.get("base") is not None else "")
+    whole = "full" if ratio is None or ratio >= 1 else f"full {share}"
+    return whole + (" (delta failed)" if pull.get("delta_error") else "")
+
+
+def percent(ratio: float) -> str:
+    """0.021 -> "2.1%": whole percents from 10 %, one decimal below, two below 0.1 %."""
+    p = 100 * ratio
+    return f"{p:.0f}%" if p >= 10 else f"{p:.1f}%" if p >= 0.1 else f"{p:.2f}%"
 
 
 def _secs(s: float | None) -> str:

@@ -15,7 +15,7 @@ from rolloutd.wire.manifest import Count, ManifestDigest, VersionNumber
 MAX_ERROR_CHARS = 512
 # Heartbeat fields added after the first registries: left out of the body when unset, and left
 # out by a node whose registry refuses them (rollout/heartbeat.py).
-OPTIONAL_HEARTBEAT_FIELDS = ("gate", "last_error", "refused")
+OPTIONAL_HEARTBEAT_FIELDS = ("gate", "last_error", "refused", "last_pull")
 MAX_REFUSED = 16  # versions a node keeps refused (the oldest refusal goes first)
 
 # A replica id is ``<node>.<server>``: node configs refuse a name this would not take.
@@ -48,6 +48,26 @@ class RefusedVersion(BaseModel):
     reason: str = Field(max_length=MAX_ERROR_CHARS, description="why, as the node logged it")
 
 
+class PullReport(BaseModel):
+    """The node's last pull that ended with the version in its mirror: how it came (whole, or as a
+    delta on a base the node held) and what it cost on the network against the version's size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False, strict=True)
+
+    version: VersionNumber
+    kind: Literal["full", "delta"] = Field(description="full: the version's files fetched; delta: its "
+                                           "delta files fetched and the files rebuilt from the base")
+    base: VersionNumber | None = Field(None, description="the delta's base version (null for full)")
+    bytes_fetched: Count = Field(description="bytes fetched over the network by this pull (0: the mirror "
+                                 "held the version already)")
+    version_bytes: Count = Field(description="the version's full size")
+    seconds: float = Field(ge=0, description="the whole pull")
+    reconstruct_s: float | None = Field(None, ge=0, description="rebuilding the files from the base and "
+                                        "the delta, their digests checked (null: not a delta)")
+    delta_error: str | None = Field(None, max_length=MAX_ERROR_CHARS, description="why a delta could not be "
+                                    "used and the full version was fetched instead (null: none)")
+
+
 class Heartbeat(BaseModel):
     """What a node reports for one server (contract with the daemon)."""
 
@@ -68,6 +88,8 @@ class Heartbeat(BaseModel):
                                    "if any (it stays after the server recovered)")
     refused: list[RefusedVersion] | None = Field(None, max_length=MAX_REFUSED, description="versions the "
                                                  "node refused (absent: none)")
+    last_pull: PullReport | None = Field(None, description="the node's last pull that brought a version "
+                                         "(absent: none since the daemon started)")
 
     @model_serializer(mode="wrap")
     def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's

@@ -13,6 +13,8 @@ A replica has a *problem* when its state is BACKOFF or FATAL (``state``), its la
 not move before a newer version; the row's ``refused`` says why), or the registry has not heard
 from it for ``stale_s`` (``silent``). Its last error
 is shown as it reported it: it stays after the server recovered, so it is not a problem by itself.
+A row's ``pull`` is its node's last pull as the heartbeat reported it (full or delta, the base,
+bytes fetched against the version's size, reconstruction seconds), or null.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import NamedTuple
 
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.store import Replica, Store
+from rolloutd.wire.messages import PullReport
 
 FAILING_STATES = frozenset({"BACKOFF", "FATAL"})  # the daemon's ServerState names for a failed server
 CACHE_S = 1.0
@@ -168,7 +171,17 @@ class FleetView:
                 "gate": None if hb.gate is None else hb.gate.model_dump(mode="json"),
                 "error": hb.last_error,
                 "refused": [r.model_dump(mode="json") for r in hb.refused] if hb.refused else [],
+                "pull": _pull(hb.last_pull),
                 "problems": list(_problems(rep, now, stale_s, self._newest()))}
+
+
+def _pull(report: PullReport | None) -> dict | None:
+    """The node's last pull as reported, with the share of the version's size it fetched (what a
+    delta saved: 0.02 for a delta of 2 %)."""
+    if report is None:
+        return None
+    ratio = report.bytes_fetched / report.version_bytes if report.version_bytes else None
+    return {**report.model_dump(mode="json"), "fetched_ratio": None if ratio is None else round(ratio, 4)}
 
 
 class _Scan(NamedTuple):
