@@ -1,4 +1,4 @@
-"""Byte counts for people: ``1.8 MiB``, ``512 B``."""
+"""Byte counts and shares for people: ``1.8 MiB``, ``512 B``, ``2.1%``."""
 
 from __future__ import annotations
 
@@ -9,3 +9,10 @@ def size(n: float) -> str:
             break
         n /= 1024
     return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+
+
+def percent(ratio: float) -> str:
+    """0.021 -> ``2.1%``: whole percents from 10 %, one decimal below, two below 0.1 % (a delta's
+    share of its version's size is often under 1 %)."""
+    p = 100 * ratio
+    return f"{p:.0f}%" if p >= 10 else f"{p:.1f}%" if p >= 0.1 else f"{p:.2f}%"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from rolloutd.node.adminctl import _age as age
 from rolloutd.node.adminctl import _v as ver
-from rolloutd.units import size
+from rolloutd.units import percent, size
 
 PAGE_NODES = 1000  # nodes asked per request; the command asks until it has every page
 ERROR_WIDTH = 60
@@ -141,11 +141,6 @@ def fetched(pull: dict | None) -> str:
     whole = "full" if ratio is None or ratio >= 1 else f"full {share}"
     return whole + (" (delta failed)" if pull.get("delta_error") else "")
 
-
-def percent(ratio: float) -> str:
-    """0.021 -> "2.1%": whole percents from 10 %, one decimal below, two below 0.1 %."""
-    p = 100 * ratio
-    return f"{p:.0f}%" if p >= 10 else f"{p:.1f}%" if p >= 0.1 else f"{p:.2f}%"
 
 
 def _secs(s: float | None) -> str:
