@@ -263,7 +263,7 @@ function renderReplicas(nodes, staleS) {
   for (const n of nodes.items) {
     const states = Object.entries(n.states).map(([s, c]) => `${c} ${s.toLowerCase()}`).join(", ");
     rows.push(el("tr", {class: "node", "data-node": n.node},
-      el("td", {colspan: 11}, n.node, el("span", {class: "nodefacts"},
+      el("td", {colspan: 13}, n.node, el("span", {class: "nodefacts"},
         `${n.replicas.length} replica${n.replicas.length === 1 ? "" : "s"} · ${states}` +
         (n.with_problems ? ` · ${n.with_problems} with problems` : "") +
         ` · oldest heartbeat ${age(n.max_age_s)} ago`))));
@@ -297,11 +297,33 @@ function replicaRow(r, staleS) {
     el("td", {class: "mono"}, r.target === r.version ? el("span", {class: "muted"}, ver(r.target)) : ver(r.target)),
     el("td", {class: "n", title: timingsTitle(r.timings)}, secs(r.paused_s)),
     el("td", {class: "n"}, secs(r.pull_s)),
+    el("td", {class: "n", title: pullTitle(r.pull)}, fetched(r.pull)),
+    el("td", {class: "n"}, secs(r.pull ? r.pull.reconstruct_s : null)),
     el("td", null, gate),
     el("td", {class: "n"}, beat),
     el("td", {class: "n"}, r.incarnation),
     el("td", {class: "err", title: r.error || ""}, r.error || ""));
 }
+
+// The node's last pull in a narrow cell: how it came and the share of the version's size it
+// fetched ("delta 2.1% on v6"; "full"; "full 40%" when an earlier try had fetched the rest).
+// A registry from before these fields sends no `pull`.
+function fetched(p) {
+  if (!p) return el("span", {class: "muted"}, "–");
+  if (p.bytes_fetched === 0) return el("span", {class: "muted"}, "held");
+  const share = p.fetched_ratio === null || p.fetched_ratio === undefined ? "?" : percent(p.fetched_ratio);
+  if (p.kind === "delta") return `delta ${share}` + (p.base === null ? "" : ` on ${ver(p.base)}`);
+  const whole = p.fetched_ratio === null || p.fetched_ratio >= 1 ? "full" : `full ${share}`;
+  return p.delta_error ? el("span", {class: "warn"}, whole + " (delta failed)") : whole;
+}
+function percent(ratio) {
+  const p = 100 * ratio;
+  return (p >= 10 ? p.toFixed(0) : p >= 0.1 ? p.toFixed(1) : p.toFixed(2)) + "%";
+}
+const pullTitle = (p) => !p ? "" : `${ver(p.version)} ${p.kind === "delta" ? "as a delta on " + ver(p.base) : "whole"}: ` +
+  `${bytes(p.bytes_fetched)} fetched of ${bytes(p.version_bytes)} in ${secs(p.seconds)}` +
+  (p.reconstruct_s === null ? "" : `; rebuilt from the base in ${secs(p.reconstruct_s)}`) +
+  (p.delta_error ? `\nthe delta failed: ${p.delta_error}` : "");
 
 // The versions the replica's node refused, one line each with why (the tag's tooltip).
 const refusedTitle = (list) => list.map((x) => `version ${x.version} refused: ${x.reason}`).join("\n");
