@@ -12,7 +12,9 @@ def size(n: float) -> str:
 
 
 def percent(ratio: float) -> str:
-    """0.021 -> ``2.1%``: whole percents from 10 %, one decimal below, two below 0.1 % (a delta's
-    share of its version's size is often under 1 %)."""
+    """0.021 -> ``2.1%``: whole percents from 10 %, one decimal below, two below 0.1 %, and
+    ``<0.01%`` for less but not nothing (a delta's share of its version's size is often under 1 %)."""
     p = 100 * ratio
-    return f"{p:.0f}%" if p >= 10 else f"{p:.1f}%" if p >= 0.1 else f"{p:.2f}%"
+    if 0 < p < 0.005:
+        return "<0.01%"
+    return f"{p:.0f}%" if p >= 10 or p == 0 else f"{p:.1f}%" if p >= 0.1 else f"{p:.2f}%"

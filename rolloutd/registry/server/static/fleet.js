@@ -316,9 +316,10 @@ function fetched(p) {
   const whole = p.fetched_ratio === null || p.fetched_ratio >= 1 ? "full" : `full ${share}`;
   return p.delta_error ? el("span", {class: "warn"}, whole + " (delta failed)") : whole;
 }
-function percent(ratio) {
+function percent(ratio) {  // as rolloutd fleet writes it (units.percent)
   const p = 100 * ratio;
-  return (p >= 10 ? p.toFixed(0) : p >= 0.1 ? p.toFixed(1) : p.toFixed(2)) + "%";
+  if (p > 0 && p < 0.005) return "<0.01%";
+  return (p >= 10 || p === 0 ? p.toFixed(0) : p >= 0.1 ? p.toFixed(1) : p.toFixed(2)) + "%";
 }
 const pullTitle = (p) => !p ? "" : `${ver(p.version)} ${p.kind === "delta" ? "as a delta on " + ver(p.base) : "whole"}: ` +
   `${bytes(p.bytes_fetched)} fetched of ${bytes(p.version_bytes)} in ${secs(p.seconds)}` +
