@@ -29,7 +29,7 @@ import os
 import secrets
 import socket
 from pathlib import Path as FilePath
-from typing import Annotated, Protocol
+from typing import Annotated, Literal, Protocol
 
 from fastapi import Depends, FastAPI, Path, Request
 from fastapi.exceptions import RequestValidationError
@@ -98,6 +98,18 @@ class PullStatus(_Model):
     worker_restarts: int = Field(description="pull workers that exited mid-pull and were started again")
     seconds: float = Field(description="time spent so far, or in all once ended")
     error: str | None = Field(description="why it failed, if it did")
+    kind: Literal["full", "delta"] = Field("full", description="full: the version's files fetched; delta: "
+                                           "its delta files fetched and the files rebuilt from a base the "
+                                           "mirror holds")
+    base: int | None = Field(None, description="a delta pull's base version (null: full)")
+    bytes_fetched: int = Field(0, description="bytes fetched over the network so far (of a delta pull: the "
+                               "delta files)")
+    version_bytes: int = Field(0, description="the version's full size: bytes_fetched / version_bytes is what "
+                               "the pull costs on the network against a full one")
+    reconstruct_s: float | None = Field(None, description="a delta pull's rebuild from the base so far, or in "
+                                        "all once ended (null: none)")
+    delta_error: str | None = Field(None, description="why the delta could not be used and the full version "
+                                    "was fetched instead (null: it was not)")
 
 
 class MirrorStatus(_Model):
