@@ -57,7 +57,9 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
     for name, field in RegistrySettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:  # a switch: --allow-unauthenticated, not --allow-unauthenticated true
-            p.add_argument(flag, dest=name, default=argparse.SUPPRESS, action="store_true", help=field.description)
+            on = field.default is True  # on by default: --delta / --no-delta
+            p.add_argument(flag, dest=name, default=argparse.SUPPRESS, help=field.description,
+                           action=argparse.BooleanOptionalAction if on else "store_true")
             continue
         p.add_argument(flag, dest=name, default=argparse.SUPPRESS, metavar=name.upper(),
                        help=f"{field.description} (default: {field.default})")

@@ -169,10 +169,12 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
         return {"instance": store.instance, "versions": [v.summary() for v in store.versions()]}
 
     @app.post("/v1/versions", status_code=201, openapi_extra=body_schema(Manifest))
-    async def publish(request: Request):
+    async def publish(request: Request, delta: bool = Query(True, description="false: publish a full version, "
+                                                            "never a delta on an earlier one")):
         manifest = errors.parse(Manifest, await request.body())
-        version, created = await service.publish(manifest)
-        body = {"version": version.number, "digest": version.manifest.digest, "created": created}
+        version, created = await service.publish(manifest, delta=delta)
+        body = {"version": version.number, "digest": version.manifest.digest, "created": created,
+                "delta": version.delta_summary()}
         return JSONResponse(body, status_code=201 if created else 200)
 
     @app.get("/v1/versions/latest")
@@ -199,7 +201,7 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
              operation_id="file_get")
     async def file_bytes(request: Request, name: str, version: int = VersionPath):
         v = store.get(version)
-        entry = v.manifest.file(name) if valid_file_name(name) else None
+        entry = v.entry(name) if valid_file_name(name) else None  # a delta file is served as any other
         if entry is None:
             raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
         if v.manifest.source is not None:  # the registry keeps the manifest, never these bytes

@@ -20,18 +20,19 @@ whose staged files are not all there (dropped before or while it runs) raises
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import mmap
 import os
 import secrets
 import shutil
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
-from rolloutd.wire.manifest import Manifest, bad_chunks, verify_file
+from rolloutd.wire.manifest import FileEntry, Manifest, bad_chunks, verify_file
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -287,6 +288,18 @@ class MemoryStore:
     def stage_bytes(self, version: int, name: str, data: bytes | bytearray) -> None:
         self._staging.setdefault(version, {})[name] = bytearray(data) if isinstance(data, bytes) else data
 
+    @contextlib.contextmanager
+    def staged_view(self, version: int, name: str) -> Iterator[memoryview]:
+        """A staged file's bytes, read-only, without a copy."""
+        try:
+            data = self._staging[version][name]
+        except KeyError:
+            raise StagingDropped(f"version {version}: {name} no longer staged") from None
+        yield memoryview(data).toreadonly()
+
+    def stage_output(self, version: int, name: str) -> StagedOutput:
+        return _MemoryOutput(self._staging, version, name)
+
     def stage_file(self, version: int, path: Path) -> None:
         self.stage_bytes(version, path.name, path.read_bytes())
 
@@ -304,12 +317,12 @@ class MemoryStore:
             return {}
         staged = self._staged_files(manifest)
         self._staging.pop(manifest.version, None)
-        return {f.name: MemoryBlob(staged[f.name]) for f in manifest.files}
+        return {f.name: MemoryBlob(staged[f.name]) for f in keep_entries(manifest)}
 
     def _staged_files(self, manifest: Manifest) -> dict[str, bytearray]:
         """The version's staged files; StagingDropped when one the manifest lists is gone."""
         staged = self._staging.get(manifest.version, {})
-        if missing := [f.name for f in manifest.files if f.name not in staged]:
+        if missing := [f.name for f in keep_entries(manifest) if f.name not in staged]:
             raise StagingDropped(f"version {manifest.version}: {', '.join(missing[:5])} no longer staged")
         return staged
 
@@ -459,6 +472,16 @@ class DiskStore:
             up.abort()
             raise
 
+    def staged_view(self, version: int, name: str) -> contextlib.AbstractContextManager[memoryview]:
+        """A staged file's bytes, mapped read-only."""
+        try:
+            return map_file(self._staging / str(version) / name)
+        except FileNotFoundError:
+            raise StagingDropped(f"version {version}: {name} no longer staged") from None
+
+    def stage_output(self, version: int, name: str) -> StagedOutput:
+        return _DiskOutput(self.staging_dir(version) / name)
+
     def stage_file(self, version: int, path: Path) -> None:
         """Stage a copy (a hard link would change with the trainer's file if it were rewritten)."""
         final = self.staging_dir(version) / path.name
@@ -495,7 +518,7 @@ class DiskStore:
         """Make the staged files the version, in one rename; StagingDropped when a file it lists
         is not staged (dropped before or during the commit): an empty directory is never a version."""
         # A version whose bytes are in an object store keeps only its manifest here.
-        keep = {f.name for f in manifest.files} if manifest.source is None else set()
+        keep = {f.name for f in keep_entries(manifest)}
         src = self.staging_dir(manifest.version) if not keep else self._staging / str(manifest.version)
         try:
             present = {p.name for p in src.iterdir()}
@@ -549,9 +572,109 @@ class DiskStore:
         return found
 
 
-def keep_entries(manifest: Manifest) -> list:
-    """The files whose bytes the registry holds: none when the manifest names a source."""
-    return list(manifest.files) if manifest.source is None else []
+def keep_entries(manifest: Manifest) -> list[FileEntry]:
+    """The files whose bytes the registry holds: the target's and its delta files; none when the
+    manifest names a source."""
+    if manifest.source is not None:
+        return []
+    return [*manifest.files, *(manifest.delta.files if manifest.delta is not None else ())]
+
+
+# -- mapped views, for the delta encoder -----------------------------------------------------------
+
+class _Mapped:
+    """A file mapped read-only, as a memoryview; opened at once (a missing file raises here, not
+    in the ``with`` body), unmapped on exit."""
+
+    def __init__(self, path: Path):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            size = os.fstat(fd).st_size
+            self._map = mmap.mmap(fd, size, access=mmap.ACCESS_READ) if size else None
+        finally:
+            os.close(fd)  # the mapping holds the file
+        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
+
+    def __enter__(self) -> memoryview:
+        return self._view
+
+    def __exit__(self, *exc) -> None:
+        try:
+            self._view.release()
+            if self._map is not None:
+                self._map.close()
+        except BufferError:  # a slice of it is still referenced: unmapped when that goes
+            pass
+
+
+def map_file(path: Path) -> contextlib.AbstractContextManager[memoryview]:
+    return _Mapped(path)
+
+
+@contextlib.contextmanager
+def blob_views(blobs: dict[str, Blob]) -> Iterator[dict[str, memoryview]]:
+    """Read-only views of a version's blobs (memory as it is, disk files mapped): the base a
+    delta is encoded against. A file reclaimed meanwhile stays readable through its mapping."""
+    with contextlib.ExitStack() as stack:
+        views = {}
+        for name, blob in blobs.items():
+            if isinstance(blob, DiskBlob):
+                views[name] = stack.enter_context(map_file(blob.path))
+            else:
+                views[name] = memoryview(blob.data).toreadonly()
+        yield views
+
+
+class StagedOutput(Protocol):
+    """A file of a staged version the registry writes itself (a delta file): ``file`` takes the
+    bytes; ``finish`` puts it in place with the staged files (or raises :class:`StagingDropped`);
+    ``abort`` throws it away."""
+
+    file: BinaryIO
+
+    def finish(self) -> None: ...
+    def abort(self) -> None: ...
+
+
+class _MemoryOutput:
+    """Into a memory file (memfd): written by the encoder as a file, then mapped as the blob."""
+
+    def __init__(self, staging: dict[int, dict], version: int, name: str):
+        self._staging, self._version, self._name = staging, version, name
+        self._slot = staging.setdefault(version, {})
+        self.file = os.fdopen(os.memfd_create("rolloutd-delta", os.MFD_CLOEXEC), "w+b")
+
+    def finish(self) -> None:
+        self.file.flush()
+        size = os.fstat(self.file.fileno()).st_size
+        data = mmap.mmap(self.file.fileno(), size) if size else bytearray()
+        self.file.close()  # the mapping holds the pages
+        if self._staging.get(self._version) is not self._slot:
+            raise StagingDropped(f"the staged files of version {self._version} were dropped meanwhile")
+        self._slot[self._name] = data
+
+    def abort(self) -> None:
+        self.file.close()
+
+
+class _DiskOutput:
+    def __init__(self, final: Path):
+        self._final, self._part = final, _part_path(final)
+        self.file = open(self._part, "wb")
+
+    def finish(self) -> None:
+        self.file.flush()
+        os.fsync(self.file.fileno())  # part of a committed version: it must survive a crash of the host
+        self.file.close()
+        try:
+            os.replace(self._part, self._final)
+        except FileNotFoundError:
+            raise StagingDropped(f"the staged files of version {self._final.parent.name} were dropped "
+                                 "meanwhile") from None
+
+    def abort(self) -> None:
+        self.file.close()
+        self._part.unlink(missing_ok=True)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -117,7 +117,7 @@ class Guard:
             v = self.service.store.get(int(m.group(1)))
         except errors.RegistryError:
             return None
-        blob = v.blobs.get(m.group(2)) if v.manifest.file(m.group(2)) is not None else None
+        blob = v.blobs.get(m.group(2)) if v.entry(m.group(2)) is not None else None
         return (blob, f'"{v.manifest.digest}-{m.group(2)}"') if isinstance(blob, DiskBlob) else None
 
     async def _send_file(self, scope, receive, send, found: tuple[DiskBlob, str], conn: direct.Connection) -> None:

@@ -9,15 +9,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections import Counter as Tally
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from rolloutd.registry.canary import canary_problems, version_tensors
 from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped, Upload
+from rolloutd.registry.server.deltas import (
+    Chain,
+    chain_after,
+    describe,
+    encode_delta,
+    why_full_after,
+    why_full_before,
+)
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.settings import RegistrySettings
 from rolloutd.registry.server.store import Store, Version, VersionState
@@ -47,6 +57,15 @@ class Metrics:
         self.direct_uploads = Counter("rolloutd_registry_direct_uploads", "Upload bodies read straight from the "
                                       "socket into the store, past the HTTP server's buffers", registry=r)
         self.publishes = Counter("rolloutd_registry_publishes", "Versions published", registry=r)
+        self.delta_publishes = Counter("rolloutd_registry_delta_publishes", "Versions published as a delta on "
+                                       "an earlier one", registry=r)
+        self.delta_bytes = Counter("rolloutd_registry_delta_bytes", "Bytes of the delta files of the versions "
+                                   "published as deltas", registry=r)
+        self.delta_target_bytes = Counter("rolloutd_registry_delta_target_bytes", "Full size of the versions "
+                                          "published as deltas (against delta_bytes: the saving)", registry=r)
+        self.delta_encode = Histogram("rolloutd_registry_delta_encode_seconds", "Time to encode a version's "
+                                      "delta at publish", buckets=(.01, .05, .1, .5, 1, 2, 5, 10, 30, 60, 120, 300),
+                                      registry=r)
         self.heartbeats = Counter("rolloutd_registry_heartbeats", "Heartbeats received", registry=r)
         self.latest = Gauge("rolloutd_registry_latest_version", "Newest live version (0: none)", registry=r)
         self.versions = Gauge("rolloutd_registry_versions", "Versions holding bytes", ["state"], registry=r)
@@ -100,9 +119,11 @@ class RegistryService:
         self._changed: asyncio.Event | None = None
         self._closing = False
         self._publishing: set[int] = set()  # versions between "verify" and "commit": no uploads
+        self._chains: dict[int, Chain | None] = {}  # per version holding bytes: where since the last full one
+        self._encoder: ThreadPoolExecutor | None = None  # the delta encoder's threads, made on first use
         self.store.listeners.append(self._wake_pollers)
         for manifest, blobs in self.blobs.load_committed():
-            self.store.publish(manifest, blobs)
+            self._publish_committed(manifest, blobs, loaded=True)
 
     # Events are made on first use so they belong to the loop that serves.
     def _event(self) -> asyncio.Event:
@@ -117,6 +138,7 @@ class RegistryService:
 
     def _reclaim(self, version: int, blobs: dict) -> None:
         self.blobs.reclaim(version, blobs)
+        self._chains.pop(version, None)  # only a live version is ever a base
         self.tracker.forget_version(version)  # no puller is sent to a peer for bytes nobody may keep
 
     def announce(self, node: str, body: bytes) -> dict:
@@ -142,6 +164,9 @@ class RegistryService:
         """Release every long-poll at once (the server is stopping)."""
         self._closing = True
         self._wake_pollers()
+        if self._encoder is not None:
+            self._encoder.shutdown(wait=False)
+            self._encoder = None
 
     # -- long-poll -------------------------------------------------------------------------------
     async def wait_latest(self, after: int, instance: str | None, wait_s: float) -> dict:
@@ -189,8 +214,10 @@ class RegistryService:
             raise errors.UploadIncomplete(f"the uploads of version {version} were dropped while {name} "
                                           "arrived (DELETE /v1/uploads); upload it again") from None
 
-    async def publish(self, manifest: Manifest, verify: bool = True) -> tuple[Version, bool]:
-        """Publish the staged bytes of ``manifest``; returns (version, created)."""
+    async def publish(self, manifest: Manifest, verify: bool = True, delta: bool = True) -> tuple[Version, bool]:
+        """Publish the staged bytes of ``manifest``; returns (version, created). It is published as
+        a delta on the newest live version when that is worth it (docs/deltas.md); ``delta=False``:
+        full. A manifest published already is answered as it is, whatever delta section either has."""
         try:
             manifest = manifest.sealed()
         except ManifestError as e:
@@ -198,9 +225,15 @@ class RegistryService:
         async with self._lock():
             if self.store.check_publishable(manifest):
                 return self.store.get(manifest.version), False
+            if manifest.delta is not None:  # only a delta section the registry encoded itself is served
+                log.info("drop the delta section sent with version %d: the registry encodes its own",
+                         manifest.version)
+                manifest = manifest.target()
             if manifest.source is not None:  # the bytes are in an object store: the manifest only
                 self._check_canary(manifest, staged=False)
-                return self._publish_committed(manifest, await asyncio.to_thread(self.blobs.commit, manifest)), True
+                # Always full: the registry holds no bytes of it to encode (nor to serve delta files from).
+                blobs = await asyncio.to_thread(self.blobs.commit, manifest)
+                return self._publish_committed(manifest, blobs, why_full="its bytes are in an object store"), True
             self._check_staged(manifest)
             await asyncio.to_thread(self._check_canary, manifest, staged=True)
             self._publishing.add(manifest.version)
@@ -214,17 +247,57 @@ class RegistryService:
                 if dups := await asyncio.to_thread(self._duplicate_tensors, manifest):
                     raise errors.DuplicateTensor(f"version {manifest.version} gives a tensor name more than "
                                                  f"once: {'; '.join(dups[:5])}{'; ...' if len(dups) > 5 else ''}")
+                manifest, why_full = await self._encode(manifest, delta)
                 blobs = await asyncio.to_thread(self.blobs.commit, manifest)
             except StagingDropped as e:  # dropped in-process (an embedded publish cancelled): never an empty version
                 raise errors.UploadIncomplete(f"{e}; upload the version's files again") from None
             finally:
                 self._publishing.discard(manifest.version)
-            return self._publish_committed(manifest, blobs), True
+            return self._publish_committed(manifest, blobs, why_full=why_full), True
 
-    def _publish_committed(self, manifest: Manifest, blobs: dict) -> Version:
-        version = self.store.publish(manifest, blobs)
+    def _publish_committed(self, manifest: Manifest, blobs: dict, *, why_full: str | None = None,
+                           loaded: bool = False) -> Version:
+        base = self._chains.get(manifest.delta.base_version) if manifest.delta is not None else None
+        chain = chain_after(base, manifest.delta)  # before the publish: it may reclaim the base
+        version = self.store.publish(manifest, blobs, "(loaded from disk)" if loaded else describe(manifest, why_full))
+        self._chains[manifest.version] = chain
+        if loaded:
+            return version
         self.metrics.publishes.inc()
+        if manifest.delta is not None:
+            self.metrics.delta_publishes.inc()
+            self.metrics.delta_bytes.inc(manifest.delta.total_bytes)
+            self.metrics.delta_target_bytes.inc(manifest.total_bytes)
         return version
+
+    async def _encode(self, manifest: Manifest, asked: bool) -> tuple[Manifest, str | None]:
+        """``manifest`` with the delta section it is published with, encoded against the newest
+        live version (its delta files staged beside its own), or as it is and why it goes full."""
+        base = self.store.latest
+        chain = self._chains.get(base.number) if base is not None else None
+        if why := why_full_before(self.settings, manifest, asked, base, chain):
+            return manifest, why
+        began = time.perf_counter()
+        try:
+            section = await asyncio.to_thread(encode_delta, self.blobs, manifest, base,
+                                              encoding=self.settings.delta_encoding, pool=self._pool())
+            if why := why_full_after(self.settings, manifest.total_bytes, section.total_bytes, chain):
+                return manifest, why
+            with_delta = manifest.with_delta(section)
+        except StagingDropped:
+            raise
+        except Exception as e:  # a full version is always right: a failed encode costs bytes, never the publish
+            log.warning("encode version %d against version %d failed: %s", manifest.version, base.number, e,
+                        exc_info=True)
+            return manifest, f"its delta could not be encoded: {type(e).__name__}"
+        finally:
+            self.metrics.delta_encode.observe(time.perf_counter() - began)
+        return with_delta, None
+
+    def _pool(self) -> ThreadPoolExecutor:
+        if self._encoder is None:
+            self._encoder = ThreadPoolExecutor(max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="registry-delta")
+        return self._encoder
 
     def _check_staged(self, manifest: Manifest) -> None:
         sizes = self.blobs.staged_sizes(manifest.version)

@@ -7,6 +7,8 @@ from pathlib import Path
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from rolloutd.config import is_loopback
+from rolloutd.wire.delta import DEFAULT_ENCODING
+from rolloutd.wire.manifest import DeltaEncoding
 
 MiB = 1 << 20
 
@@ -39,6 +41,15 @@ class RegistrySettings(BaseModel):
     assign_ttl_s: float = Field(30.0, gt=0, description="peers: a chunk handed to a puller to take from the "
                                 "origin is handed to another if not announced within this long")
     max_peers: int = Field(8, ge=1, le=64, description="peers: most holders named to a puller in one reply")
+    delta: bool = Field(True, description="publish a version as a delta on the newest live version when that "
+                        "is smaller (docs/deltas.md); off: every version is full")
+    delta_anchor_every: int = Field(10, ge=1, description="deltas: every this many versions since the last full "
+                                    "one, a full version (an anchor)")
+    delta_anchor_fraction: float = Field(0.5, gt=0, le=1, description="deltas: a full version when the delta "
+                                         "bytes since the last full one would pass this fraction of the full "
+                                         "size, or when one delta is not under it")
+    delta_encoding: DeltaEncoding = Field(DEFAULT_ENCODING, description="deltas: how changed tensors are "
+                                          "encoded (docs/deltas.md)")
 
     @model_validator(mode="after")
     def _check_open(self) -> RegistrySettings:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from rolloutd.registry.server.blobs import Blob
 from rolloutd.registry.server.rollouts import RolloutLog
 from rolloutd.wire import errors
-from rolloutd.wire.manifest import Manifest
+from rolloutd.wire.manifest import FileEntry, Manifest
 from rolloutd.wire.messages import REPLICA_ID_RE, Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
@@ -62,7 +62,18 @@ class Version:
     def summary(self) -> dict:
         return {"version": self.number, "state": self.state.value, "digest": self.manifest.digest,
                 "total_bytes": self.manifest.total_bytes, "files": len(self.manifest.files),
-                "leases": len(self.leases)}
+                "leases": len(self.leases), "delta": self.delta_summary()}
+
+    def delta_summary(self) -> dict | None:
+        """``{"base_version", "bytes"}`` of a delta version; None for a full one."""
+        d = self.manifest.delta
+        return None if d is None else {"base_version": d.base_version, "bytes": d.total_bytes}
+
+    def entry(self, name: str) -> FileEntry | None:
+        """The file ``name`` of the version: one of the target's, or a delta file."""
+        if (f := self.manifest.file(name)) is not None or self.manifest.delta is None:
+            return f
+        return next((d for d in self.manifest.delta.files if d.name == name), None)
 
 
 @dataclass
@@ -145,16 +156,17 @@ class Store:
             raise errors.VersionNotNewer(f"version {number} is not newer than {self._highest}, "
                                          "the newest published here")
 
-    def publish(self, manifest: Manifest, blobs: dict[str, Blob]) -> Version:
-        """Make a version visible (its bytes are already committed and verified)."""
+    def publish(self, manifest: Manifest, blobs: dict[str, Blob], how: str | None = None) -> Version:
+        """Make a version visible (its bytes are already committed and verified); ``how`` it is
+        published, for the log (a delta on which version, or full and why)."""
         if self.check_publishable(manifest):
             return self._versions[manifest.version]
         version = Version(manifest, blobs, self.now())
         self._versions[manifest.version] = version
         self._highest = manifest.version
         self.rollouts.published(manifest.version, version.published_at)
-        log.info("publish version %d (%d files, %d bytes, digest %s)", manifest.version,
-                 len(manifest.files), manifest.total_bytes, manifest.digest)
+        log.info("publish version %d %s (%d files, digest %s)", manifest.version,
+                 how or f"of {manifest.total_bytes} bytes", len(manifest.files), manifest.digest)
         live = [v for v in self.versions() if v.state is VersionState.LIVE]
         for old in live[:-self.keep_versions]:
             self._retire(old, f"older than the newest {self.keep_versions} live")
