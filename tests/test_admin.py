@@ -56,8 +56,8 @@ STATUS = {
     "pull": {"target": "latest", "version": 12, "state": "pulling", "bytes_done": 1 << 30,
              "bytes_total": 4 << 30, "bytes_resumed": 0, "rate_bytes_per_s": 512.0 * (1 << 20), "eta_s": 6.0,
              "retries": 1,
-             "workers": [4400, 4401], "worker_restarts": 1, "seconds": 2.0, "error": None, "kind": "delta",
-             "base": 11, "bytes_fetched": 1 << 30, "version_bytes": 4 << 30, "reconstruct_s": None,
+             "workers": [4400, 4401], "worker_restarts": 1, "seconds": 2.0, "error": None, "kind": "full",
+             "base": None, "bytes_fetched": 1 << 30, "version_bytes": 4 << 30, "reconstruct_s": None,
              "delta_error": None},
     "pull_workers_kept": [],
     "pull_sources": {"peers": True, "last_pull": {"origin": 1 << 30, "peers": 7 << 30},
@@ -565,6 +565,16 @@ def test_status_names_the_spare_bytes_of_the_mirror():
     ({"state": "done", "bytes_done": 4 << 30, "bytes_total": 4 << 30, "bytes_resumed": 3 << 30, "seconds": 2.0,
       "rate_bytes_per_s": 512.0 * (1 << 20), "retries": 0, "workers": [], "worker_restarts": 0, "error": None},
      "pull v12: done, 4.0 GiB of 4.0 GiB in 2.0 s (512.0 MiB/s), 3.0 GiB kept from the last try"),
+    ({"state": "done", "bytes_done": (4 << 30) + (86 << 20), "bytes_total": (4 << 30) + (86 << 20), "seconds": 2.0,
+      "rate_bytes_per_s": 43.0 * (1 << 20), "retries": 0, "worker_restarts": 0, "kind": "delta", "base": 11,
+      "bytes_fetched": 86 << 20, "version_bytes": 4 << 30, "reconstruct_s": 1.5},
+     "pull v12: done, 4.1 GiB of 4.1 GiB in 2.0 s (43.0 MiB/s); a delta on v11: fetched 86.0 MiB of 4.0 GiB (2.1%), "
+     "rebuilt in 1.50 s"),
+    ({"state": "done", "bytes_done": 4 << 30, "bytes_total": 4 << 30, "seconds": 4.0,
+      "rate_bytes_per_s": 1024.0 * (1 << 20), "retries": 0, "worker_restarts": 0, "kind": "full", "base": None,
+      "bytes_fetched": 4 << 30, "version_bytes": 4 << 30,
+      "delta_error": "version 12: delta file model.safetensors.delta: chunk 3 differs"},
+     "pull v12: done, 4.0 GiB of 4.0 GiB in 4.0 s (1.0 GiB/s); whole, its delta failed"),
 ])
 def test_status_pull_line(pull, expected):
     doc = copy.deepcopy(STATUS)

@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import httpx
 
-from rolloutd.units import size
+from rolloutd.units import percent, size
 
 DEFAULT_URL = "http://127.0.0.1:9100"
 ERROR_WIDTH = 60  # the ERROR column is cut here; `--json` has the whole message
@@ -258,6 +258,16 @@ def _target_line(t: dict | None) -> str:
     return f"target {_v(t['version'])} (digest {t['digest']})" if t else "target: none yet"
 
 
+def _delta_part(p: dict) -> str:
+    """What a delta pull fetched against the version's size (absent from daemons before deltas)."""
+    if p.get("kind") == "delta":
+        share = f" ({percent(p['bytes_fetched'] / p['version_bytes'])})" if p.get("version_bytes") else ""
+        rebuilt = f", rebuilt in {p['reconstruct_s']:.2f} s" if p.get("reconstruct_s") is not None else ""
+        return f"; a delta on {_v(p['base'])}: fetched {size(p['bytes_fetched'])} of {size(p['version_bytes'])}" \
+            f"{share}{rebuilt}"
+    return "; whole, its delta failed" if p.get("delta_error") else ""
+
+
 def _pull_line(p: dict | None) -> str:
     if p is None:
         return "pull: none yet"
@@ -280,6 +290,7 @@ def _pull_line(p: dict | None) -> str:
         line += f", {p['retries']} retries"
     if p.get("worker_restarts"):
         line += f", {p['worker_restarts']} worker restarts"
+    line += _delta_part(p)
     if p["error"]:
         line += f": {p['error']}"
     return line
