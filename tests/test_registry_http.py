@@ -663,6 +663,55 @@ def test_uploads_cannot_be_dropped_while_their_version_is_published(tmp_path, st
         assert http.delete("/v1/uploads/1").status_code == 204  # once published: nothing staged, nothing done
 
 
+def test_a_publish_outlives_its_request_and_a_post_of_the_same_manifest_waits_for_it(tmp_path, monkeypatch):
+    """Verifying takes as long as it takes (a fake_ verify held until the test lets it go): with
+    ``Prefer: respond-async, wait=N`` the registry answers 202 after N s and the publish goes on;
+    a client that gives up stops nothing; the same manifest POSTed meanwhile waits for that very
+    publish (one verify in all); a failed publish keeps its error for the next POST of its
+    manifest (not verified again), whoever was waiting when it ended, until an upload comes."""
+    from rolloutd.registry.publish import save_shards
+    (p,) = save_shards(small(1), tmp_path)
+    m = build_manifest(1, [p], chunk_bytes=CHUNK)
+    prefer = {"prefer": "respond-async, wait=0.2"}
+    with EmbeddedRegistry(port=0) as reg, httpx.Client(base_url=reg.url, timeout=30) as http:
+        real_verify = reg.service.blobs.verify_staged
+        verifies, go_on = [], threading.Event()
+
+        def fake_slow_verify(manifest):
+            verifies.append(manifest.version)
+            go_on.wait(30)
+            return real_verify(manifest)
+        monkeypatch.setattr(reg.service.blobs, "verify_staged", fake_slow_verify)
+        bad = bytearray(p.read_bytes())
+        bad[CHUNK + 1] ^= 1
+        assert http.put(f"/v1/uploads/1/files/{p.name}", content=bytes(bad)).status_code == 201
+        r = http.post("/v1/versions", content=m.model_dump_json(), headers=prefer)
+        assert r.status_code == 202 and r.headers["preference-applied"] == "respond-async", r.text
+        assert r.json() == {"version": 1, "digest": m.digest, "state": "publishing"}
+        with pytest.raises(httpx.ReadTimeout):  # a client that gives up
+            httpx.post(f"{reg.url}/v1/versions", content=m.model_dump_json(), timeout=0.2)
+        go_on.set()
+        r = http.post("/v1/versions", content=m.model_dump_json(), headers={"prefer": "respond-async, wait=30"})
+        assert r.status_code == 422 and code(r) == "digest_mismatch", r.text  # the first publish's own error
+        assert verifies == [1]
+        go_on.clear()
+        assert http.put(f"/v1/uploads/1/files/{p.name}", content=p.read_bytes()).status_code == 201
+        waited: dict = {}  # a client without Prefer: its POST waits for the end (a fresh publish, not the old error)
+        waiter = threading.Thread(target=lambda: waited.update(
+            r=httpx.post(f"{reg.url}/v1/versions", content=m.model_dump_json(), timeout=30)))
+        waiter.start()
+        wait_until(lambda: verifies == [1, 1], 10, "the new bytes being verified")
+        r = http.post("/v1/versions", content=m.model_dump_json(), headers=prefer)
+        assert r.status_code == 202, r.text  # joined it
+        go_on.set()
+        waiter.join(30)
+        assert waited["r"].status_code == 201 and waited["r"].json()["digest"] == m.digest, waited["r"].text
+        assert verifies == [1, 1]  # one publish for both POSTs
+        r = http.post("/v1/versions", content=m.model_dump_json(), headers=prefer)
+        assert r.status_code == 200 and r.json()["created"] is False
+        assert http.get(f"/v1/versions/1/files/{p.name}").content == p.read_bytes()
+
+
 # -- auth, limits, errors ------------------------------------------------------------------------
 
 def test_bearer_token_required_everywhere_but_healthz(tmp_path):

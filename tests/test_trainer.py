@@ -328,6 +328,58 @@ def test_embedded_publish_shows_progress_and_a_failure_leaves_nothing(tmp_path):
         assert reg.latest()["version"] == 1
 
 
+SHORT_TIMEOUT_S = 0.5  # the client's; the registry's verify below takes twice as long
+
+
+def test_a_publish_verified_for_longer_than_the_client_timeout_succeeds_and_a_retry_waits_for_it(
+        tmp_path, monkeypatch):
+    """A registry whose verify takes twice the client's timeout (a fake_ slow verify): ``publish``
+    and ``publish_dir`` wait for it however long it works on it; a second trainer publishing the
+    same tensors meanwhile (its upload refused: the version is being published) waits for that
+    publish too and gets its manifest, not a 409; one verify per version."""
+    with EmbeddedRegistry(port=0) as reg:
+        real_verify, real_check_upload = reg.service.blobs.verify_staged, reg.service.check_upload
+        verifies, verifying, refused = [], threading.Event(), threading.Event()
+
+        def fake_slow_verify(manifest):
+            verifies.append(manifest.version)
+            verifying.set()
+            if manifest.version == 2:  # the retry below is refused its upload while this verify runs
+                assert refused.wait(10)
+            time.sleep(2 * SHORT_TIMEOUT_S)
+            return real_verify(manifest)
+
+        def check_upload(version):  # sees the refusal, changes nothing
+            try:
+                real_check_upload(version)
+            except errors.VersionConflict:
+                refused.set()
+                raise
+        monkeypatch.setattr(reg.service.blobs, "verify_staged", fake_slow_verify)
+        monkeypatch.setattr(reg.service, "check_upload", check_upload)
+        client = RegistryHTTP(reg.url, reg.service.token, timeout_s=SHORT_TIMEOUT_S)
+        t0 = time.monotonic()
+        m1 = client.publish(1, numpy_state_dict(1), chunk_bytes=4096)
+        assert time.monotonic() - t0 >= 2 * SHORT_TIMEOUT_S and reg.manifest(1).digest == m1.digest
+
+        verifying.clear()
+        sd, first = numpy_state_dict(2), {}
+        trainer = threading.Thread(target=lambda: first.update(m=client.publish(2, sd, chunk_bytes=4096)))
+        trainer.start()
+        assert verifying.wait(10)
+        retry = RegistryHTTP(reg.url, reg.service.token, timeout_s=SHORT_TIMEOUT_S)
+        m2 = retry.publish(2, sd, chunk_bytes=4096)
+        trainer.join(10)
+        assert refused.is_set() and first["m"].digest == m2.digest == reg.manifest(2).digest
+        assert verifies == [1, 2]
+
+        save_shards(numpy_state_dict(3), tmp_path)
+        m3 = client.publish_dir(3, tmp_path, chunk_bytes=4096)
+        assert reg.manifest(3).digest == m3.digest and verifies == [1, 2, 3]
+        client.close()
+        retry.close()
+
+
 @pytest.mark.parametrize("data_dir", [False, True], ids=["memory", "disk"])
 def test_publish_async_returns_a_handle_and_the_step_may_change_the_tensors(tmp_path, data_dir):
     import torch

@@ -66,6 +66,10 @@ UPLOAD_PIECE_BYTES = 4 << 20
 # megabytes were new pages each time (a page fault per 4 KiB: 1.4 GiB of faults to send 1 GiB).
 SEND_PIECE_BYTES = 120 << 10
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
+# Verifying a large version takes the registry longer than any fixed timeout: it answers a
+# publish still under way after this long (or a third of the client's timeout) with 202, and the
+# client asks again, which waits for the same publish.
+PUBLISH_WAIT_S = 10.0
 
 
 # -- over HTTP ----------------------------------------------------------------------------------------
@@ -86,6 +90,7 @@ class RegistryHTTP:
 
     def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0):
         self.url = url.rstrip("/")
+        self.timeout_s = timeout_s
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers,
                                   timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -94,6 +99,11 @@ class RegistryHTTP:
         self._http.close()
 
     def _call(self, method: str, path: str, **kw) -> Any:
+        r = self._send(method, path, **kw)
+        return r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+
+    def _send(self, method: str, path: str, **kw) -> httpx.Response:
+        """The response of a request that succeeded; the registry's error raised, typed."""
         try:
             r = self._http.request(method, path, **kw)
         except httpx.HTTPError as e:
@@ -104,7 +114,20 @@ class RegistryHTTP:
             except ValueError:
                 body = None
             raise errors.from_json(r.status_code, body)
-        return r.json() if r.content and r.headers.get("content-type", "").startswith("application/json") else None
+        return r
+
+    def _post_manifest(self, manifest: Manifest, **kw: Any) -> dict:
+        """Publish ``manifest`` (its files are where it says) and wait for the registry to commit
+        it, however long it works on it: each request is answered within ``PUBLISH_WAIT_S`` (202
+        while under way) and asked again, joining the same publish; a registry that stops
+        answering fails it after the client's timeout, as any request."""
+        wait_s = min(PUBLISH_WAIT_S, self.timeout_s / 3)
+        headers = {"content-type": "application/json", "prefer": f"respond-async, wait={wait_s:g}"}
+        body = manifest.model_dump_json()
+        while True:
+            r = self._send("POST", "/v1/versions", content=body, headers=headers, **kw)
+            if r.status_code != 202:
+                return r.json()
 
     # -- queries ---------------------------------------------------------------------------------
     def latest(self) -> dict:
@@ -201,17 +224,18 @@ class RegistryHTTP:
                 progress(done, total)
         try:
             manifest = sealed([self._stream_shard(version, sh, chunk_bytes, hash_name, sent) for sh in shards])
-        except errors.VersionConflict:  # published already: the same tensors are a no-op, as a retry needs
+        except errors.VersionConflict:  # published already, or being published: the same tensors are a no-op
             manifest = sealed([hash_shard(sh, chunk_bytes, hash_name) for sh in shards])
             try:
                 theirs = self.manifest(version).digest
             except (errors.VersionUnknown, errors.VersionRetired):  # another publish of it under way
                 theirs = None
-            if theirs != manifest.digest:
+            if theirs is not None and theirs != manifest.digest:
                 raise
+            if theirs is None:  # waits for that publish if it is of these tensors; refused if not
+                self._post_manifest(manifest)
             return manifest
-        self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
-                   headers={"content-type": "application/json"})
+        self._post_manifest(manifest)
         return manifest
 
     def _stream_shard(self, version: int, shard: Shard, chunk_bytes: int, hash_name: str,
@@ -285,19 +309,21 @@ class RegistryHTTP:
             return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress, prune_to)
         version = manifest.version
         total, done = manifest.total_bytes, 0
-        for p in files:
-            def body(p=p) -> Iterator[bytes]:
-                nonlocal done
-                with open(p, "rb") as f:
-                    while piece := f.read(UPLOAD_PIECE_BYTES):
-                        done += len(piece)
-                        if progress:
-                            progress(done, total)
-                        yield piece
-            self._call("PUT", f"/v1/uploads/{version}/files/{p.name}", content=body(),
-                       headers={"content-length": str(p.stat().st_size)})
-        self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
-                   headers={"content-type": "application/json"})
+        try:
+            for p in files:
+                def body(p=p) -> Iterator[bytes]:
+                    nonlocal done
+                    with open(p, "rb") as f:
+                        while piece := f.read(UPLOAD_PIECE_BYTES):
+                            done += len(piece)
+                            if progress:
+                                progress(done, total)
+                            yield piece
+                self._call("PUT", f"/v1/uploads/{version}/files/{p.name}", content=body(),
+                           headers={"content-length": str(p.stat().st_size)})
+        except errors.VersionConflict:
+            pass  # published, or being published, meanwhile: the manifest's POST says whether it is this one
+        self._post_manifest(manifest)
         return manifest
 
     def _publish_to_store(self, manifest: Manifest, files: list[Path], store: ObjectStoreSettings,
@@ -313,8 +339,7 @@ class RegistryHTTP:
             if progress:
                 progress(done, manifest.total_bytes)
         publish_files(manifest.source, files, store, stored)
-        self._call("POST", "/v1/versions", content=manifest.model_dump_json(),
-                   headers={"content-type": "application/json"})
+        self._post_manifest(manifest)
         if prune_to is not None:
             self._prune_after(prune_to, store, manifest.version)
         return manifest

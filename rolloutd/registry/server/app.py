@@ -24,6 +24,7 @@ from starlette.routing import Match
 from rolloutd.registry.server import direct
 from rolloutd.registry.server.blobs import Blob, Upload, stream_range
 from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
+from rolloutd.registry.server.publishes import Publishes, prefers_async
 from rolloutd.registry.server.service import RegistryService
 from rolloutd.registry.server.ui import add_ui_routes
 from rolloutd.wire import errors
@@ -163,18 +164,23 @@ def _allowed_methods(app: FastAPI, request: Request) -> list[str]:
 
 def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
     store = service.store
+    publishes = Publishes(service.publish)  # a publish outlives the request: verifying may take minutes
 
     @app.get("/v1/versions")
     async def list_versions():
         return {"instance": store.instance, "versions": [v.summary() for v in store.versions()]}
 
-    @app.post("/v1/versions", status_code=201, openapi_extra=body_schema(Manifest))
-    async def publish(request: Request, delta: bool = Query(True, description="false: publish a full version, "
-                                                            "never a delta on an earlier one")):
+    @app.post("/v1/versions", status_code=201, openapi_extra=body_schema(Manifest),
+              responses={202: {"description": "under way after the wait asked for with Prefer: ask again"}})
+    async def publish(request: Request):
         manifest = errors.parse(Manifest, await request.body())
-        version, created = await service.publish(manifest, delta=delta)
-        body = {"version": version.number, "digest": version.manifest.digest, "created": created,
-                "delta": version.delta_summary()}
+        outcome = await publishes.publish(manifest, prefers_async(request.headers.get("prefer")))
+        if outcome is None:
+            return JSONResponse({"version": manifest.version, "digest": manifest.sealed().digest,
+                                 "state": "publishing"}, status_code=202,
+                                headers={"preference-applied": "respond-async"})
+        version, created = outcome
+        body = {"version": version.number, "digest": version.manifest.digest, "created": created}
         return JSONResponse(body, status_code=201 if created else 200)
 
     @app.get("/v1/versions/latest")
@@ -201,7 +207,7 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
              operation_id="file_get")
     async def file_bytes(request: Request, name: str, version: int = VersionPath):
         v = store.get(version)
-        entry = v.entry(name) if valid_file_name(name) else None  # a delta file is served as any other
+        entry = v.manifest.file(name) if valid_file_name(name) else None
         if entry is None:
             raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
         if v.manifest.source is not None:  # the registry keeps the manifest, never these bytes
@@ -225,12 +231,14 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
         if not valid_file_name(name):
             raise errors.InvalidRequest(f"invalid file name {name[:200]!r}")
         service.check_upload(version)
+        publishes.forget_failed(version)
         size = await _receive_upload(request, service, version, name)
         return JSONResponse({"version": version, "name": name, "size": size}, status_code=201)
 
     @app.delete("/v1/uploads/{version:int}", status_code=204)
     async def abort_upload(version: int = VersionPath):
         service.abort_upload(version)
+        publishes.forget_failed(version)
         return Response(status_code=204)
 
 
