@@ -5,24 +5,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import mmap
 import os
+import re
 import shutil
 import signal
 import tempfile
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 from aiohttp import web
 
 from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry.client import RegistryClient
 from rolloutd.registry.publish import serialize_shards
+from rolloutd.registry.server.blobs import MemoryBlob
+from rolloutd.rollout.fetch_pool import FetchPool
 from rolloutd.rollout.mirror import MANIFEST_NAME, RECORD_NAME, Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullState
 from rolloutd.wire import errors
+from rolloutd.wire.delta import DEFAULT_ENCODING, delta_file_name, encode_file
+from rolloutd.wire.manifest import Delta, DeltaFile, Manifest, hash_chunks
 
 from .registry_proxy import InLoopProxy
 from .waiting import until
@@ -760,3 +767,308 @@ async def test_a_kept_worker_that_dies_between_pulls_is_started_again(registry, 
         assert seen[2] == {new} and result.retries == 0
     finally:
         await puller.close()
+
+
+# -- delta versions -----------------------------------------------------------------------------------------
+
+def stepped(sd: dict, step: int, fraction: float = 0.01) -> dict:
+    """``sd`` after an RL-like step: ``fraction`` of the elements of every other tensor changed."""
+    rng = np.random.default_rng(1000 + step)
+    out = {}
+    for i, (name, t) in enumerate(sd.items()):
+        t = t.copy()
+        if i % 2 == 0:
+            flat = t.reshape(-1)
+            at = rng.choice(flat.size, max(1, int(flat.size * fraction)), replace=False)
+            flat[at] += np.float32(1e-3)
+        out[name] = t
+    return out
+
+
+def encode_delta(base_files: dict[str, bytes], target_files: dict[str, bytes], manifest: Manifest, base: Manifest,
+                 ) -> tuple[Delta, dict[str, bytes]]:
+    """The delta section of ``manifest`` on ``base``, and its delta files, made here with the codec."""
+    blobs, entries, taken = {}, [], {f.name for f in manifest.files}
+    for f in manifest.files:
+        out = io.BytesIO()
+        encode_file(base_files, target_files[f.name], out, target_name=f.name)
+        name = delta_file_name(f.name, taken)
+        taken.add(name)
+        blobs[name] = out.getvalue()
+        entries.append(DeltaFile(name=name, size=len(blobs[name]), target=f.name,
+                                 chunks=hash_chunks(blobs[name], manifest.chunk_bytes, manifest.hash)))
+    delta = Delta(base_version=base.version, base_digest=base.digest, encoding=DEFAULT_ENCODING, files=entries)
+    return delta, blobs
+
+
+def attach_delta(registry, version: int, delta: Delta, blobs: dict[str, bytes]) -> Manifest:
+    """Give a published version this delta section and these delta files, whatever the registry
+    published itself: the registry serves them as it serves its own."""
+    v = registry.service.store.get(version)
+    v.manifest = v.manifest.target().with_delta(delta)
+    v.blobs = {**{f.name: v.blobs[f.name] for f in v.manifest.files},
+               **{name: MemoryBlob(bytearray(data)) for name, data in blobs.items()}}
+    return v.manifest
+
+
+def publish_sd(registry, version: int, sd: dict) -> tuple[Manifest, dict[str, bytes]]:
+    manifest = registry.publish(version, sd, shard_bytes=SHARD, chunk_bytes=CHUNK)
+    return manifest.target(), dict(serialize_shards(sd, SHARD))
+
+
+async def delta_setup(registry, client, mirror) -> tuple:
+    """Version 1 published and pulled; version 2, one RL-like step on, published with a delta on 1.
+    Returns (v1 manifest, v1 files, v2 manifest, v2 files, delta blobs)."""
+    sd1 = state_dict(1)
+    m1, f1 = publish_sd(registry, 1, sd1)
+    await make_puller(client, mirror).pull(1)
+    m2, f2 = publish_sd(registry, 2, stepped(sd1, 2))
+    delta, blobs = encode_delta(f1, f2, m2, m1)
+    return m1, f1, attach_delta(registry, 2, delta, blobs), f2, blobs
+
+
+def base_untouched(mirror: Mirror, m1: Manifest, f1: dict[str, bytes], stats: dict) -> None:
+    assert mirror.manifest(1) == m1
+    for name, data in f1.items():
+        path = mirror.path(1) / name
+        assert path.read_bytes() == data
+        st = path.stat()
+        assert (st.st_ino, st.st_mtime_ns) == stats[name], name  # never written, never replaced
+
+
+def stat_of(mirror: Mirror, f1: dict[str, bytes]) -> dict:
+    return {name: ((p := mirror.path(1) / name).stat().st_ino, p.stat().st_mtime_ns) for name in f1}
+
+
+async def test_a_delta_pull_rebuilds_the_exact_version_fetching_only_the_delta(registry, proxy, client, mirror, caplog):
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    before, stats = len(proxy.byte_requests), stat_of(mirror, f1)
+    puller = make_puller(client, mirror, workers=2, streams=4)
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(2)
+    delta_bytes = sum(len(b) for b in blobs.values())
+    assert delta_bytes < m2.total_bytes / 5  # a step that changed 1 % of half the tensors
+    assert (result.kind, result.base, result.digest) == ("delta", 1, m2.digest)
+    assert result.bytes == result.bytes_fetched == delta_bytes and result.version_bytes == m2.total_bytes
+    assert result.reconstruct_s is not None and result.reconstruct_s > 0
+    assert {name for name, _, _ in proxy.byte_requests[before:]} == set(blobs)  # the delta files only
+    for name, data in f2.items():  # the bytes the trainer published, compared here, not by the system
+        assert (mirror.path(2) / name).read_bytes() == data, name
+    assert_pulled(mirror, 2, f2, m2.target())  # its manifest is the target's: no delta section, same digest
+    assert mirror.manifest(2).delta is None
+    base_untouched(mirror, m1, f1, stats)
+    assert sorted(os.listdir(mirror.dir)) == ["1", "2"]  # no partial, no staged delta file left
+    p = puller.progress.as_dict()
+    assert {k: p[k] for k in ("state", "kind", "base", "bytes_fetched", "version_bytes", "delta_error")} == {
+        "state": "done", "kind": "delta", "base": 1, "bytes_fetched": delta_bytes, "version_bytes": m2.total_bytes,
+        "delta_error": None}
+    assert p["reconstruct_s"] > 0 and p["bytes_done"] == p["bytes_total"] == delta_bytes + m2.total_bytes
+    assert f"pulled version 2 from its delta on version 1: {delta_bytes} bytes fetched for {m2.total_bytes}" \
+        in caplog.text
+    assert registry.service.store.lease_count() == 0 and puller.progress.worker_pids == []
+
+
+async def test_a_delta_pull_runs_in_the_pull_workers_and_they_are_reaped(registry, proxy, client, mirror):
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    puller = make_puller(client, mirror, workers=2, streams=2)
+    seen: set[int] = set()
+    real = FetchPool.apply
+
+    async def watch(pool, job, progress):
+        seen.update(pool.pids)
+        await real(pool, job, progress)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(FetchPool, "apply", watch)
+        result = await puller.pull(2)
+    assert result.kind == "delta" and len(seen) == 2 and os.getpid() not in seen
+    assert puller.progress.worker_pids == [] and all(gone(pid) for pid in seen)
+
+
+async def test_a_node_without_the_base_pulls_the_whole_version(registry, proxy, client, tmp_path, caplog):
+    first = Mirror(tmp_path / "first", max_bytes=1 << 30)
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, first)
+    mirror = Mirror(tmp_path / "second", max_bytes=1 << 30)
+    before = len(proxy.byte_requests)
+    puller = make_puller(client, mirror)
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(2)
+    assert (result.kind, result.base, result.bytes, result.version_bytes) == ("full", None, m2.total_bytes,
+                                                                              m2.total_bytes)
+    assert puller.progress.delta_error is None
+    assert {name for name, _, _ in proxy.byte_requests[before:]} == set(f2)  # no delta file asked for
+    assert_pulled(mirror, 2, f2, m2.target())
+    assert "pull version 2 whole, not from its delta: the mirror holds its base, version 1, not" in caplog.text
+    assert puller_warnings(caplog) == []
+
+
+def puller_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name == "rolloutd.rollout.puller" and r.levelno >= logging.WARNING]
+
+
+async def test_a_delta_on_a_base_digest_the_mirror_does_not_hold_pulls_the_whole_version(
+        registry, proxy, client, mirror, caplog):
+    """The mirror's version 1 is another copy than the delta's base (another registry's, or a
+    section that names a wrong digest): the delta is never applied to it."""
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    wrong = m2.delta.model_copy(update={"base_digest": "ab" * 32, "digest": None})
+    attach_delta(registry, 2, wrong, blobs)
+    before = len(proxy.byte_requests)
+    puller = make_puller(client, mirror)
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(2)
+    assert (result.kind, result.bytes) == ("full", m2.total_bytes)
+    assert {name for name, _, _ in proxy.byte_requests[before:]} == set(f2)
+    assert_pulled(mirror, 2, f2, m2.target())
+    assert f"the mirror holds its base, version 1, with digest {m1.digest[:12]}..., not abababababab..." in caplog.text
+    assert puller.progress.delta_error is None  # not a failure: the node simply lacks that base
+
+
+async def test_a_delta_file_corrupted_on_the_registry_falls_back_to_the_whole_version(
+        registry, proxy, client, mirror, caplog):
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    name = sorted(blobs)[0]
+    registry.service.store.get(2).blobs[name].data[100] ^= 0xFF  # the registry's copy itself
+    stats = stat_of(mirror, f1)
+    puller = make_puller(client, mirror, max_chunk_retries=1)
+    with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(2)
+    assert result.kind == "full" and result.digest == m2.digest and result.reconstruct_s is None
+    for fname, data in f2.items():
+        assert (mirror.path(2) / fname).read_bytes() == data, fname
+    assert_pulled(mirror, 2, f2, m2.target())
+    base_untouched(mirror, m1, f1, stats)
+    error = puller.progress.delta_error
+    assert error.startswith(f"version 2 file {name} chunk 0: failed 2 times; last: ChunkCorrupt: digest"), error
+    assert f"pull version 2 whole: its delta pull failed: {error}" in puller_warnings(caplog)
+    p = puller.progress.as_dict()
+    assert (p["kind"], p["base"], p["delta_error"], p["bytes_total"]) == ("full", None, error, m2.total_bytes)
+    assert result.bytes == m2.total_bytes + sum(len(b) for n, b in blobs.items() if n != name)
+    assert sorted(os.listdir(mirror.dir)) == ["1", "2"]
+
+
+async def test_a_delta_file_that_cannot_be_applied_falls_back_to_the_whole_version(
+        registry, proxy, client, mirror, caplog):
+    """A delta file whose chunk digests are right (sealed with it) but whose bytes are no delta."""
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    name = sorted(blobs)[-1]
+    bad = {**blobs, name: b"RDELTA1\n" + os.urandom(len(blobs[name]) - 8)}
+    delta = m2.delta.model_copy(update={"digest": None, "files": [
+        f if f.name != name else f.model_copy(update={"size": len(bad[name]), "chunks": hash_chunks(
+            bad[name], CHUNK, m2.hash)}) for f in m2.delta.files]})
+    attach_delta(registry, 2, delta, bad)
+    puller = make_puller(client, mirror)
+    with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(2)
+    target = next(f.target for f in m2.delta.files if f.name == name)
+    assert result.kind == "full"
+    assert_pulled(mirror, 2, f2, m2.target())
+    assert puller.progress.delta_error.startswith(f"version 2 file {target} (from delta file {name}): DeltaRejected: ")
+    assert len(puller_warnings(caplog)) == 1
+
+
+async def test_a_delta_whose_rebuild_differs_from_the_version_is_refused_and_the_whole_version_pulled(
+        registry, proxy, client, mirror, caplog):
+    """Version 3's section carries version 2's delta files, sealed anew: every chunk and file
+    digest of the section is right, the base is right, the bytes rebuilt are version 2's. The
+    target digests catch it."""
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    m3, f3 = publish_sd(registry, 3, stepped(stepped(state_dict(1), 2), 3))
+    attach_delta(registry, 3, m2.delta.model_copy(update={"digest": None}), blobs)
+    stats = stat_of(mirror, f1)
+    puller = make_puller(client, mirror)
+    with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(3)
+    assert (result.kind, result.digest) == ("full", m3.digest)
+    for name, data in f3.items():
+        assert (mirror.path(3) / name).read_bytes() == data, name
+    assert_pulled(mirror, 3, f3, m3.target())
+    base_untouched(mirror, m1, f1, stats)
+    error = puller.progress.delta_error
+    assert re.match(r"version 3 file \S+ \(from delta file \S+\.delta\): the rebuilt bytes differ from the "
+                    r"version's digests: ", error), error
+    assert f"pull version 3 whole: its delta pull failed: {error}" in puller_warnings(caplog)
+    assert sorted(os.listdir(mirror.dir)) == ["1", "3"]
+
+
+async def test_a_damaged_base_is_not_rebuilt_from(registry, proxy, client, mirror, caplog):
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    name = m1.files[0].name
+    with open(mirror.path(1) / name, "r+b") as f:  # a bit flipped in the mirror, not by a pull
+        f.seek(10)
+        byte = f.read(1)
+        f.seek(10)
+        f.write(bytes([byte[0] ^ 1]))
+    fresh = Mirror(mirror.dir, max_bytes=1 << 30)  # its checks are not the last run's
+    puller = make_puller(client, fresh)
+    before = len(proxy.byte_requests)
+    with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(2)
+    assert result.kind == "full"
+    assert {n for n, _, _ in proxy.byte_requests[before:]} == set(f2)
+    for fname, data in f2.items():
+        assert (fresh.path(2) / fname).read_bytes() == data
+    assert puller.progress.delta_error.startswith(f"version 2: its base, version 1, is damaged in the mirror ({name}")
+
+
+async def test_gc_during_a_delta_pull_keeps_its_base(registry, proxy, client, tmp_path):
+    """The base need not be the mirror's newest: gc (the daemon's, at any time) and room making
+    keep it while the rebuild reads it."""
+    mirror = Mirror(tmp_path / "mirror", max_bytes=1 << 30)
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    m3, f3 = publish_sd(registry, 3, stepped(state_dict(1), 3))
+    delta, blobs3 = encode_delta(f1, f3, m3, m1)  # version 3 on version 1, while the node holds 1 and 2
+    m3 = attach_delta(registry, 3, delta, blobs3)
+    await make_puller(client, mirror).pull(2)
+    assert mirror.versions() == [1, 2] and mirror.newest() == 2
+    removed: list[int] = []
+    first = len(proxy.byte_requests) + 1
+
+    async def collect(n: int) -> None:
+        if n == first:  # the delta pull's first request: the base is pinned, the rebuild yet to come
+            removed.extend(await asyncio.to_thread(mirror.gc, set()))
+    proxy.on_bytes = collect
+    result = await make_puller(client, mirror).pull(3)
+    assert removed == [] and result.kind == "delta"
+    for name, data in f3.items():
+        assert (mirror.path(3) / name).read_bytes() == data
+    assert mirror.gc(set()) == [1, 2]  # unpinned once the pull ended
+
+
+async def test_a_cancelled_delta_pull_keeps_nothing_and_a_kept_full_partial_is_resumed_whole(
+        registry, proxy, client, mirror):
+    """A delta pull's partial is never kept for a next try (it would be taken up as a full
+    one's); a full pull's kept partial of the version is resumed whole, not by its delta."""
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    reached, unstall = asyncio.Event(), asyncio.Event()
+
+    async def stall(n: int) -> None:
+        reached.set()
+        await unstall.wait()
+    proxy.on_bytes = stall
+    puller = make_puller(client, mirror)
+    task = asyncio.create_task(puller.pull(2))
+    await asyncio.wait_for(reached.wait(), 10)
+    assert (mirror.dir / ".2.partial" / ".delta").is_dir()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    unstall.set()
+    proxy.on_bytes = None
+    assert puller.kept is None and sorted(os.listdir(mirror.dir)) == ["1"]
+    # a full pull of version 2 that fails part way (its delta corrupt, a chunk of it corrupt every time)
+    registry.service.store.get(2).blobs[sorted(blobs)[0]].data[5] ^= 0xFF
+    entry = m2.files[0]
+    proxy.flip(entry.name, CHUNK, times=None)
+    with pytest.raises(PullError, match=f"version 2 file {entry.name} chunk 1: failed"):
+        await puller.pull(2)
+    kept = puller.kept
+    assert kept is not None and kept.done_bits
+    proxy.flips.clear()
+    registry.service.store.get(2).blobs[sorted(blobs)[0]].data[5] ^= 0xFF  # the delta is sound again
+    before = len(proxy.byte_requests)
+    result = await puller.pull(2)
+    assert result.kind == "full" and result.bytes == m2.total_bytes - kept.bytes
+    assert requested(proxy, before).isdisjoint(chunks_of(m2, kept.done_bits))
+    assert {n for n, _, _ in proxy.byte_requests[before:]} <= set(f2)
+    assert_pulled(mirror, 2, f2, m2.target())

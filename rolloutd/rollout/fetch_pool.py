@@ -19,6 +19,11 @@ Contract:
   gets the bytes written as they are. It raises :class:`ChunkCorrupt` (bad digest or length),
   the registry's typed error, ``RegistryUnavailable`` (network), ``OSError`` (the mirror's
   file) or :class:`WorkerCrashed`.
+- ``await pool.apply(job, progress)`` rebuilds one target file of a delta pull on a worker
+  with a free stream (:class:`ApplyJob`); ``progress`` gets the bytes written. It raises
+  :class:`DeltaRejected` (a delta that cannot be applied), :class:`TargetDiffers` (a rebuilt
+  chunk differs from the target's digest), ``OSError`` (the base's or the partial's files) or
+  :class:`WorkerCrashed`.
 - Crash policy: a worker that exits unexpectedly fails its chunks with ``WorkerCrashed`` (the
   puller fetches them again, within its retry limit) and is started again after a delay that
   grows from ``restart_initial_s`` to ``restart_max_s``; each restart is counted and reported
@@ -69,6 +74,14 @@ class WorkerCrashed(Exception):
     """The worker fetching a chunk exited before it finished."""
 
 
+class DeltaRejected(Exception):
+    """A delta file cannot be applied to the base (bad bytes, a base file it names is not there)."""
+
+
+class TargetDiffers(DeltaRejected):
+    """A chunk rebuilt from a delta differs from the target's digest."""
+
+
 @dataclass(frozen=True)
 class ChunkJob:
     source: SourceSpec
@@ -81,6 +94,25 @@ class ChunkJob:
     digest: str
     timeout_s: float | None = None  # the whole chunk's time limit (a peer); None: only read timeouts
     allocate: bool = True  # the worker allocates the range's pages first; False: they exist (recycled)
+
+
+@dataclass(frozen=True)
+class ApplyJob:
+    version: int
+    name: str                   # the target file
+    base: dict[str, Path]       # the base version's files, read only: name -> path
+    delta: Path                 # the delta file, fetched and checked
+    target: Path                # the partial directory's file, at full size
+    hash: str
+    chunk_bytes: int
+    digests: tuple[str, ...]    # the target file's chunk digests
+    timeout_s: float | None = None  # rebuilds have no time limit of their own: only the worker's silence
+
+    def as_json(self) -> dict:
+        return {"apply": {"version": self.version, "name": self.name,
+                          "base": {k: str(v) for k, v in self.base.items()}, "delta": str(self.delta),
+                          "target": str(self.target), "hash": self.hash, "chunk_bytes": self.chunk_bytes,
+                          "digests": list(self.digests)}}
 
 
 @dataclass
@@ -325,6 +357,15 @@ class FetchPool:
 
     # -- chunks -----------------------------------------------------------------------------------------
     async def fetch(self, job: ChunkJob, progress: Callable[[int], None]) -> None:
+        await self._run(job, {"source": job.source.as_json(), "version": job.version, "name": job.name,
+                              "path": str(job.path), "start": job.start, "end": job.end, "hash": job.hash,
+                              "digest": job.digest, "timeout_s": job.timeout_s, "allocate": job.allocate},
+                        progress)
+
+    async def apply(self, job: ApplyJob, progress: Callable[[int], None]) -> None:
+        await self._run(job, job.as_json(), progress)
+
+    async def _run(self, job: ChunkJob | ApplyJob, body: dict, progress: Callable[[int], None]) -> None:
         async with self._free:  # a chunk waits for a free stream, not while no worker can start
             await self._free.wait_for(lambda: self._closing or self._pick() is not None or self._broken)
         w = self._pick()
@@ -334,10 +375,7 @@ class FetchPool:
         pending = _Pending(asyncio.get_running_loop().create_future(), progress)
         w.inflight[job_id] = pending
         try:
-            line = {"job": {"id": job_id, "source": job.source.as_json(), "version": job.version,
-                            "name": job.name, "path": str(job.path), "start": job.start, "end": job.end,
-                            "hash": job.hash, "digest": job.digest, "timeout_s": job.timeout_s,
-                            "allocate": job.allocate}}
+            line = {"job": {"id": job_id, **body}}
             try:
                 w.proc.stdin.write(json.dumps(line).encode() + b"\n")
                 async with asyncio.timeout(self._silence_s):  # a stopped worker's pipe fills up
@@ -352,7 +390,7 @@ class FetchPool:
             async with self._free:
                 self._free.notify_all()
 
-    async def _outcome(self, w: _Worker, pending: _Pending, job: ChunkJob) -> None:
+    async def _outcome(self, w: _Worker, pending: _Pending, job: ChunkJob | ApplyJob) -> None:
         """The chunk's result; a worker that has not ended a chunk ``silence_s`` past the chunk's
         own deadline is stuck where that deadline does not reach (a write in the kernel)."""
         if job.timeout_s:
@@ -382,6 +420,10 @@ def _error(e: dict) -> BaseException:
         return ChunkCorrupt(message)
     if kind == "write":
         return OSError(message)
+    if kind == "mismatch":
+        return TargetDiffers(message)
+    if kind == "delta":
+        return DeltaRejected(message)
     return RuntimeError(f"pull worker: {message}")
 
 

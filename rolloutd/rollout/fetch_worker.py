@@ -3,7 +3,8 @@
 ``python -m rolloutd.rollout.fetch_worker``, started by :mod:`rolloutd.rollout.fetch_pool`.
 Network reads, digests and writes happen here, in threads of their own process, so that pull
 work never shares an interpreter lock or an event loop with the daemon's gateway, heartbeats
-or admin API. Standard library and xxhash only: it starts in a few tens of milliseconds.
+or admin API. Standard library and xxhash only (until a delta pull's first rebuild): it starts
+in a few tens of milliseconds.
 
 Protocol, one JSON object per line. On stdin, first ``{"hello": {"streams", "piece_bytes",
 "request_bytes", "priority", "progress_bytes", "beat_s"}}``, then any number of ``{"job": {"id",
@@ -13,16 +14,23 @@ Protocol, one JSON object per line. On stdin, first ``{"hello": {"streams", "pie
 file of the mirror's partial directory, already at full size), and check them against
 ``digest``, all within ``timeout_s`` if given (a peer slower than that is as good as gone);
 ``allocate`` (default true) says to allocate the range's pages first, false that they exist
-(a recycled file's). On stdout:
+(a recycled file's). A delta pull's rebuild is the other kind of job, ``{"job": {"id",
+"apply": {"version", "name", "base", "delta", "target", "hash", "chunk_bytes", "digests"}}}``:
+rebuild target file ``name`` into ``target`` (the partial directory's file) from the base
+version's files (``base``: file name -> path, read only) and the delta file at ``delta``,
+checking every chunk it writes against ``digests``
+(:func:`rolloutd.wire.delta.apply_and_verify`, imported at the first such job: numpy and
+zstandard cost a chunk fetch nothing). On stdout:
 ``{"ready": pid}`` once, then per job ``{"id", "bytes"}`` as bytes are written, and one
 ``{"id", "done": true}`` or ``{"id", "error": {"kind", "message", "status", "body"}}``; kinds:
 ``unavailable``, ``http`` (the source's error reply), ``corrupt`` (digest or length),
-``write`` (the mirror's file); and ``{"beat": n}`` every ``beat_s``, busy or not, so that the
-daemon can tell a stopped or hung worker from a quiet one. No line is longer than
-``MAX_EVENT_BYTES``: an error that would make one longer is cut to its kind, status, error
-code and the start of its message (a source can answer with any amount of JSON; the daemon
-reads lines up to a limit). The worker never creates, renames or removes anything: the
-daemon owns the mirror's directories.
+``write`` (the mirror's file), and for a rebuild ``delta`` (a delta that cannot be applied)
+and ``mismatch`` (a rebuilt chunk differs from the target's digest; ``chunk`` its index);
+and ``{"beat": n}`` every ``beat_s``, busy or not, so that the daemon can tell a stopped or
+hung worker from a quiet one. No line is longer than ``MAX_EVENT_BYTES``: an error that would
+make one longer is cut to its kind, status, error code and the start of its message (a source
+can answer with any amount of JSON; the daemon reads lines up to a limit). The worker never
+creates, renames or removes anything: the daemon owns the mirror's directories.
 
 It exits at once when stdin ends: the daemon closed it, or died (its end of the pipe closes
 with it), so a worker never outlives the daemon.
@@ -36,6 +44,8 @@ import queue
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from rolloutd.rollout.sources import MESSAGE_CHARS, Source, SourceError, SourceSpec, compact_body
 from rolloutd.wire.hashes import new_hasher
@@ -57,6 +67,8 @@ class Worker:
         self.beat_s = float(hello.get("beat_s", 0))  # 0: no beats (a test's worker)
         self.jobs: queue.Queue[dict] = queue.Queue()
         self._out, self._out_lock = out, threading.Lock()
+        self._decoders: ThreadPoolExecutor | None = None  # a rebuild's segments, made at the first
+        self._decoders_lock = threading.Lock()
         for i in range(int(hello["streams"])):
             threading.Thread(target=self._stream, name=f"stream-{i}", daemon=True).start()
 
@@ -83,6 +95,9 @@ class Worker:
         sources: dict[SourceSpec, Source] = {}
         while True:
             job = self.jobs.get()
+            if "apply" in job:
+                self._rebuild(job)
+                continue
             try:
                 self._fetch(self._source(sources, SourceSpec.from_json(job["source"])), job)
                 self.emit({"id": job["id"], "done": True})
@@ -94,6 +109,36 @@ class Worker:
                 self.emit({"id": job["id"], "error": {"kind": "write", "message": f"{job['path']}: {e}"}})
             except Exception as e:  # a bug: say so, and keep the worker for the next job
                 self.emit({"id": job["id"], "error": {"kind": "bug", "message": f"{type(e).__name__}: {e}"}})
+
+    def _rebuild(self, job: dict) -> None:
+        """One target file of a delta pull, rebuilt and checked; its outcome emitted."""
+        from rolloutd.wire import delta as codec  # numpy and zstandard: only a rebuild needs them
+        spec = job["apply"]
+        try:
+            with ProgressBatcher(lambda n: self.emit({"id": job["id"], "bytes": n}), self.progress_bytes) as report:
+                codec.apply_and_verify({k: Path(v) for k, v in spec["base"].items()}, Path(spec["delta"]),
+                                       Path(spec["target"]), hash_name=spec["hash"],
+                                       chunk_bytes=int(spec["chunk_bytes"]), digests=list(spec["digests"]),
+                                       progress=report, pool=self._decoder_pool())
+            self.emit({"id": job["id"], "done": True})
+        except codec.TargetMismatch as e:
+            self.emit({"id": job["id"], "error": {"kind": "mismatch", "message": str(e),
+                                                  "chunk": getattr(e, "chunk", None)}})
+        except codec.DeltaError as e:
+            self.emit({"id": job["id"], "error": {"kind": "delta", "message": str(e)}})
+        except OSError as e:  # the base's files (gone?) or the partial's
+            self.emit({"id": job["id"], "error": {"kind": "write", "message": f"{spec['target']}: {e}"}})
+        except Exception as e:  # a bug: say so, and keep the worker for the next job
+            self.emit({"id": job["id"], "error": {"kind": "bug", "message": f"{type(e).__name__}: {e}"}})
+
+    def _decoder_pool(self) -> ThreadPoolExecutor:
+        """Threads that decode a rebuild's segments ahead of its writes (zstandard and numpy
+        release the interpreter lock), shared by the worker's streams."""
+        with self._decoders_lock:
+            if self._decoders is None:
+                self._decoders = ThreadPoolExecutor(max(1, min(4, os.cpu_count() or 1)),
+                                                    thread_name_prefix="decode")
+            return self._decoders
 
     def _source(self, sources: dict[SourceSpec, Source], spec: SourceSpec) -> Source:
         source = sources.pop(spec, None)
@@ -158,6 +203,26 @@ class ChunkWriter:
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise SourceError("unavailable", "the chunk was not done in time")
         self.offset += n
+        self._unreported += n
+        if self._unreported >= self._every:
+            self._report(self._unreported)
+            self._unreported = 0
+
+
+class ProgressBatcher:
+    """Bytes reported in batches of at least ``every`` (the rest when the block ends)."""
+
+    def __init__(self, report, every: int):
+        self._report, self._every, self._unreported = report, every, 0
+
+    def __enter__(self) -> ProgressBatcher:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._unreported:
+            self._report(self._unreported)
+
+    def __call__(self, n: int) -> None:
         self._unreported += n
         if self._unreported >= self._every:
             self._report(self._unreported)

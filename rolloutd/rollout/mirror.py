@@ -6,6 +6,7 @@ Layout (contract; docs/plugin.md, "The mirror")::
     <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)
     <dir>/<version>/.registry.json   where this copy came from: the registry instance, an id of the copy
     <dir>/.<version>.partial/        a pull in progress: files at full size (allocated as they are written)
+    <dir>/.<version>.partial/.delta/ a delta pull's delta files, removed before the commit
     <dir>/.<version>.<rand>.trash/   a version being removed (renamed away first)
     <dir>/.spare/                    files of removed versions, kept for the next pull to overwrite
 
@@ -83,6 +84,7 @@ _VERSION_RE = re.compile(r"^[1-9][0-9]{0,15}$")
 _PARTIAL_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.partial$")
 _TRASH_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.[0-9a-f]+\.trash$")
 SPARE_NAME = ".spare"
+STAGE_NAME = ".delta"  # inside a partial directory: no manifest can name a file so (FILE_NAME_RE)
 
 
 class MirrorFull(Exception):
@@ -152,6 +154,7 @@ class Mirror:
         self._lock = threading.RLock()  # held by every mutation: the one owner of the directory
         self._commits = 0  # commits so far, and the count at which each version was committed:
         self._committed_at: dict[int, int] = {}  # a deferred gc keeps what came after its request
+        self._pinned: dict[int, int] = {}  # version -> holds: gc and ensure_room never remove it
         # Runs what collect_soon asks for, one at a time (its thread starts at the first).
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rolloutd-mirror")
 
@@ -282,6 +285,7 @@ class Mirror:
     def commit(self, partial: Partial) -> Path:
         """Make the partial version complete: fsync, write the manifest, rename into place."""
         version = partial.manifest.version
+        _remove_tree(partial.dir / STAGE_NAME)  # a delta pull's files: never part of the version
         for entry in partial.manifest.files:
             _fsync_file(partial.path(entry.name))
         _write_synced(partial.dir / MANIFEST_NAME, partial.manifest.model_dump_json().encode())
@@ -323,6 +327,43 @@ class Mirror:
         return new
 
     @_mutation
+    def stage(self, partial: Partial, files: Manifest) -> Partial:
+        """A place inside ``partial`` for the delta files ``files`` describes (its files at full
+        size, allocated by whoever writes them), so that a delta pull's bytes live and go with
+        its partial directory. Fails with the figures if the filesystem lacks the room."""
+        free = _free_bytes(self.dir)
+        if free < files.total_bytes:
+            raise OSError(errno.ENOSPC, f"{self.dir} has {size(free)} free, the delta files of version "
+                          f"{files.version} need {size(files.total_bytes)}")
+        sdir = partial.dir / STAGE_NAME
+        _remove_tree(sdir)
+        sdir.mkdir()
+        for entry in files.files:
+            fd = os.open(sdir / entry.name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                os.ftruncate(fd, entry.size)
+            finally:
+                os.close(fd)
+        return Partial(files, sdir, instance=partial.instance)
+
+    @_mutation
+    def unstage(self, partial: Partial) -> None:
+        """Remove the delta files staged in ``partial`` (nothing if there are none)."""
+        _remove_tree(partial.dir / STAGE_NAME)
+
+    @_mutation
+    def pin(self, version: int) -> None:
+        """Keep ``version`` from gc and ensure_room until :meth:`unpin` (a delta pull reads it as
+        its base). Under the lock: once this returns, no removal decided before it is under way.
+        An explicit :meth:`remove` (a damaged or refused copy) still removes it."""
+        self._pinned[version] = self._pinned.get(version, 0) + 1
+
+    @_mutation
+    def unpin(self, version: int) -> None:
+        if (left := self._pinned.pop(version, 0) - 1) > 0:
+            self._pinned[version] = left
+
+    @_mutation
     def discard(self, partial: Partial) -> None:
         _remove_tree(partial.dir)
         log.info("discard partial version %d", partial.manifest.version)
@@ -350,7 +391,7 @@ class Mirror:
         committed since are kept, the caller could not know them. Returns what was removed."""
         named = self._named_versions()
         newest, followed = self._newest_of([v for v in named if self.manifest(v) is not None])
-        keep = set(in_use) | ({newest} - {None})
+        keep = set(in_use) | ({newest} - {None}) | set(self._pinned)
         if asked_at is not None:
             keep |= {v for v, n in self._committed_at.items() if n > asked_at}
         removed = []
@@ -391,7 +432,7 @@ class Mirror:
         usage = self.usage_bytes() - self.spare_bytes()  # the next begin takes or frees them
         if usage + needed_bytes <= self.max_bytes:
             return []
-        keep = set(in_use) | ({self.newest()} - {None})
+        keep = set(in_use) | ({self.newest()} - {None}) | set(self._pinned)
         sizes = {v: _tree_bytes(self.path(v)) for v in self._named_versions()}
         after = usage - sum(b for v, b in sizes.items() if v not in keep)  # once gc has run
         if after + needed_bytes > self.max_bytes:

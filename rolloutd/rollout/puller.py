@@ -60,19 +60,27 @@ import logging
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pydantic import ValidationError
 
 from rolloutd.registry.client import RegistryClient
-from rolloutd.rollout.fetch_pool import ChunkCorrupt, ChunkJob, FetchPool, WorkerCrashed
-from rolloutd.rollout.mirror import Mirror, Partial
+from rolloutd.rollout.fetch_pool import (
+    ApplyJob,
+    ChunkCorrupt,
+    ChunkJob,
+    DeltaRejected,
+    FetchPool,
+    TargetDiffers,
+    WorkerCrashed,
+)
+from rolloutd.rollout.mirror import Mirror, MirrorFull, Partial
 from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings
 from rolloutd.wire import errors
 from rolloutd.wire.chunkmap import chunk_index, ones
-from rolloutd.wire.manifest import Manifest, ManifestError
+from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
 from rolloutd.wire.messages import LeaseInfo
 
 log = logging.getLogger("rolloutd.rollout.puller")
@@ -128,6 +136,12 @@ class PullProgress:
     state: PullState = PullState.LEASING
     error: str | None = None
     bytes_resumed: int = 0      # of bytes_done: checked by an earlier try, not fetched again
+    kind: str = "full"          # "full" or "delta" (the base's bytes plus the delta files)
+    base: int | None = None     # a delta pull's base version
+    bytes_fetched: int = 0      # bytes received over the network and kept (a failed attempt's: once)
+    version_bytes: int = 0      # the version's full size
+    reconstruct_s: float | None = None  # a delta pull's rebuild so far, or in all once it ended
+    delta_error: str | None = None      # why this pull fell back from the delta to the full version
     clock: Callable[[], float] = field(default=time.monotonic, repr=False)
     started_at: float = 0.0
     ended_at: float | None = None
@@ -179,6 +193,18 @@ class PullProgress:
         """A failed attempt's ``n`` bytes: not done (they are fetched again), but they were moved."""
         self.bytes_done -= n
 
+    def start_delta(self, base: int, delta_bytes: int) -> None:
+        """A delta pull: its work is the delta files' bytes fetched, then the version's rebuilt."""
+        self.kind, self.base = "delta", base
+        self.bytes_total = delta_bytes + self.version_bytes
+
+    def start_full(self, why: str | None) -> None:
+        """The whole version from now on; ``why``: the delta pull that failed, if one did."""
+        self.kind, self.base, self.reconstruct_s, self.delta_error = "full", None, None, why
+        self.bytes_total, self.bytes_done, self.bytes_resumed = self.version_bytes, 0, 0
+        self._samples.clear()
+        self._samples.append((self.clock(), self._moved))
+
     def as_dict(self) -> dict:
         eta = self.eta_s
         return {"target": self.target, "version": self.version, "state": self.state.value,
@@ -186,7 +212,10 @@ class PullProgress:
                 "rate_bytes_per_s": round(self.rate_bytes_per_s, 1),
                 "eta_s": None if eta is None else round(eta, 2), "retries": self.retries,
                 "workers": list(self.worker_pids), "worker_restarts": self.worker_restarts,
-                "seconds": round(self.seconds, 3), "error": self.error}
+                "seconds": round(self.seconds, 3), "error": self.error, "kind": self.kind, "base": self.base,
+                "bytes_fetched": self.bytes_fetched, "version_bytes": self.version_bytes,
+                "reconstruct_s": None if self.reconstruct_s is None else round(self.reconstruct_s, 3),
+                "delta_error": self.delta_error}
 
 
 @dataclass(frozen=True)
@@ -198,6 +227,11 @@ class PullResult:
     seconds: float
     retries: int
     reused: bool = False
+    kind: str = "full"   # "delta": rebuilt from the base and the delta files
+    base: int | None = None
+    bytes_fetched: int = 0   # the same as ``bytes``, under the name the status uses
+    version_bytes: int = 0   # the version's full size
+    reconstruct_s: float | None = None  # a delta pull's rebuild
 
 
 @dataclass(frozen=True)
@@ -290,7 +324,7 @@ class Puller:
             lease = await self._take_lease(version)
             progress.version = lease.version
             manifest = await self._manifest(lease)
-            progress.bytes_total = manifest.total_bytes
+            progress.bytes_total = progress.version_bytes = manifest.total_bytes
             kept = await self._take_kept(manifest)
             if kept is not None:
                 partial, done_bits = kept.partial, kept.done_bits
@@ -303,13 +337,21 @@ class Puller:
                 log.warning("verify version %d: the mirror copy is damaged (%s); pulling it again",
                             manifest.version, "; ".join(damage)[:300])
                 await asyncio.to_thread(self.mirror.remove, manifest.version, "damaged")
+            if manifest.delta is not None:
+                if kept is None and (result := await self._try_delta(manifest)) is not None:
+                    return result
+                if kept is not None:
+                    log.info("pull version %d whole, not from its delta: the last try left %d bytes of it checked",
+                             manifest.version, kept.bytes)
+                manifest = manifest.target()  # what the mirror keeps: the same digest, no delta section
             # A kept partial is in the mirror's usage at its full size already.
             await asyncio.to_thread(self.mirror.ensure_room, 0 if kept else manifest.total_bytes, self.in_use())
             if kept is not None:
                 progress.resume(kept.bytes)
             else:
                 partial = await _settle(asyncio.to_thread(self.mirror.begin, manifest), self.mirror.discard)
-            self._set_state(PullState.PULLING)
+            if progress.state is not PullState.PULLING:  # it is already after a delta pull that failed
+                self._set_state(PullState.PULLING)
             chunks = sum(len(f.chunks) for f in manifest.files) - done_bits.bit_count()
             workers, streams = self._plan(chunks)
             log.info("pull version %d: %d files, %d bytes, %d workers, %d streams of %d-byte requests%s",
@@ -323,8 +365,9 @@ class Puller:
             partial = None
             self._set_state(PullState.DONE)
             result = self._result(manifest)
-            log.info("pulled version %d: %d bytes in %.2f s (%.0f MB/s), %d retries", result.version,
-                     result.bytes, result.seconds, result.bytes / max(result.seconds, 1e-9) / 1e6, result.retries)
+            log.info("pulled version %d: %d bytes in %.2f s (%.0f MB/s), %d retries%s", result.version,
+                     result.bytes, result.seconds, result.bytes / max(result.seconds, 1e-9) / 1e6, result.retries,
+                     f"; whole after its delta failed ({progress.delta_error})" if progress.delta_error else "")
             return result
         except asyncio.CancelledError:
             self._end(PullState.CANCELLED, "cancelled")
@@ -358,9 +401,133 @@ class Puller:
 
     def _result(self, manifest: Manifest, reused: bool = False) -> PullResult:
         p = self.progress
+        fetched = 0 if reused else p.bytes_fetched
         return PullResult(version=manifest.version, path=self.mirror.path(manifest.version),
-                          digest=manifest.digest, bytes=0 if reused else p.bytes_done - p.bytes_resumed,
-                          seconds=p.seconds, retries=p.retries, reused=reused)
+                          digest=manifest.digest, bytes=fetched, seconds=p.seconds, retries=p.retries, reused=reused,
+                          kind=p.kind, base=p.base, bytes_fetched=fetched, version_bytes=manifest.total_bytes,
+                          reconstruct_s=p.reconstruct_s)
+
+    # -- delta pulls ------------------------------------------------------------------------------------
+    async def _try_delta(self, manifest: Manifest) -> PullResult | None:
+        """Pull ``manifest`` (which has a delta section) from its delta if the mirror holds the
+        base complete, with the delta's base digest, and sound: the result; or None, and the
+        full version is to be pulled: said at INFO when the base is not here, at WARNING (and
+        in ``progress.delta_error``) when the delta pull failed. The base is pinned meanwhile:
+        no gc or ``ensure_room`` removes what the rebuild reads."""
+        delta, v = manifest.delta, manifest.version
+        await _settle(asyncio.to_thread(self.mirror.pin, delta.base_version),
+                      lambda _: self.mirror.unpin(delta.base_version))
+        try:
+            base = await asyncio.to_thread(self.mirror.manifest, delta.base_version)
+            if base is None or base.digest != delta.base_digest:
+                held = "not" if base is None else f"with digest {base.digest[:12]}..., not {delta.base_digest[:12]}..."
+                log.info("pull version %d whole, not from its delta: the mirror holds its base, version %d, %s",
+                         v, delta.base_version, held)
+                return None
+            if problems := await asyncio.to_thread(self.mirror.damage, base.version, base.digest):
+                self._fall_back(v, f"version {v}: its base, version {base.version}, is damaged in the mirror "
+                                   f"({'; '.join(problems)[:300]})")
+                return None
+            try:
+                return await self._pull_delta(manifest, base)
+            except VersionGone:
+                raise
+            except PullError as e:
+                if self.stopping:
+                    raise
+                self._fall_back(v, str(e))
+                return None
+        finally:
+            await _settle(asyncio.to_thread(self.mirror.unpin, delta.base_version))
+
+    def _fall_back(self, version: int, why: str) -> None:
+        log.warning("pull version %d whole: its delta pull failed: %s", version, why)
+        self.progress.start_full(why)
+
+    async def _pull_delta(self, manifest: Manifest, base: Manifest) -> PullResult:
+        """Fetch the delta files into the partial directory, rebuild every target file from the
+        base and them in the pull workers (each chunk checked against the target's digest as it
+        is written), drop the delta files and commit the target. PullError names the version
+        and file of a failure; the partial directory is discarded on every path but success."""
+        target, files = manifest.target(), _delta_files(manifest)
+        self.progress.start_delta(base.version, files.total_bytes)
+        try:
+            await asyncio.to_thread(self.mirror.ensure_room, files.total_bytes + target.total_bytes, self.in_use())
+        except MirrorFull as e:
+            raise PullError(f"version {manifest.version}: no room for its delta files beside it: {e}") from None
+        partial = await _settle(asyncio.to_thread(self.mirror.begin, target), self.mirror.discard)
+        try:
+            try:
+                staged = await asyncio.to_thread(self.mirror.stage, partial, files)
+            except OSError as e:
+                raise PullError(f"version {manifest.version}: cannot stage its delta files: {e}") from None
+            self._set_state(PullState.PULLING)
+            log.info("pull version %d from its delta on version %d: %d delta files, %d bytes for %d bytes of "
+                     "version", manifest.version, base.version, len(files.files), files.total_bytes,
+                     target.total_bytes)
+            await self._fetch_and_rebuild(manifest, base, partial, staged)
+            await asyncio.to_thread(self.mirror.unstage, partial)
+            self._set_state(PullState.COMMITTING)
+            await _settle(asyncio.to_thread(self.mirror.commit, partial))
+            partial = None
+            self._set_state(PullState.DONE)
+        finally:
+            if partial is not None:
+                await _settle(asyncio.to_thread(self.mirror.discard, partial))
+        result = self._result(target)
+        log.info("pulled version %d from its delta on version %d: %d bytes fetched for %d (%.1f%%), rebuilt in "
+                 "%.2f s, %.2f s in all, %d retries", result.version, base.version, result.bytes_fetched,
+                 result.version_bytes, 100 * result.bytes_fetched / max(1, result.version_bytes),
+                 result.reconstruct_s or 0.0, result.seconds, result.retries)
+        return result
+
+    async def _fetch_and_rebuild(self, manifest: Manifest, base: Manifest, partial: Partial, staged: Partial) -> None:
+        """The delta files' chunks from the origin (peers carry complete versions, not delta
+        files), then one rebuild job per target file, on the same workers."""
+        plan = ChunkPlan(staged.manifest, self.swarm.origin(manifest))
+        jobs = _rebuild_jobs(manifest, self.mirror.path(base.version), base, partial, staged)
+        workers, streams = self._plan(max(plan.count, len(jobs)))
+
+        async def work(pool: FetchPool) -> None:
+            if plan.count:
+                await self._chunks(plan, staged.manifest, staged, pool, min(streams, plan.count))
+            await self._rebuild(jobs, pool, streams)
+        await self._with_pool(manifest.version, workers, streams, work)
+
+    async def _rebuild(self, jobs: list[ApplyJob], pool: FetchPool, streams: int) -> None:
+        started, left = time.monotonic(), deque(jobs)
+        self.progress.reconstruct_s = 0.0
+
+        async def one_stream() -> None:
+            while left:
+                await self._rebuild_file(left.popleft(), pool, started)
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                for _ in range(min(streams, len(jobs))):
+                    tasks.create_task(one_stream())
+        finally:
+            self.progress.reconstruct_s = time.monotonic() - started
+
+    async def _rebuild_file(self, job: ApplyJob, pool: FetchPool, started: float) -> None:
+        """One target file, rebuilt by a worker. Any failure is the delta's: PullError naming
+        the version and files (the pull goes on with the full version)."""
+        added = 0
+
+        def progress(n: int) -> None:
+            nonlocal added
+            added += n
+            self.progress.add(n)
+            self.progress.reconstruct_s = time.monotonic() - started
+        where = f"version {job.version} file {job.name} (from delta file {job.delta.name})"
+        try:
+            await pool.apply(job, progress)
+        except BaseException as e:
+            self.progress.take_back(added)
+            if isinstance(e, TargetDiffers):
+                raise PullError(f"{where}: the rebuilt bytes differ from the version's digests: {e}") from None
+            if isinstance(e, (DeltaRejected, OSError, WorkerCrashed)):
+                raise PullError(f"{where}: {_describe(e)}") from None
+            raise
 
     # -- what a pull that did not finish left -----------------------------------------------------------
     async def _take_kept(self, manifest: Manifest) -> Kept | None:
@@ -433,18 +600,29 @@ class Puller:
         workers, streams = self._plan(plan.count - done_bits.bit_count())
         if not streams:
             return  # only empty files: they exist at their size already
+        await self._with_pool(manifest.version, workers, streams,
+                              lambda pool: self._chunks(plan, manifest, partial, pool, streams))
+
+    async def _chunks(self, plan: ChunkPlan, manifest: Manifest, partial: Partial, pool: FetchPool,
+                      streams: int) -> None:
         failures: dict[int, int] = {}  # chunk -> failed attempts from the origin
+        async with asyncio.TaskGroup() as tasks:
+            for _ in range(streams):
+                tasks.create_task(self._stream(plan, manifest, partial, pool, failures))
+
+    async def _with_pool(self, version: int, workers: int, streams: int,
+                         work: Callable[[FetchPool], Awaitable[None]]) -> None:
+        """Run ``work`` with the pull's workers (kept ones, or started), the lease renewed
+        meanwhile; the first failure cancels the rest and is raised."""
         task, cancels = asyncio.current_task(), asyncio.current_task().cancelling()
         try:
             async with asyncio.TaskGroup() as tg:
-                keeper = tg.create_task(self._keep_lease(manifest.version))  # also while workers start
+                keeper = tg.create_task(self._keep_lease(version))  # also while workers start
                 pool = await self._take_pool(workers, streams)
                 done = False
                 try:
                     self.progress.worker_pids = pool.pids
-                    async with asyncio.TaskGroup() as tasks:
-                        for _ in range(streams):
-                            tasks.create_task(self._stream(plan, manifest, partial, pool, failures))
+                    await work(pool)
                     done = True
                 finally:
                     self.progress.worker_pids = []
@@ -553,7 +731,8 @@ class Puller:
             plan.failed(pick, last)
             return
         plan.done(pick, end - start)
-        self.swarm.landed(pick)
+        if plan is self.last_plan:  # the swarm's plan (a delta pull's files are not announced)
+            self.swarm.landed(pick)
 
     async def _attempt(self, pool: FetchPool, job: ChunkJob) -> None:
         """One attempt at a chunk. A failed attempt takes back the bytes it had added to the
@@ -564,10 +743,12 @@ class Puller:
             nonlocal added
             added += n
             self.progress.add(n)
+            self.progress.bytes_fetched += n
         try:
             await pool.fetch(job, progress)
         except BaseException:
             self.progress.take_back(added)
+            self.progress.bytes_fetched -= added
             raise
 
     # -- the lease --------------------------------------------------------------------------------
@@ -617,6 +798,23 @@ class Puller:
             pass
         except Exception as e:
             log.warning("cannot release lease %s on version %d: %s", lease.lease_id, lease.version, _describe(e))
+
+
+def _delta_files(manifest: Manifest) -> Manifest:
+    """A delta version's delta files as a manifest of their own (its version, hash and chunk
+    size): what a chunk plan and a partial directory take."""
+    return Manifest(version=manifest.version, hash=manifest.hash, chunk_bytes=manifest.chunk_bytes,
+                    files=[FileEntry(name=f.name, size=f.size, chunks=f.chunks) for f in manifest.delta.files])
+
+
+def _rebuild_jobs(manifest: Manifest, base_dir: Path, base: Manifest, partial: Partial,
+                  staged: Partial) -> list[ApplyJob]:
+    """One rebuild per target file: from the base's files and its delta file, into the partial."""
+    base_files = {e.name: base_dir / e.name for e in base.files}
+    by_target = {f.target: f for f in manifest.delta.files}
+    return [ApplyJob(manifest.version, entry.name, base_files, staged.path(by_target[entry.name].name),
+                     partial.path(entry.name), manifest.hash, manifest.chunk_bytes, tuple(entry.chunks))
+            for entry in manifest.files]
 
 
 def _bytes_of(manifest: Manifest, bits: int) -> int:
