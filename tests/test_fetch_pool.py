@@ -18,9 +18,19 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from rolloutd.rollout.fetch_pool import EVENT_LINE_LIMIT, ChunkJob, FetchPool, WorkerCrashed
+from rolloutd.rollout.fetch_pool import (
+    EVENT_LINE_LIMIT,
+    ApplyJob,
+    ChunkJob,
+    DeltaRejected,
+    FetchPool,
+    TargetDiffers,
+    WorkerCrashed,
+)
 from rolloutd.rollout.sources import MESSAGE_CHARS, SourceSpec
 from rolloutd.wire import errors
+from rolloutd.wire.delta import encode_file
+from rolloutd.wire.manifest import hash_chunks
 
 from .test_puller import gone, publish
 from .waiting import until
@@ -316,3 +326,54 @@ def test_a_worker_line_stays_under_the_readers_limit_whatever_the_error_it_repor
     assert write == {"id": 8, "error": {"kind": "write", "status": None, "body": None,
                                         "message": ("/mirror/" + "ж/" * 40_000)[:MESSAGE_CHARS]}}
     assert progress == {"id": 9, "bytes": 1 << 20}
+
+
+def delta_case(tmp_path: Path) -> tuple[dict[str, Path], Path, bytes, Path]:
+    """A base file, a target that differs from it in a few bytes, and the delta between them:
+    (base files, delta path, target bytes, the empty target file to rebuild into)."""
+    base = os.urandom(300_000)
+    target = bytearray(base)
+    for at in (5, 70_000, 299_999):
+        target[at] ^= 0x5A
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "w.bin").write_bytes(base)
+    with open(tmp_path / "w.bin.delta", "wb") as out:
+        encode_file({"w.bin": base}, bytes(target), out, target_name="w.bin")
+    (tmp_path / "w.bin").write_bytes(b"")
+    return {"w.bin": tmp_path / "base" / "w.bin"}, tmp_path / "w.bin.delta", bytes(target), tmp_path / "w.bin"
+
+
+def apply_job(base: dict[str, Path], delta: Path, into: Path, target: bytes, **kw) -> ApplyJob:
+    chunk = 64 << 10
+    return ApplyJob(**{"version": 2, "name": into.name, "base": base, "delta": delta, "target": into,
+                       "hash": "xxh3-128", "chunk_bytes": chunk,
+                       "digests": tuple(hash_chunks(target, chunk, "xxh3-128")), **kw})
+
+
+async def test_a_rebuild_job_writes_the_target_in_a_worker_and_reports_its_bytes(tmp_path):
+    base, delta, target, into = delta_case(tmp_path)
+    reported: list[int] = []
+    async with FetchPool(workers=1, streams=1, progress_bytes=100_000) as pool:
+        await asyncio.wait_for(pool.apply(apply_job(base, delta, into, target), reported.append), 30)
+    assert into.read_bytes() == target and sum(reported) == len(target) and reported
+    assert (tmp_path / "base" / "w.bin").read_bytes() != target  # the base is read, never written
+
+
+async def test_rebuild_failures_reach_the_pull_as_their_own_errors_and_the_worker_goes_on(tmp_path):
+    base, delta, target, into = delta_case(tmp_path)
+    wrong = bytearray(target)
+    wrong[200_000] ^= 1  # the third chunk's digest is not what the delta rebuilds
+    (tmp_path / "junk.delta").write_bytes(b"RDELTA1\n" + os.urandom(1000))
+    async with FetchPool(workers=1, streams=1) as pool:
+        with pytest.raises(TargetDiffers, match="chunk 3"):
+            await asyncio.wait_for(pool.apply(apply_job(base, delta, into, bytes(wrong)), lambda n: None), 30)
+        with pytest.raises(DeltaRejected) as err:
+            await asyncio.wait_for(pool.apply(apply_job(base, tmp_path / "junk.delta", into, target),
+                                              lambda n: None), 30)
+        assert not isinstance(err.value, TargetDiffers)
+        with pytest.raises(OSError, match="No such file"):
+            await asyncio.wait_for(pool.apply(apply_job({"w.bin": tmp_path / "gone"}, delta, into, target),
+                                              lambda n: None), 30)
+        await asyncio.wait_for(pool.apply(apply_job(base, delta, into, target), lambda n: None), 30)
+        assert pool.restarts == 0
+    assert into.read_bytes() == target

@@ -161,6 +161,58 @@ def test_gc_keeps_versions_in_use_and_the_newest(mirror):
     assert mirror.versions() == [5]
 
 
+def test_a_pinned_version_is_kept_by_gc_and_ensure_room_until_unpinned(tmp_path):
+    mirror = Mirror(tmp_path / "m", max_bytes=60_000)
+    for v in (1, 2, 3):
+        put(mirror, v)
+    per_version = mirror.usage_bytes() // 3
+    mirror.pin(1)
+    mirror.pin(1)  # two holders: the first unpin leaves it pinned
+    assert mirror.gc(in_use=set()) == [2]
+    put(mirror, 4)
+    with pytest.raises(MirrorFull):
+        mirror.ensure_room(2 * per_version, in_use=set())  # it would fit without version 1
+    mirror.unpin(1)
+    assert mirror.gc(in_use=set()) == [3]
+    mirror.unpin(1)
+    assert mirror.gc(in_use=set()) == [1]
+    assert mirror.versions() == [4]
+    assert mirror.remove(4, "damaged") is True  # an explicit removal is not held back by a pin
+    mirror.unpin(7)  # never pinned: nothing
+
+
+def test_delta_files_staged_in_a_partial_count_and_never_reach_the_version(mirror):
+    files = payload(2)
+    manifest = make_manifest(2, files)
+    partial = mirror.begin(manifest)
+    deltas = make_manifest(2, {"model-00001-of-00002.safetensors.delta": b"d" * 3000,
+                               "model-00002-of-00002.safetensors.delta": b"e" * 100})
+    staged = mirror.stage(partial, deltas)
+    assert staged.dir == partial.dir / ".delta" and staged.manifest == deltas
+    assert {p.name: p.stat().st_size for p in staged.dir.iterdir()} == {
+        "model-00001-of-00002.safetensors.delta": 3000, "model-00002-of-00002.safetensors.delta": 100}
+    assert mirror.usage_bytes() == manifest.total_bytes + 3100
+    for name, data in files.items():
+        write(partial, name, data)
+    mirror.unstage(partial)
+    assert not staged.dir.exists() and mirror.usage_bytes() == manifest.total_bytes
+    mirror.stage(partial, deltas)  # and if a caller forgot: the commit drops them
+    mirror.commit(partial)
+    assert sorted(os.listdir(mirror.path(2))) == sorted([*files, MANIFEST_NAME, mirror_mod.RECORD_NAME])
+    partial = mirror.begin(make_manifest(3, payload(3)))
+    mirror.stage(partial, deltas)
+    mirror.discard(partial)  # a discarded partial takes its staged files with it
+    assert sorted(os.listdir(mirror.dir)) == ["2"]
+
+
+def test_delta_files_that_do_not_fit_fail_the_stage_with_the_figures(mirror, monkeypatch):
+    partial = mirror.begin(make_manifest(2, payload(2)))
+    monkeypatch.setattr(mirror_mod, "_free_bytes", lambda path: 1000)
+    with pytest.raises(OSError, match=r"has 1000 B free, the delta files of version 2 need 2\.9 KiB"):
+        mirror.stage(partial, make_manifest(2, {"a.delta": b"d" * 3000}))
+    mirror.discard(partial)
+
+
 def test_usage_counts_versions_and_partials(mirror):
     m = put(mirror, 1)
     one = m.total_bytes + len(m.model_dump_json()) + (mirror.path(1) / mirror_mod.RECORD_NAME).stat().st_size
