@@ -1072,3 +1072,18 @@ async def test_a_cancelled_delta_pull_keeps_nothing_and_a_kept_full_partial_is_r
     assert requested(proxy, before).isdisjoint(chunks_of(m2, kept.done_bits))
     assert {n for n, _, _ in proxy.byte_requests[before:]} <= set(f2)
     assert_pulled(mirror, 2, f2, m2.target())
+
+
+async def test_a_delta_the_registry_made_at_publish_is_pulled_and_rebuilt(registry, proxy, client, mirror):
+    sd1 = state_dict(1)
+    m1, f1 = publish_sd(registry, 1, sd1)
+    await make_puller(client, mirror).pull(1)
+    sd2 = stepped(sd1, 2)
+    published = registry.publish(2, sd2, shard_bytes=SHARD, chunk_bytes=CHUNK)
+    served = await client.manifest(2)
+    assert served.delta is not None and served.delta.base_version == 1 and served.digest == published.digest
+    result = await make_puller(client, mirror).pull(2)
+    assert (result.kind, result.base, result.bytes_fetched) == ("delta", 1, served.delta.total_bytes)
+    for name, data in serialize_shards(sd2, SHARD):
+        assert (mirror.path(2) / name).read_bytes() == data, name
+    assert mirror.manifest(2) == served.target()
