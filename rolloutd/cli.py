@@ -151,13 +151,28 @@ def cmd_publish(args: argparse.Namespace) -> int:
         manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
                                    metadata=metadata, progress=ProgressLine(f"upload v{args.version}"),
                                    canary=canary, partial=args.partial, to=args.to, store=store,
-                                   prune=not args.keep_objects, hash_name=args.hash)
+                                   prune=not args.keep_objects, hash_name=args.hash, delta=not args.full)
+        how = _how_published(reg, manifest)
     finally:
         reg.close()
     where = f" at {manifest.source}" if manifest.source else ""
-    print(f"published version {manifest.version}{where}: {len(manifest.files)} files, "
+    print(f"published version {manifest.version}{where}{how}: {len(manifest.files)} files, "
           f"{size(manifest.total_bytes)}, digest {manifest.digest}")
     return 0
+
+
+def _how_published(reg, manifest) -> str:
+    """" as a delta on M (X, Y% of the full size)", from the registry's copy of the manifest;
+    "" for a full version."""
+    from rolloutd.units import percent
+    try:
+        delta = reg.manifest(manifest.version).delta
+    except errors.RegistryError:  # published, then retired already: nothing more to say
+        return ""
+    if delta is None:
+        return ""
+    return (f" as a delta on version {delta.base_version} ({size(delta.total_bytes)}, "
+            f"{percent(delta.total_bytes / max(manifest.total_bytes, 1))} of the full size)")
 
 
 def _metadata(value: str) -> str:
@@ -241,6 +256,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "secret_access_key (default: the AWS_* environment variables)")
     p.add_argument("--keep-objects", action="store_true", help="with --to: leave the objects of earlier "
                    "versions the registry no longer holds (default: delete them once this version is published)")
+    p.add_argument("--full", action="store_true", help="publish a full version, never a delta on the registry's "
+                   "newest version (by default the registry publishes a delta when it is smaller)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="per-request timeout")
     p.set_defaults(func=cmd_publish)
 
