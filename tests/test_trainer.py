@@ -380,6 +380,38 @@ def test_a_publish_verified_for_longer_than_the_client_timeout_succeeds_and_a_re
         retry.close()
 
 
+def test_an_upload_whose_fsync_outlasts_the_client_timeout_succeeds(tmp_path, monkeypatch):
+    """The registry answers an upload once the file is synced; a slow disk (a fake_ slow sync,
+    twice the client's timeout) must not fail the publish: the client waits for the reply as
+    long as syncing the file at ``UPLOAD_SYNC_BYTES_PER_S`` would take (set here so that this
+    small version counts as a large one on a slow disk)."""
+    import rolloutd.registry.publish as publish
+    with EmbeddedRegistry(port=0) as reg:
+        real_upload, synced = reg.service.blobs.upload, []
+
+        def upload(version, name, size):
+            up = real_upload(version, name, size)
+            real_sync = up.sync
+
+            def fake_slow_sync():
+                time.sleep(2 * SHORT_TIMEOUT_S)
+                synced.append(name)
+                real_sync()
+            up.sync = fake_slow_sync
+            return up
+        monkeypatch.setattr(reg.service.blobs, "upload", upload)
+        sd = numpy_state_dict(1)
+        size = sum(a.nbytes for a in sd.values())
+        monkeypatch.setattr(publish, "UPLOAD_SYNC_BYTES_PER_S", size / (4 * SHORT_TIMEOUT_S))
+        client = RegistryHTTP(reg.url, reg.service.token, timeout_s=SHORT_TIMEOUT_S)
+        m1 = client.publish(1, sd, chunk_bytes=4096)
+        save_shards(numpy_state_dict(2), tmp_path)
+        m2 = client.publish_dir(2, tmp_path, chunk_bytes=4096)
+        assert synced == ["model.safetensors"] * 2
+        assert [reg.manifest(v).digest for v in (1, 2)] == [m1.digest, m2.digest]
+        client.close()
+
+
 @pytest.mark.parametrize("data_dir", [False, True], ids=["memory", "disk"])
 def test_publish_async_returns_a_handle_and_the_step_may_change_the_tensors(tmp_path, data_dir):
     import torch
