@@ -196,13 +196,14 @@ class RegistryHTTP:
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
                 store: ObjectStoreSettings | None = None, prune: bool = True,
-                hash_name: str = DEFAULT_HASH) -> Manifest:
+                hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
         model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`). Each
         shard is streamed to the registry from the tensors' own memory (hashed as it goes, no
         file in between), then the manifest is published. Publishing the same tensors again is
         a no-op. ``to``, ``store`` and ``prune``: as for :meth:`publish_dir` (the shards are
-        written to a temporary directory first, for the object store's client)."""
+        written to a temporary directory first, for the object store's client). ``delta``: as for
+        :meth:`publish_dir`."""
         shards = plan_shards(state_dict, shard_bytes)
         if to is not None:
             with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
@@ -242,9 +243,9 @@ class RegistryHTTP:
             if theirs is not None and theirs != manifest.digest:
                 raise
             if theirs is None:  # waits for that publish if it is of these tensors; refused if not
-                self._post_manifest(manifest)
+                self._post_manifest(manifest, params=delta_query(delta))
             return manifest
-        self._post_manifest(manifest)
+        self._post_manifest(manifest, params=delta_query(delta))
         return manifest
 
     def _stream_shard(self, version: int, shard: Shard, chunk_bytes: int, hash_name: str,
@@ -266,7 +267,7 @@ class RegistryHTTP:
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
                     canary: Canary | None = None, partial: bool = False, to: str | None = None,
                     store: ObjectStoreSettings | None = None, prune: bool = True,
-                    hash_name: str = DEFAULT_HASH) -> Manifest:
+                    hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
         Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
         ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
@@ -285,12 +286,17 @@ class RegistryHTTP:
         ``hash_name``: the chunk digest. ``xxh3-128`` (the default) is the fastest, and guards
         against corruption only: nodes take such a version from its origin, never from their
         peers. ``blake3`` (or ``sha256``) is cryptographic: publish with it where nodes have peers
-        on (docs/peers.md)."""
+        on (docs/peers.md).
+
+        ``delta`` (the default): the registry publishes the version as a delta on its newest live
+        version when that is smaller, encoding it itself (docs/deltas.md); ``False``: a full
+        version. The manifest returned is the target's either way (``manifest(version)`` gives
+        the registry's, with its delta section)."""
         files = safetensors_files(path)
         source = version_source(to, version) if to is not None else None
         manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
                                   partial=partial, source=source, hash_name=hash_name)
-        return self._upload(manifest, files, progress, store, prune_to=to if prune else None)
+        return self._upload(manifest, files, progress, store, prune_to=to if prune else None, delta=delta)
 
     def prune_store(self, to: str, store: ObjectStoreSettings | None = None, *,
                     below: int | None = None) -> list[int]:
@@ -306,7 +312,8 @@ class RegistryHTTP:
         return prune_versions(to, lambda n: n < below and n not in held, store or ObjectStoreSettings())
 
     def _upload(self, manifest: Manifest, files: list[Path], progress: Progress | None,
-                store: ObjectStoreSettings | None = None, prune_to: str | None = None) -> Manifest:
+                store: ObjectStoreSettings | None = None, prune_to: str | None = None,
+                delta: bool = True) -> Manifest:
         """Upload each file (to the object store when the manifest names one), then publish the
         manifest (a no-op when the registry has it)."""
         try:
@@ -333,7 +340,7 @@ class RegistryHTTP:
                            timeout=self._upload_timeout(p.stat().st_size))
         except errors.VersionConflict:
             pass  # published, or being published, meanwhile: the manifest's POST says whether it is this one
-        self._post_manifest(manifest)
+        self._post_manifest(manifest, params=delta_query(delta))
         return manifest
 
     def _publish_to_store(self, manifest: Manifest, files: list[Path], store: ObjectStoreSettings,
@@ -364,6 +371,11 @@ class RegistryHTTP:
 
 
 # -- in the trainer's process ----------------------------------------------------------------------
+
+def delta_query(delta: bool) -> dict[str, str]:
+    """The query of ``POST /v1/versions``: ``delta=false`` asks for a full version."""
+    return {} if delta else {"delta": "false"}
+
 
 class EmbeddedRegistry(RegistryHTTP):
     """A registry served from a thread of the trainer's process.
@@ -417,29 +429,31 @@ class EmbeddedRegistry(RegistryHTTP):
                 metadata: dict[str, str] | None = None, progress: Progress | None = None,
                 canary: Canary | None = None, partial: bool = False, to: str | None = None,
                 store: ObjectStoreSettings | None = None, prune: bool = True,
-                hash_name: str = DEFAULT_HASH) -> Manifest:
+                hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
         """Write each tensor straight into the registry's store (one copy, in the caller's
         thread, hashed as it lands), then commit on the registry's loop. With ``to``, the files
-        go to the object store (:meth:`RegistryHTTP.publish_dir`)."""
+        go to the object store (:meth:`RegistryHTTP.publish_dir`). ``delta``: as for
+        :meth:`RegistryHTTP.publish` (the registry encodes it on its own threads)."""
         if to is not None:
             return super().publish(version, state_dict, shard_bytes=shard_bytes, chunk_bytes=chunk_bytes,
                                    metadata=metadata, progress=progress, canary=canary, partial=partial,
-                                   to=to, store=store, prune=prune, hash_name=hash_name)
+                                   to=to, store=store, prune=prune, hash_name=hash_name, delta=delta)
         shards = plan_shards(state_dict, shard_bytes)
         with self._turn.mine():
             return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
-                                        progress=progress, canary=canary, partial=partial, hash_name=hash_name)
+                                        progress=progress, canary=canary, partial=partial, hash_name=hash_name,
+                                        delta=delta)
 
     def publish_async(self, version: int, state_dict: Mapping[str, Any], *, snapshot: bool = True,
                       shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                       metadata: dict[str, str] | None = None, canary: Canary | None = None,
-                      partial: bool = False, hash_name: str = DEFAULT_HASH) -> PublishHandle:
+                      partial: bool = False, hash_name: str = DEFAULT_HASH, delta: bool = True) -> PublishHandle:
         """Publish on a thread of its own; returns a :class:`PublishHandle` at once (``wait``,
         ``cancel``, ``progress``). ``snapshot`` (the default): the tensors are copied to host
         memory first, in the caller's thread (for tensors on an accelerator this is the
         device-to-host copy the publish needs anyway), so the training step may change them as
         soon as this returns. ``snapshot=False``: no copy; the caller must leave the tensors
-        unchanged until the handle is done."""
+        unchanged until the handle is done. ``delta``: as for :meth:`publish`."""
         tensors = drop_aliases(checkpoint_tensors(state_dict))
         if snapshot:
             tensors = {name: _host_copy(t) for name, t in tensors.items()}
@@ -448,7 +462,8 @@ class EmbeddedRegistry(RegistryHTTP):
 
         def run(handle: PublishHandle) -> Manifest:
             return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
-                                        canary=canary, partial=partial, handle=handle, hash_name=hash_name)
+                                        canary=canary, partial=partial, handle=handle, hash_name=hash_name,
+                                        delta=delta)
         self._pending = {h for h in self._pending if not h.done()}
         handle = PublishHandle(version, total, run, self._turn)
         self._pending.add(handle)
@@ -457,7 +472,7 @@ class EmbeddedRegistry(RegistryHTTP):
     def _publish_shards(self, version: int, shards: list[Shard], *, chunk_bytes: int,
                         metadata: dict[str, str] | None, canary: Canary | None, partial: bool,
                         progress: Progress | None = None, handle: PublishHandle | None = None,
-                        hash_name: str = DEFAULT_HASH) -> Manifest:
+                        hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
         total = sum(nbytes(p.tensor) for shard in shards for p in shard.tensors)  # headers come on top
         done = 0
 
@@ -483,18 +498,18 @@ class EmbeddedRegistry(RegistryHTTP):
                                 metadata=metadata or {}, canary=canary, partial=partial or None).sealed()
             if handle is not None:
                 handle.set_state(PublishState.COMMITTING)  # refused once a cancel came
-            self._commit(manifest)  # hashed from these very bytes
+            self._commit(manifest, delta=delta)  # hashed from these very bytes
         return manifest
 
     def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                     metadata: dict[str, str] | None = None, progress: Progress | None = None,
                     canary: Canary | None = None, partial: bool = False, to: str | None = None,
                     store: ObjectStoreSettings | None = None, prune: bool = True,
-                    hash_name: str = DEFAULT_HASH) -> Manifest:
+                    hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
         if to is not None:
             return super().publish_dir(version, path, chunk_bytes=chunk_bytes, metadata=metadata,
                                        progress=progress, canary=canary, partial=partial, to=to, store=store,
-                                       prune=prune, hash_name=hash_name)
+                                       prune=prune, hash_name=hash_name, delta=delta)
         files = safetensors_files(path)
         with self._turn.mine(), self._staging(version):
             manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
@@ -505,7 +520,7 @@ class EmbeddedRegistry(RegistryHTTP):
                 done += p.stat().st_size
                 if progress:
                     progress(done, manifest.total_bytes)
-            self._commit(manifest, verify=True)  # the copies are checked, not trusted
+            self._commit(manifest, verify=True, delta=delta)  # the copies are checked, not trusted
         return manifest
 
     @contextlib.contextmanager
@@ -528,14 +543,14 @@ class EmbeddedRegistry(RegistryHTTP):
         except errors.VersionConflict:
             pass
 
-    def _commit(self, manifest: Manifest, verify: bool = False) -> None:
+    def _commit(self, manifest: Manifest, verify: bool = False, delta: bool = True) -> None:
         service = self.service
 
         async def publish_staged() -> None:
             if service.store.check_publishable(manifest):
                 service.blobs.discard_staging(manifest.version)  # the same bytes are published already
                 return
-            await service.publish(manifest, verify=verify)
+            await service.publish(manifest, verify=verify, delta=delta)
 
         self._thread.call(publish_staged())
 
