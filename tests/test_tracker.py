@@ -8,7 +8,7 @@ import random
 
 from rolloutd.registry.server.tracker import Tracker
 from rolloutd.wire.chunkmap import from_hex, full, ones, to_hex
-from rolloutd.wire.manifest import FileEntry, Manifest
+from rolloutd.wire.manifest import Delta, DeltaFile, FileEntry, Manifest
 from rolloutd.wire.messages import Announce, HeldVersion
 
 from .conftest import FakeClock
@@ -19,8 +19,16 @@ MANIFEST = Manifest(version=3, chunk_bytes=4096, files=[
     FileEntry(name="b.safetensors", size=4096 * 15, chunks=["1" * 32] * 15)]).sealed()
 
 
+DELTA_CHUNKS = 6
+# Version 4: the same files as a delta on version 3; its delta files are 6 chunks in all.
+DELTA_VERSION = MANIFEST.model_copy(update={"version": 4, "digest": None}).sealed().with_delta(Delta(
+    base_version=3, base_digest=MANIFEST.digest, encoding="xor-planes-zstd", files=[
+        DeltaFile(name="a.safetensors.delta", size=4096 * 4, chunks=["2" * 32] * 4, target="a.safetensors"),
+        DeltaFile(name="b.safetensors.delta", size=4096 * 2, chunks=["3" * 32] * 2, target="b.safetensors")]))
+
+
 def manifest_of(version: int):
-    return MANIFEST if version == 3 else None
+    return {3: MANIFEST, 4: DELTA_VERSION}.get(version)
 
 
 def announce(tracker: Tracker, node: str, bits: int | None, *, pulling: bool = True, failed=()) -> dict:
@@ -96,7 +104,7 @@ def test_a_silent_node_and_a_failed_peer_stop_counting():
     clock.advance(6)
     announce(tracker, "a", 1)
     tracker.sweep()
-    assert tracker.summary()[3]["holders"] == 1  # seed silent: forgotten, only "a" left
+    assert tracker.summary()["3"]["holders"] == 1  # seed silent: forgotten, only "a" left
 
 
 def test_unknown_versions_and_other_digests_are_ignored():
@@ -114,3 +122,80 @@ def test_a_holder_that_lost_its_copy_and_pulls_again_is_given_origin_chunks():
     announce(tracker, "n", None, pulling=False)  # complete, at rest
     view = announce(tracker, "n", 0)["3"]  # the same node, pulling it again from nothing
     assert from_hex(view["origin"], CHUNKS) != 0
+
+
+def announce_delta(tracker: Tracker, node: str, bits: int | None, *, pulling: bool = True) -> dict:
+    """``node`` pulling version 4 from its delta: its delta files, under the delta section's digest."""
+    held = HeldVersion(digest=DELTA_VERSION.delta.digest, chunks=None if bits is None else to_hex(bits),
+                       pulling=pulling)
+    return tracker.announce(node, Announce(url=f"http://{node}:9300", versions={"4": held}), manifest_of)
+
+
+def announce_target(tracker: Tracker, node: str, bits: int | None, *, pulling: bool = True) -> dict:
+    held = HeldVersion(digest=DELTA_VERSION.digest, chunks=None if bits is None else to_hex(bits), pulling=pulling)
+    return tracker.announce(node, Announce(url=f"http://{node}:9300", versions={"4": held}), manifest_of)
+
+
+def test_a_delta_versions_files_go_out_of_the_origin_once_across_pullers():
+    """Eight nodes rebuilding version 4 from its delta: the chunk maps count the delta files'
+    chunks, and each delta chunk is handed out of the origin once."""
+    tracker = Tracker(clock=FakeClock(), origin_per_puller=2, rng=random.Random(7))
+    nodes = [f"n{i}" for i in range(8)]
+    held = dict.fromkeys(nodes, 0)
+    from_origin: list[int] = []
+    for _ in range(50):
+        for node in nodes:  # a node announces what it holds until the rebuild is done (as a real one does)
+            views = announce_delta(tracker, node, held[node])
+            if held[node] == full(DELTA_CHUNKS):
+                continue
+            view = views["4"]
+            given = from_hex(view["origin"], DELTA_CHUNKS)  # a map of the delta files' 6 chunks
+            from_origin += ones(given)
+            held[node] |= given
+            for peer in view["peers"]:
+                have = from_hex(peer["chunks"], DELTA_CHUNKS) & ~held[node]
+                if have:
+                    held[node] |= have & -have
+                    break
+        if all(bits == full(DELTA_CHUNKS) for bits in held.values()):
+            break
+    assert all(bits == full(DELTA_CHUNKS) for bits in held.values())
+    assert sorted(from_origin) == list(range(DELTA_CHUNKS))
+    assert tracker.summary()["4.delta"]["holders"] == 8
+
+
+def test_delta_pullers_are_sent_to_delta_holders_and_full_pullers_to_target_holders():
+    """A node holding version 4 complete has its target's chunks, not its delta files: a delta
+    puller is never sent to it (nor a full puller to a node with only delta files)."""
+    tracker = Tracker(clock=FakeClock(), rng=random.Random(8))
+    announce_target(tracker, "complete", None, pulling=False)
+    given = announce_delta(tracker, "rebuilder", 0b11)["4"]["origin"]
+    assert from_hex(given, DELTA_CHUNKS) == full(DELTA_CHUNKS) & ~0b11  # the target's holder has none of them
+    view = announce_delta(tracker, "delta-puller", 0)["4"]
+    assert [p["node"] for p in view["peers"]] == ["rebuilder"]
+    assert from_hex(view["peers"][0]["chunks"], DELTA_CHUNKS) == 0b11
+    assert from_hex(view["origin"], DELTA_CHUNKS) == 0  # held or given already: not from the origin again
+    view = announce_target(tracker, "full-puller", 0)["4"]
+    assert [p["node"] for p in view["peers"]] == ["complete"] and from_hex(view["origin"], CHUNKS) == 0
+    assert set(tracker.summary()) == {"4", "4.delta"}
+
+
+def test_a_node_that_committed_its_rebuild_leaves_the_delta_swarm_and_reclaim_forgets_both():
+    tracker = Tracker(clock=FakeClock())
+    announce_delta(tracker, "a", full(DELTA_CHUNKS))
+    announce_target(tracker, "b", None, pulling=False)
+    assert tracker.summary()["4.delta"]["complete"] == 1
+    announce_target(tracker, "a", None, pulling=False)  # committed: the version, not its delta files
+    assert "4.delta" not in tracker.summary() and tracker.summary()["4"]["holders"] == 2
+    announce_delta(tracker, "c", 0)
+    tracker.forget_version(4)
+    assert tracker.summary() == {}
+
+
+def test_a_digest_that_is_neither_the_target_nor_the_delta_is_ignored():
+    tracker = Tracker(clock=FakeClock())
+    body = Announce(url="http://x:1", versions={"4": HeldVersion(digest=DELTA_VERSION.delta.base_digest)})
+    assert tracker.announce("x", body, manifest_of) == {}
+    body = Announce(url="http://x:1", versions={"3": HeldVersion(digest=DELTA_VERSION.delta.digest)})
+    assert tracker.announce("x", body, manifest_of) == {}  # version 3 has no delta section
+    assert tracker.summary() == {}

@@ -22,6 +22,12 @@ The reply, for each version the node is pulling:
   alone), taken at a point of the version
   that depends on the node, so that concurrent pullers start on different chunks.
 
+A delta version's delta files are a swarm of their own, beside its target's: a node pulling
+the version from its delta announces it under the delta section's digest (``Delta.digest``)
+with a chunk map over the delta files (in the section's order), and the reply for that version
+is about the delta files; a node holding the version complete announces the target's digest as
+ever. So the origin sends about one copy of the delta, however many nodes rebuild from it.
+
 Cost per announcement: a few big-integer operations over the version's chunk maps (no loop
 over chunks nor over holders: the union of what holders have is kept as they announce, and
 peers are drawn by a bounded number of random probes); a departure makes the next reply
@@ -82,6 +88,25 @@ class _Swarm:
             del self.by_node[node]
 
 
+DELTA = "delta"  # the kind of a delta files' swarm; "" is the target's
+
+
+def _key_name(key: tuple[int, str]) -> str:
+    """A swarm's name in the summary: ``"12"`` (the version) or ``"12.delta"`` (its delta files)."""
+    version, kind = key
+    return f"{version}.{kind}" if kind else str(version)
+
+
+def _swarm_of(manifest: Manifest, digest: str) -> tuple[str, int] | None:
+    """(kind, chunks) of the swarm an announced digest names in ``manifest``: its target, or its
+    delta files; None for another digest."""
+    if digest == manifest.digest:
+        return "", sum(len(f.chunks) for f in manifest.files)
+    if manifest.delta is not None and digest == manifest.delta.digest:
+        return DELTA, sum(len(f.chunks) for f in manifest.delta.files)
+    return None
+
+
 class Tracker:
     def __init__(self, *, clock: Callable[[], float] = time.monotonic, holder_ttl_s: float = 30.0,
                  assign_ttl_s: float = 30.0, max_peers: int = 8, origin_per_puller: int = 8,
@@ -90,8 +115,8 @@ class Tracker:
         self.holder_ttl_s, self.assign_ttl_s = holder_ttl_s, assign_ttl_s
         self.max_peers, self.origin_per_puller = max_peers, origin_per_puller
         self._rng = rng or random.Random()
-        self._swarms: dict[int, _Swarm] = {}
-        self._nodes: dict[str, set[int]] = {}  # node -> versions it named last time
+        self._swarms: dict[tuple[int, str], _Swarm] = {}  # (version, "" or DELTA) -> its swarm
+        self._nodes: dict[str, set[tuple[int, str]]] = {}  # node -> the swarms it named last time
         self._suspect: dict[str, float] = {}  # node -> until when no puller is sent to it
 
     def announce(self, node: str, body: Announce, manifest_of: Callable[[int], Manifest | None]) -> dict:
@@ -106,16 +131,17 @@ class Tracker:
                     for swarm in self._swarms.values():
                         swarm.stale = True  # its chunks no longer count as held
                 self._suspect[peer] = now + self.holder_ttl_s
-        named: set[int] = set()
+        named: set[tuple[int, str]] = set()
         views = {}
         for key, held in body.versions.items():
             version = int(key)
             manifest = manifest_of(version)
-            if manifest is None or manifest.digest != held.digest:
+            which = None if manifest is None else _swarm_of(manifest, held.digest)
+            if which is None:
                 continue  # unknown, reclaimed, or another registry's version of that number
-            named.add(version)
-            swarm = self._swarm(version, manifest)
-            count = swarm.count
+            kind, count = which
+            named.add((version, kind))
+            swarm = self._swarm((version, kind), count)
             try:
                 bits = full(count) if held.chunks is None else from_hex(held.chunks, count)
             except ValueError:
@@ -136,18 +162,20 @@ class Tracker:
                 swarm.take_back(chunk)  # delivered (by whoever was given it): it is held now
             if held.pulling and bits != full(count):
                 views[key] = self._view(swarm, node, bits, now)
-        for version in self._nodes.get(node, set()) - named:
-            self._drop(version, node)
+        for gone in self._nodes.get(node, set()) - named:
+            self._drop(gone, node)
         self._nodes[node] = named
         return views
 
     def forget_node(self, node: str) -> None:
-        for version in self._nodes.pop(node, set()):
-            self._drop(version, node)
+        for key in self._nodes.pop(node, set()):
+            self._drop(key, node)
 
     def forget_version(self, version: int) -> None:
-        """The version's bytes are gone (reclaimed): nobody should be sent for them."""
-        self._swarms.pop(version, None)
+        """The version's bytes are gone (reclaimed): nobody should be sent for them (its
+        target's nor its delta files)."""
+        self._swarms.pop((version, ""), None)
+        self._swarms.pop((version, DELTA), None)
 
     def sweep(self) -> None:
         """Forget holders silent for ``holder_ttl_s``; take back origin chunks whose puller did
@@ -157,37 +185,38 @@ class Tracker:
             del self._suspect[node]
             for swarm in self._swarms.values():
                 swarm.stale = True  # its chunks count again
-        for version, swarm in list(self._swarms.items()):
+        for key, swarm in list(self._swarms.items()):
             for chunk in [c for c, (_, expires) in swarm.given.items() if expires <= now]:
-                log.info("take back chunk %d of version %d from %s (not delivered in %.0f s)", chunk, version,
+                log.info("take back chunk %d of version %s from %s (not delivered in %.0f s)", chunk, _key_name(key),
                          swarm.given[chunk][0], self.assign_ttl_s)
                 swarm.take_back(chunk)
             for node in [n for n, h in swarm.holders.items() if now - h.seen > self.holder_ttl_s]:
-                log.info("forget holder %s of version %d (silent for %.0f s)", node, version,
+                log.info("forget holder %s of version %s (silent for %.0f s)", node, _key_name(key),
                          now - swarm.holders[node].seen)
-                self._drop(version, node)
-                self._nodes.get(node, set()).discard(version)
+                self._drop(key, node)
+                self._nodes.get(node, set()).discard(key)
 
-    def summary(self) -> dict:
-        """``{version: {"holders", "complete", "pulling", "given"}}`` for status and metrics."""
+    def summary(self) -> dict[str, dict]:
+        """``{"12": {"holders", "complete", "pulling", "given"}, "13.delta": {...}}`` for status
+        and metrics: each version's target, and the delta files of a version pulled as a delta."""
         out = {}
-        for version, swarm in sorted(self._swarms.items()):
+        for key, swarm in sorted(self._swarms.items()):
             done = full(swarm.count)
-            out[version] = {"holders": len(swarm.holders),
+            out[_key_name(key)] = {"holders": len(swarm.holders),
                             "complete": sum(h.bits == done for h in swarm.holders.values()),
                             "pulling": sum(h.pulling and h.bits != done for h in swarm.holders.values()),
                             "given": len(swarm.given)}
         return out
 
     # -- inside ---------------------------------------------------------------------------------
-    def _swarm(self, version: int, manifest: Manifest) -> _Swarm:
-        swarm = self._swarms.get(version)
+    def _swarm(self, key: tuple[int, str], count: int) -> _Swarm:
+        swarm = self._swarms.get(key)
         if swarm is None:
-            swarm = self._swarms[version] = _Swarm(sum(len(f.chunks) for f in manifest.files))
+            swarm = self._swarms[key] = _Swarm(count)
         return swarm
 
-    def _drop(self, version: int, node: str) -> None:
-        swarm = self._swarms.get(version)
+    def _drop(self, key: tuple[int, str], node: str) -> None:
+        swarm = self._swarms.get(key)
         if swarm is None:
             return
         swarm.holders.pop(node, None)
@@ -196,7 +225,7 @@ class Tracker:
         for chunk in ones(swarm.by_node.get(node, 0)):
             swarm.take_back(chunk)
         if not swarm.holders:
-            del self._swarms[version]
+            del self._swarms[key]
 
     def _refresh(self, swarm: _Swarm) -> None:
         """Rebuild what a departure made stale: O(holders), only after someone left."""
