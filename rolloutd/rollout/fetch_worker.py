@@ -126,8 +126,8 @@ class Worker:
                                                   "chunk": getattr(e, "chunk", None)}})
         except codec.DeltaError as e:
             self.emit({"id": job["id"], "error": {"kind": "delta", "message": str(e)}})
-        except OSError as e:  # the base's files (gone?) or the partial's
-            self.emit({"id": job["id"], "error": {"kind": "write", "message": f"{spec['target']}: {e}"}})
+        except OSError as e:  # the base's files (gone?) or the partial's: the error names which
+            self.emit({"id": job["id"], "error": {"kind": "write", "message": str(e)}})
         except Exception as e:  # a bug: say so, and keep the worker for the next job
             self.emit({"id": job["id"], "error": {"kind": "bug", "message": f"{type(e).__name__}: {e}"}})
 

@@ -15,6 +15,22 @@ Contract:
   again, up to ``max_chunk_retries`` times per chunk; then the pull fails. A peer that fails
   (an error, bad bytes, slower than ``peer_chunk_timeout_s`` for a chunk) is dropped for the
   rest of the pull and its chunk fetched elsewhere, without counting against that limit.
+- A **delta version** (its manifest has a ``delta`` section, docs/deltas.md) whose base the
+  mirror holds complete, with the section's ``base_digest`` and sound (``Mirror.damage``), is
+  pulled as its delta: room is made for the version and its delta files, the base is pinned
+  (no gc or ``ensure_room`` removes it meanwhile; it is only ever read), the delta files are
+  fetched from the origin into the partial directory (``Mirror.stage``), checked chunk by chunk
+  as any file, then the pull workers rebuild every file of the version from the base and them
+  (:func:`rolloutd.wire.delta.apply_and_verify`), each chunk checked against the version's
+  digests as it is written; the delta files are removed and the version committed with the
+  section dropped (``Manifest.target()``: the same digest), so the mirror holds an ordinary
+  full version. Any failure of that path (a delta chunk that fails ``max_chunk_retries`` + 1
+  times, a delta that cannot be applied, a rebuilt chunk that differs, a damaged base, no room
+  for the delta files) is logged at WARNING naming the version and file, kept in
+  ``progress.delta_error``, and the same ``pull()`` goes on with the whole version in a fresh
+  partial directory: a version rebuilt wrong is never committed. Without the base (or with
+  another copy of it) the whole version is pulled at once (logged at INFO). A delta pull's
+  partial directory is never kept for a next try; a full pull's kept one is resumed whole.
 - The lease is renewed every ``renew_every_s`` while pulling. A lease that expired anyway is
   taken again on the same version if the registry still has it (a retired version keeps its
   bytes only while leased: if they are gone, the pull fails).
@@ -42,8 +58,9 @@ room, has the mirror create the partial directory, asks the plan where each chun
 and hands it, with that source, to a pull worker
 (:mod:`~rolloutd.rollout.fetch_pool`: ``workers`` child processes with ``streams`` transfers
 in all), retries what failed, renews the lease and has the mirror commit. The workers only
-move bytes: network reads, digests and writes into the partial directory's files, so no pull
-work ever runs on the daemon's event loop or under its interpreter lock. The mirror stays the
+move bytes: network reads, digests, rebuilds from a delta and writes into the partial
+directory's files, so no pull work ever runs on the daemon's event loop or under its
+interpreter lock. The mirror stays the
 one owner of its directories, in this process: the workers never create, rename or remove
 anything, so gc, ``ensure_room`` and commits decide on one view under one lock. Requests start
 on chunk boundaries, so every write but a file's last covers whole pages (tmpfs zero-fills the
