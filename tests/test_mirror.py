@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import typing
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from rolloutd.node.metrics import Metrics
 from rolloutd.rollout import mirror as mirror_mod
 from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror, MirrorFull
 from rolloutd.rollout.updater import Updater
-from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks
+from rolloutd.wire.manifest import Delta, DeltaEncoding, DeltaFile, FileEntry, Manifest, hash_chunks
 
 from .conftest import free_port
 
@@ -211,6 +212,24 @@ def test_delta_files_that_do_not_fit_fail_the_stage_with_the_figures(mirror, mon
     with pytest.raises(OSError, match=r"has 1000 B free, the delta files of version 2 need 2\.9 KiB"):
         mirror.stage(partial, make_manifest(2, {"a.delta": b"d" * 3000}))
     mirror.discard(partial)
+
+
+def test_a_version_is_kept_without_its_delta_section(mirror):
+    """Whatever manifest a pull begins with, the mirror holds the version a full publish has:
+    a delta section names delta files the version's directory never holds."""
+    files = payload(2)
+    plain = make_manifest(2, files)
+    delta = Delta(base_version=1, base_digest="ab" * 32, encoding=typing.get_args(DeltaEncoding)[0],
+                  files=[DeltaFile(name=f"{e.name}.delta", target=e.name, size=10,
+                                   chunks=hash_chunks(b"d" * 10, CHUNK, "xxh3-128")) for e in plain.files])
+    partial = mirror.begin(plain.with_delta(delta))
+    assert partial.manifest == plain and partial.manifest.delta is None
+    for name, data in files.items():
+        write(partial, name, data)
+    mirror.commit(partial)
+    assert mirror.manifest(2) == plain
+    assert json.loads((mirror.path(2) / MANIFEST_NAME).read_bytes()).keys() == json.loads(
+        plain.model_dump_json()).keys()
 
 
 def test_usage_counts_versions_and_partials(mirror):

@@ -246,7 +246,7 @@ class Mirror:
         through a pull. The pages of new files are allocated by whoever writes them (the pull
         workers allocate a chunk's range before they fill it): allocating gigabytes here would
         be the daemon's own CPU time, beside its event loop."""
-        manifest = manifest.sealed()
+        manifest = manifest.sealed().target()  # a delta section names files a version never holds
         spares = self._spares()
         free = _free_bytes(self.dir) + sum(spares.values())
         if free < manifest.total_bytes:
