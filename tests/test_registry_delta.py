@@ -179,6 +179,9 @@ def test_the_encode_runs_off_the_event_loop(monkeypatch):
         assert entered.wait(20)
         assert http.get("/healthz").status_code == 200  # the loop is free while the encoder works
         assert http.get("/v1/versions/latest").json()["version"] == 1  # not visible before its delta is done
+        # the publish fence holds while it encodes: its files are final
+        assert http.delete("/v1/uploads/2").json()["error"]["code"] == "version_conflict"
+        assert http.put("/v1/uploads/2/files/x.safetensors", content=b"x").json()["error"]["code"] == "version_conflict"
         release.set()
         t.join(20)
         assert served(http, 2).delta is not None
@@ -377,6 +380,21 @@ def test_a_disk_registry_restarted_keeps_delta_sections_and_their_files(tmp_path
         assert rebuilt(http, before, tmp_path / "check") == published(sd)
         publish(reg, 3, step(sd, seed=16))  # the chain since the last full version is known again
         assert served(http, 3).delta.base_version == 2
+
+
+def test_a_version_whose_delta_file_is_lost_on_disk_loads_as_a_full_version(tmp_path, caplog):
+    data = tmp_path / "registry"
+    sd = weights()
+    with EmbeddedRegistry(port=0, data_dir=data) as reg, httpx.Client(base_url=reg.url) as http:
+        publish(reg, 1, sd)
+        m2 = publish(reg, 2, sd := step(sd, seed=19))
+        name = served(http, 2).delta.files[0].name
+    (data / "versions" / "2" / name).write_bytes(b"cut short")
+    with EmbeddedRegistry(port=0, data_dir=data) as reg, httpx.Client(base_url=reg.url) as http:
+        assert served(http, 2) == m2  # its target whole: still the version, now a full one
+        assert http.get(f"/v1/versions/2/files/{name}").json()["error"]["code"] == "file_unknown"
+        assert http.get(f"/v1/versions/2/files/{m2.files[0].name}").status_code == 200
+    assert f"load version 2 without its delta section: {name} has 9 bytes" in caplog.text
 
 
 def test_a_restart_that_lost_the_chain_publishes_a_full_version_next(tmp_path, caplog):

@@ -559,17 +559,30 @@ class DiskStore:
                 manifest = Manifest.model_validate_json((d / "manifest.json").read_bytes()).sealed()
                 if manifest.version != int(d.name):
                     raise ValueError(f"manifest says version {manifest.version}")
-                blobs: dict[str, Blob] = {}
-                for f in keep_entries(manifest):
-                    size = (d / f.name).stat().st_size
-                    if size != f.size:
-                        raise ValueError(f"{f.name} has {size} bytes, manifest says {f.size}")
-                    blobs[f.name] = DiskBlob(d / f.name, f.size)
+                blobs = _disk_blobs(d, keep_entries(manifest.target()))
             except (OSError, ValueError) as e:
                 log.warning("skip %s: not a complete version (%s)", d, e)
                 continue
+            if manifest.delta is not None and manifest.source is None:
+                try:
+                    blobs.update(_disk_blobs(d, manifest.delta.files))
+                except (OSError, ValueError) as e:  # the target is whole: it is still a version, a full one
+                    log.warning("load version %d without its delta section: %s", manifest.version, e)
+                    manifest = manifest.target()
             found.append((manifest, blobs))
         return found
+
+
+def _disk_blobs(d: Path, entries: list[FileEntry]) -> dict[str, Blob]:
+    """The blobs of ``entries`` in directory ``d``; ValueError or OSError when one is missing or
+    has another size than its entry says."""
+    blobs: dict[str, Blob] = {}
+    for f in entries:
+        size = (d / f.name).stat().st_size
+        if size != f.size:
+            raise ValueError(f"{f.name} has {size} bytes, manifest says {f.size}")
+        blobs[f.name] = DiskBlob(d / f.name, f.size)
+    return blobs
 
 
 def keep_entries(manifest: Manifest) -> list[FileEntry]:

@@ -259,7 +259,7 @@ class RegistryService:
                            loaded: bool = False) -> Version:
         base = self._chains.get(manifest.delta.base_version) if manifest.delta is not None else None
         chain = chain_after(base, manifest.delta)  # before the publish: it may reclaim the base
-        version = self.store.publish(manifest, blobs, "(loaded from disk)" if loaded else describe(manifest, why_full))
+        version = self.store.publish(manifest, blobs, "loaded from disk" if loaded else describe(manifest, why_full))
         self._chains[manifest.version] = chain
         if loaded:
             return version
