@@ -1,7 +1,8 @@
-"""What a heartbeat carries for the fleet view (the server's last error, the node's last pull, the
-versions the node refused), and a registry from before those fields: the node leaves them out
-after the first refusal and its heartbeats go on (a real registry over HTTP, whose heartbeat model
-lacks the newer fields)."""
+"""What a heartbeat carries for the fleet view (the server's last error, the node's last pull: its
+time, full or delta, base and bytes fetched against the version's size; the versions the node
+refused), and a registry from before those fields: the node leaves them out after the first
+refusal and its heartbeats go on (a real registry over HTTP, whose heartbeat model lacks the newer
+fields)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-from pydantic import create_model
+from pydantic import ValidationError, create_model
 
 from rolloutd.registry import EmbeddedRegistry, VersionRefused
 from rolloutd.registry.client import RegistryClient
@@ -45,7 +46,7 @@ class FakeServer:
 
 def heartbeater(url: str, last_error: str | None, version: int = 2) -> tuple[Heartbeater, RegistryClient, list]:
     progress = PullProgress(target=2, clock=iter([10.0, 13.25]).__next__)
-    progress.state, progress.ended_at = PullState.DONE, progress.clock()
+    progress.version, progress.state, progress.ended_at = 2, PullState.DONE, progress.clock()
     replies = []
     updater = SimpleNamespace(registry=SimpleNamespace(instance=None), puller=SimpleNamespace(progress=progress),
                               note_reply=replies.append, note_unreachable=lambda why: None)
@@ -66,6 +67,47 @@ async def test_a_heartbeat_carries_the_last_error_clipped_and_the_last_pull():
     assert rep.timings == {"paused": 0.5, "pull": 3.25} and rep.gate.ok is False
 
 
+async def test_the_last_pull_goes_through_the_registry_to_the_fleet_document_and_stays_while_the_next_runs():
+    import httpx
+
+    with EmbeddedRegistry(port=0) as reg:
+        hb, client, _ = heartbeater(reg.url, None)
+        done = hb._updater.puller.progress
+        done.kind, done.base, done.bytes_fetched, done.version_bytes, done.reconstruct_s = (
+            "delta", 1, 21_000, 1_000_000, 0.125)
+        done.delta_error = None
+        try:
+            assert await hb.beat()
+            hb._updater.puller.progress = PullProgress(target="latest")  # the next pull, still leasing
+            assert await hb.beat()
+        finally:
+            await client.close()
+        [node] = httpx.get(reg.url + "/v1/fleet", timeout=10).json()["nodes"]["items"]
+    assert node["replicas"][0]["pull"] == {"version": 2, "kind": "delta", "base": 1, "bytes_fetched": 21_000,
+                                           "version_bytes": 1_000_000, "seconds": 3.25, "reconstruct_s": 0.125,
+                                           "delta_error": None, "fetched_ratio": 0.021}
+
+
+def test_a_delta_error_is_clipped_like_the_last_error():
+    hb, _, _ = heartbeater("http://127.0.0.1:9", None)
+    p = hb._updater.puller.progress
+    p.kind, p.base, p.bytes_fetched, p.version_bytes, p.reconstruct_s = "full", None, 10, 10, None
+    p.delta_error = "y" * 2000
+    report = hb.heartbeat().last_pull
+    assert len(report.delta_error) == MAX_ERROR_CHARS and report.delta_error.endswith("…")
+    assert (report.kind, report.bytes_fetched, report.version_bytes) == ("full", 10, 10)
+
+
+@pytest.mark.parametrize("bad", [{"delta_error": "x" * (MAX_ERROR_CHARS + 1)}, {"kind": "patch"}, {"base": 0},
+                                 {"bytes_fetched": -1}, {"seconds": float("nan")}, {"reconstruct_s": -0.5},
+                                 {"saved": 0.9}])
+def test_the_registry_refuses_a_last_pull_out_of_bounds(bad):
+    ok = {"version": 2, "kind": "delta", "base": 1, "bytes_fetched": 1, "version_bytes": 2, "seconds": 0.1}
+    Heartbeat(node="n", server="s", state="SERVING", last_pull=ok)  # what the registry parses a heartbeat with
+    with pytest.raises(ValidationError):
+        Heartbeat(node="n", server="s", state="SERVING", last_pull={**ok, **bad})
+
+
 @pytest.mark.parametrize("last_error", ["vllm serve exited with status 1", None])
 async def test_a_registry_from_before_the_fields_gets_heartbeats_without_them(monkeypatch, caplog, last_error):
     old = create_model("Heartbeat", __config__=Heartbeat.model_config, **{
@@ -80,7 +122,7 @@ async def test_a_registry_from_before_the_fields_gets_heartbeats_without_them(mo
         finally:
             await client.close()
         assert "node-a.gpu0" in reg.service.store.directory()
-    refused = ["gate"] + (["last_error"] if last_error else []) + ["refused"]
+    refused = ["gate"] + (["last_error"] if last_error else []) + ["refused", "last_pull"]
     assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name == "rolloutd.rollout.heartbeat"] == \
         [f"heartbeat node-a.gpu0: the registry does not take {' and '.join(refused)}"]
     assert len(replies) == 2 and hb._refused == set(refused)

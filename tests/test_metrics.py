@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rolloutd.node.metrics import FAILURE_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
+from rolloutd.node.metrics import FAILURE_KINDS, PULL_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
 from rolloutd.supervise.states import ServerState
 
 
@@ -21,7 +21,7 @@ def samples(m: Metrics) -> dict[tuple[str, tuple], float]:
 
 def test_values_set_are_in_the_text():
     m = Metrics()
-    m.pull_bytes.inc(1 << 30)
+    m.pull_bytes.labels(kind="full").inc(1 << 30)
     m.pull_rate.set(5e8)
     m.pull_seconds.observe(2.0)
     m.pulls.labels(result="ok").inc()
@@ -38,7 +38,7 @@ def test_values_set_are_in_the_text():
     m.registry_reachable.set(1)
     m.mirror_bytes.set(123456)
     s = samples(m)
-    assert s[("rolloutd_pull_bytes_total", ())] == 1 << 30
+    assert s[("rolloutd_pull_bytes_total", (("kind", "full"),))] == 1 << 30
     assert s[("rolloutd_pull_rate_bytes_per_second", ())] == 5e8
     assert s[("rolloutd_pull_seconds_count", ())] == 1 and s[("rolloutd_pull_seconds_sum", ())] == 2.0
     assert s[("rolloutd_pull_seconds_bucket", (("le", "2.5"),))] == 1
@@ -67,10 +67,26 @@ def test_known_labels_start_at_zero():
     s = samples(Metrics())
     for result in PULL_RESULTS:
         assert s[("rolloutd_pulls_total", (("result", result),))] == 0
+    for kind in PULL_KINDS:
+        assert s[("rolloutd_pull_bytes_total", (("kind", kind),))] == 0
     for kind in FAILURE_KINDS:
         assert s[("rolloutd_update_failures_total", (("kind", kind),))] == 0
     for phase in UPDATE_PHASES:
         assert s[("rolloutd_update_phase_seconds_count", (("phase", phase),))] == 0
+
+
+def test_a_pull_counts_its_bytes_by_kind_and_times_a_delta_s_rebuild():
+    m = Metrics()
+    m.pulled("delta", 21_000, seconds=0.5, reconstruct_s=0.125)
+    m.pulled("delta", 9_000, seconds=0.25, reconstruct_s=0.05)
+    m.pulled("full", 1_000_000, seconds=2.0, reconstruct_s=None)  # a full pull rebuilds nothing
+    s = samples(m)
+    assert s[("rolloutd_pull_bytes_total", (("kind", "delta"),))] == 30_000
+    assert s[("rolloutd_pull_bytes_total", (("kind", "full"),))] == 1_000_000
+    assert s[("rolloutd_pulls_total", (("result", "ok"),))] == 3 and s[("rolloutd_pull_seconds_count", ())] == 3
+    assert s[("rolloutd_pull_reconstruct_seconds_count", ())] == 2
+    assert s[("rolloutd_pull_reconstruct_seconds_sum", ())] == 0.175
+    assert s[("rolloutd_pull_reconstruct_seconds_bucket", (("le", "0.1"),))] == 1
 
 
 def test_buckets_span_the_quantities():
@@ -80,6 +96,8 @@ def test_buckets_span_the_quantities():
     assert pause[0] == 0.01 and pause[-2] == 600 and pause[-1] == float("inf")
     pull = sorted(float(dict(k[1])["le"]) for k in s if k[0] == "rolloutd_pull_seconds_bucket")
     assert pull[0] == 0.1 and pull[-2] == 3600 and pull[-1] == float("inf")
+    rebuild = sorted(float(dict(k[1])["le"]) for k in s if k[0] == "rolloutd_pull_reconstruct_seconds_bucket")
+    assert rebuild[0] == 0.01 and rebuild[-2] == 600  # milliseconds for a small model, minutes at 1T
 
 
 def test_each_metrics_has_its_own_registry():

@@ -83,6 +83,7 @@ class FakePuller:
         self.raises: Exception | None = None
         self.progress = None
         self.no_room_again = False  # its failures are never a lack of room said before
+        self.result: dict = {}  # fields of the results it returns (a delta pull's, say)
 
     async def pull(self, version: int | str = "latest") -> PullResult:
         self.pulls.append((now(), version))
@@ -99,7 +100,7 @@ class FakePuller:
         if v not in self.registry.versions:
             raise PullError(f"version {v} is retired")
         return PullResult(version=v, path=self.root / str(v), digest=digest(self.registry.instance, v), bytes=1000,
-                          seconds=self.pull_s, retries=0)
+                          seconds=self.pull_s, retries=0, **self.result)
 
 
 class FakeMirror:
@@ -341,6 +342,25 @@ def test_a_failed_pull_keeps_the_target_and_is_retried_with_growing_delays(tmp_p
     assert node.sample("rolloutd_update_failures_total", kind="pull") == 3
     assert node.sample("rolloutd_pulls_total", result="failed") == 3
     assert "pull latest failed: pull latest: chunk 3 of model.safetensors failed 4 times" in caplog.text
+
+
+def test_a_pull_is_counted_by_kind_and_a_delta_s_rebuild_is_timed(tmp_path):
+    async def scenario():
+        node = Node(tmp_path, 1).start()
+        await node.target(1)
+        node.puller.result = {"kind": "delta", "base": 1, "bytes_fetched": 21 << 10, "version_bytes": 1 << 30,
+                              "reconstruct_s": 0.25}
+        await node.registry.change(publish=2)
+        await node.target(2)
+        await node.stop()
+        return node
+
+    node = run(scenario())
+    assert node.sample("rolloutd_pull_bytes_total", kind="delta") == 21 << 10
+    assert node.sample("rolloutd_pull_bytes_total", kind="full") == 0  # the first pull's result fetched nothing
+    assert node.sample("rolloutd_pull_reconstruct_seconds_count") == 1
+    assert node.sample("rolloutd_pull_reconstruct_seconds_sum") == 0.25
+    assert node.sample("rolloutd_pulls_total", result="ok") == 2
 
 
 def test_a_pull_longer_than_pull_timeout_s_fails_and_is_retried(tmp_path, caplog):

@@ -152,3 +152,45 @@ async def test_no_room_on_the_mirrors_filesystem_is_said_once_not_at_every_retry
                 await asyncio.gather(run, return_exceptions=True)
                 await updater.puller.close()
         mirror.close()
+
+
+async def test_a_delta_pull_is_counted_by_kind_and_said_in_the_heartbeat(tmp_path):
+    """Real pulls from a registry that publishes version 2 as a delta on version 1: the pull
+    bytes metric by kind, the rebuild's histogram and the heartbeat's report say how each version
+    came and what it fetched against its size."""
+    from rolloutd.rollout.heartbeat import pull_report
+
+    sd = tinymodel.state_dict(tinymodel.TINY, 1)
+    with EmbeddedRegistry(port=0) as reg:
+        full = reg.publish(1, sd, shard_bytes=600_000, chunk_bytes=1 << 16)
+        cfg = Config.model_validate({"registry": {"url": reg.url, "long_poll_s": 30},
+                                     "servers": [{"name": "s0", "model": "/m", "public_port": 9001}]})
+        mirror, metrics = Mirror(tmp_path / "mirror", 1 << 30), Metrics()
+        async with RegistryClient(reg.url) as client:
+            updater = Updater(lambda: cfg, client, mirror, metrics, in_use=set)
+            run = asyncio.ensure_future(updater.run())
+            run.set_name("updater")
+            try:
+                await until(lambda: updater.target is not None and updater.target.version == 1, 30, "version 1")
+                first = pull_report(updater.puller.progress)
+                name = next(iter(sd))
+                sd[name] = sd[name].copy()
+                sd[name].reshape(-1)[:8] += 1  # a step that changed a few elements
+                await asyncio.to_thread(reg.publish, 2, sd, shard_bytes=600_000, chunk_bytes=1 << 16)
+                delta = reg.service.store.get(2).manifest
+                assert delta.delta is not None and delta.delta.base_version == 1
+                await until(lambda: updater.target is not None and updater.target.version == 2, 30, "version 2")
+                second = pull_report(updater.puller.progress)
+            finally:
+                run.cancel()
+                await asyncio.gather(run, return_exceptions=True)
+                await updater.puller.close()
+        mirror.close()
+    sample = metrics.registry.get_sample_value
+    assert (first.kind, first.base, first.bytes_fetched, first.version_bytes) == ("full", None, full.total_bytes,
+                                                                                  full.total_bytes)
+    assert (second.kind, second.base, second.version_bytes) == ("delta", 1, delta.total_bytes)
+    assert 0 < second.bytes_fetched < delta.total_bytes / 10 and second.reconstruct_s is not None
+    assert sample("rolloutd_pull_bytes_total", {"kind": "full"}) == full.total_bytes
+    assert sample("rolloutd_pull_bytes_total", {"kind": "delta"}) == second.bytes_fetched
+    assert sample("rolloutd_pull_reconstruct_seconds_count", {}) == 1

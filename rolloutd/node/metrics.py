@@ -24,6 +24,7 @@ PULL_BUCKETS = (.1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3
 LAG_BUCKETS = (.001, .0025, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10)
 
 PULL_RESULTS = ("ok", "failed", "reused")
+PULL_KINDS = ("full", "delta")  # a version's files fetched whole, or its delta files and rebuilt from a base
 UPDATE_PHASES = ("pause", "start", "load", "finish", "check", "resume", "gate")
 FAILURE_KINDS = ("pull", "pause", "start", "load", "finish", "check", "resume", "timeout", "sync", "gate")
 TASKS = ("heartbeat", "updater", "reload", "loop_lag")  # the daemon's long-lived tasks with a crash policy
@@ -32,8 +33,14 @@ TASKS = ("heartbeat", "updater", "reload", "loop_lag")  # the daemon's long-live
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry(auto_describe=True)
-        self.pull_bytes = Counter("rolloutd_pull_bytes", "Bytes pulled into the mirror by pulls that succeeded",
-                                  registry=r)
+        self.pull_bytes = Counter("rolloutd_pull_bytes", "Bytes fetched over the network by pulls that "
+                                  "succeeded, by kind (full: the version's files; delta: its delta files, "
+                                  "and the full files too when the delta failed and the pull fell back)",
+                                  ["kind"], registry=r)
+        self.pull_reconstruct_seconds = Histogram("rolloutd_pull_reconstruct_seconds", "Time a delta pull "
+                                                  "took to rebuild the version's files from the base and the "
+                                                  "delta, every chunk's digest checked", buckets=PAUSE_BUCKETS,
+                                                  registry=r)
         self.pull_rate = Gauge("rolloutd_pull_rate_bytes_per_second", "Rate of the current pull (0 when idle)",
                                registry=r)
         self.pull_seconds = Histogram("rolloutd_pull_seconds", "Duration of whole pulls that succeeded",
@@ -97,12 +104,22 @@ class Metrics:
                                      registry=r)
         for result in PULL_RESULTS:
             self.pulls.labels(result=result)
+        for kind in PULL_KINDS:
+            self.pull_bytes.labels(kind=kind)
         for phase in UPDATE_PHASES:
             self.update_phase_seconds.labels(phase=phase)
         for kind in FAILURE_KINDS:
             self.update_failures.labels(kind=kind)
         for task in TASKS:
             self.task_errors.labels(task=task)
+
+    def pulled(self, kind: str, bytes_fetched: int, seconds: float, reconstruct_s: float | None) -> None:
+        """A pull that brought its version into the mirror (not one the mirror held already)."""
+        self.pulls.labels(result="ok").inc()
+        self.pull_bytes.labels(kind=kind).inc(bytes_fetched)
+        self.pull_seconds.observe(seconds)
+        if reconstruct_s is not None:
+            self.pull_reconstruct_seconds.observe(reconstruct_s)
 
     def set_mirror(self, usage_bytes: int, spare_bytes: int) -> None:
         self.mirror_bytes.set(usage_bytes)

@@ -1,12 +1,13 @@
 """Heartbeats: one task per server, on its own timer, reporting to the registry.
 
 Each beat is a ``PUT /v1/replicas/<node>.<server>`` with the server's state, loaded version,
-target, incarnation, endpoint, last update's phase durations and gate, the node's last pull time,
-the versions the node refused, and the server's last error (the registry's fleet view shows
-them). The task only reads the supervisor's fields, so a pull or an update never delays it. The
-reply's newest version and demand go to the updater. A failed beat is counted and logged when the registry is lost and
-when it is back, not on every beat; beats go on at the same interval. Cancelling the task
-deregisters the replica (bounded by ``shutdown.deregister_timeout_s``).
+target, incarnation, endpoint, last update's phase durations and gate, the node's last pull (its
+time, whether it came whole or as a delta and on which base, the bytes it fetched against the
+version's size), the versions the node refused, and the server's last error (the registry's fleet
+view shows them). The task only reads the supervisor's fields, so a pull or an update never delays
+it. The reply's newest version and demand go to the updater. A failed beat is counted and logged
+when the registry is lost and when it is back, not on every beat; beats go on at the same
+interval. Cancelling the task deregisters the replica (bounded by ``shutdown.deregister_timeout_s``).
 """
 
 from __future__ import annotations
@@ -19,11 +20,18 @@ from collections.abc import Callable
 
 from rolloutd.config import Config
 from rolloutd.registry.client import RegistryClient
-from rolloutd.rollout.puller import PullState
+from rolloutd.rollout.puller import PullProgress, PullState
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire import errors
-from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, GateReport, Heartbeat, RefusedVersion
+from rolloutd.wire.messages import (
+    MAX_ERROR_CHARS,
+    OPTIONAL_HEARTBEAT_FIELDS,
+    GateReport,
+    Heartbeat,
+    PullReport,
+    RefusedVersion,
+)
 
 log = logging.getLogger("rolloutd.rollout.heartbeat")
 
@@ -36,6 +44,7 @@ class Heartbeater:
         self.last_ok: float | None = None
         self._failing = False
         self._refused: set[str] = set()  # newer fields a registry from before them refuses: left out
+        self._last_pull: PullReport | None = None  # kept while the next pull runs
 
     def age_s(self) -> float | None:
         return None if self.last_ok is None else time.monotonic() - self.last_ok
@@ -47,10 +56,12 @@ class Heartbeater:
         pull = self._updater.puller.progress
         if pull is not None and pull.state is PullState.DONE:
             timings["pull"] = round(pull.seconds, 4)  # the node's last pull, for the fleet view
+            self._last_pull = pull_report(pull)
         refused = self.server.refusals.for_heartbeat()
         optional = {"gate": GateReport(**last["gate"]) if last and last.get("gate") else None,
                     "last_error": _clip(snap["last_error"]),
-                    "refused": [RefusedVersion(**r) for r in refused] if refused else None}
+                    "refused": [RefusedVersion(**r) for r in refused] if refused else None,
+                    "last_pull": self._last_pull}
         return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap["state"],
                          endpoint=snap["endpoint"],
                          version=snap["version"], target=snap["target"], incarnation=snap["incarnation"],
@@ -104,6 +115,16 @@ class Heartbeater:
             async with asyncio.timeout(self._conf().shutdown.deregister_timeout_s):
                 await self._client.deregister(self.replica_id)
                 log.info("deregister %s", self.replica_id)
+
+
+def pull_report(p: PullProgress) -> PullReport | None:
+    """What the heartbeat says of a pull that ended with its version in the mirror."""
+    if p.version is None:
+        return None
+    return PullReport(version=p.version, kind=p.kind, base=p.base, bytes_fetched=p.bytes_fetched,
+                      version_bytes=p.version_bytes, seconds=round(p.seconds, 4),
+                      reconstruct_s=None if p.reconstruct_s is None else round(p.reconstruct_s, 4),
+                      delta_error=_clip(p.delta_error))
 
 
 def _clip(error: str | None) -> str | None:

@@ -368,9 +368,7 @@ class Updater:
         if result.reused:
             self._metrics.pulls.labels(result="reused").inc()
         else:
-            self._metrics.pulls.labels(result="ok").inc()
-            self._metrics.pull_bytes.inc(result.bytes)
-            self._metrics.pull_seconds.observe(result.seconds)
+            self._metrics.pulled(result.kind, result.bytes_fetched, result.seconds, result.reconstruct_s)
         return result
 
     async def _report_rate(self) -> None:
