@@ -412,6 +412,18 @@ def test_an_upload_whose_fsync_outlasts_the_client_timeout_succeeds(tmp_path, mo
         client.close()
 
 
+def test_an_upload_refused_before_its_body_ends_says_why(registry):
+    """Each shard goes to the socket from the tensors' memory; an upload the registry refuses at
+    once (the number is taken) while 64 MB of body are still coming is reported with the
+    registry's reason (409 version_conflict), not as a broken connection."""
+    import numpy as np
+    client = RegistryHTTP(registry.url, registry.service.token)
+    client.publish(1, {"model.layers.0.w": np.zeros(10, np.float32)})
+    with pytest.raises(errors.VersionConflict, match="version 1 is already published"):
+        client.publish(1, {"model.layers.0.w": np.ones(16 << 20, np.float32)})
+    client.close()
+
+
 @pytest.mark.parametrize("data_dir", [False, True], ids=["memory", "disk"])
 def test_publish_async_returns_a_handle_and_the_step_may_change_the_tensors(tmp_path, data_dir):
     import torch
