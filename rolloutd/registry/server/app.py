@@ -172,15 +172,17 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
 
     @app.post("/v1/versions", status_code=201, openapi_extra=body_schema(Manifest),
               responses={202: {"description": "under way after the wait asked for with Prefer: ask again"}})
-    async def publish(request: Request):
+    async def publish(request: Request, delta: bool = Query(True, description="false: publish a full version, "
+                                                            "never a delta on an earlier one")):
         manifest = errors.parse(Manifest, await request.body())
-        outcome = await publishes.publish(manifest, prefers_async(request.headers.get("prefer")))
+        outcome = await publishes.publish(manifest, prefers_async(request.headers.get("prefer")), delta=delta)
         if outcome is None:
             return JSONResponse({"version": manifest.version, "digest": manifest.sealed().digest,
                                  "state": "publishing"}, status_code=202,
                                 headers={"preference-applied": "respond-async"})
         version, created = outcome
-        body = {"version": version.number, "digest": version.manifest.digest, "created": created}
+        body = {"version": version.number, "digest": version.manifest.digest, "created": created,
+                "delta": version.delta_summary()}
         return JSONResponse(body, status_code=201 if created else 200)
 
     @app.get("/v1/versions/latest")
@@ -207,7 +209,7 @@ def _add_version_routes(app: FastAPI, service: RegistryService) -> None:
              operation_id="file_get")
     async def file_bytes(request: Request, name: str, version: int = VersionPath):
         v = store.get(version)
-        entry = v.manifest.file(name) if valid_file_name(name) else None
+        entry = v.entry(name) if valid_file_name(name) else None  # a delta file is served as any other
         if entry is None:
             raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
         if v.manifest.source is not None:  # the registry keeps the manifest, never these bytes
