@@ -16,7 +16,7 @@ import yaml
 
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.server.ui import ASSETS
-from rolloutd.wire.messages import Heartbeat
+from rolloutd.wire.messages import Heartbeat, PullReport
 
 from .browser import chromium, full_screenshot, wait_for
 
@@ -96,6 +96,12 @@ def shown_states(driver) -> dict[str, str]:
         ".map(r => [r.dataset.replica, r.dataset.state]))")
 
 
+def pull_cells(driver, replica: str) -> tuple[str, str]:
+    """A row's last pull: what it fetched, and its rebuild's time."""
+    cells = driver.find_elements("css selector", f"tr[data-replica='{replica}'] td")
+    return (cells[7].text, cells[8].text) if len(cells) > 8 else ("", "")
+
+
 def status_state(daemon, name: str) -> str | None:
     try:
         return daemon.server(name)["state"]
@@ -128,6 +134,9 @@ def test_chromium_shows_a_running_daemon_live_and_nothing_for_a_wrong_token(tmp_
                      "charting version 1's publish-to-serving time")
             text = driver.find_element("tag name", "body").text
             assert "node-a" in text and "v1" in text
+            # The node's pull of v1, through its heartbeats: the whole version (there was no base).
+            wait_for(driver, lambda: pull_cells(driver, "node-a.s0")[0] == "full", 15, "showing the pull of v1 as full")
+            assert pull_cells(driver, "node-a.s0") == ("full", "–")
 
             # The state change: s1's new config makes every start fail; the daemon gives up (FATAL).
             cfg = yaml.safe_load(daemon.path.read_text())
@@ -172,6 +181,37 @@ def test_chromium_shows_a_running_daemon_live_and_nothing_for_a_wrong_token(tmp_
                 "const done = arguments[0];"
                 "fetch('/v1/fleet', {headers: {Authorization: 'Bearer wrong-token'}}).then(r => done(r.status));")
             assert status == 401
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_chromium_shows_how_each_nodes_last_pull_came_and_what_it_fetched(tmp_path, reg):
+    import asyncio
+
+    delta = PullReport(version=7, kind="delta", base=6, bytes_fetched=21_000, version_bytes=1_000_000, seconds=0.5,
+                       reconstruct_s=0.125)
+    pulls = {"delta": delta,
+             "fellback": PullReport(version=7, kind="full", bytes_fetched=1_000_000, version_bytes=1_000_000,
+                                    seconds=2.0, delta_error="version 7: delta file m.delta: chunk 0 differs"),
+             "resumed": PullReport(version=7, kind="full", bytes_fetched=400_000, version_bytes=1_000_000, seconds=1),
+             "held": PullReport(version=7, kind="full", bytes_fetched=0, version_bytes=1_000_000, seconds=0.01),
+             "none": None}
+
+    async def fill() -> None:  # on the registry's loop: the store is only ever touched there
+        for node, pull in pulls.items():
+            reg.service.store.heartbeat(f"{node}.s0", Heartbeat(node=node, server="s0", state="SERVING",
+                                                                last_pull=pull))
+    asyncio.run_coroutine_threadsafe(fill(), reg._thread.loop).result(10)
+    with chromium(tmp_path / "profile") as driver:
+        driver.get(f"{reg.url}/ui#token={TOKEN}")
+        wait_for(driver, lambda: len(shown_states(driver)) == len(pulls), 30, "every replica")
+        shown = {node: pull_cells(driver, f"{node}.s0") for node in pulls}
+        tip = driver.find_elements("css selector", "tr[data-replica='fellback.s0'] td")[7].get_attribute("title")
+        delta_tip = driver.find_elements("css selector", "tr[data-replica='delta.s0'] td")[7].get_attribute("title")
+    assert shown == {"delta": ("delta 2.1% on v6", "125 ms"), "fellback": ("full (delta failed)", "–"),
+                     "resumed": ("full 40%", "–"), "held": ("held", "–"), "none": ("–", "–")}
+    assert tip.endswith("the delta failed: version 7: delta file m.delta: chunk 0 differs"), tip
+    assert delta_tip == "v7 as a delta on v6: 20.5 KiB fetched of 976.6 KiB in 500 ms; rebuilt from the base in 125 ms"
 
 
 @pytest.mark.slow
