@@ -4,16 +4,20 @@ checked against bytes the test made itself; any damage is an error, never wrong 
 from __future__ import annotations
 
 import io
+import json
 import random
+import typing
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import zstandard
 from safetensors.torch import save
 
 from rolloutd.wire import delta
-from rolloutd.wire.manifest import hash_chunks
+from rolloutd.wire.manifest import DeltaEncoding, hash_chunks
 
 CHUNK = 64 << 10
 
@@ -180,3 +184,70 @@ def test_delta_file_names_never_clash():
     taken = {"model.safetensors.delta", "delta-00000.delta"}
     assert delta.delta_file_name("model.safetensors", taken) == "delta-00001.delta"
     assert delta.delta_file_name("x" * 199, set()) == "delta-00000.delta"
+
+
+def _frames(data: bytes) -> tuple[dict, list[bytes]]:
+    n = int.from_bytes(data[8:16], "little")
+    header = json.loads(data[16:16 + n])
+    frames, at = [], 16 + n
+    for seg in header["segments"]:
+        frames.append(data[at:at + seg[6]])
+        at += seg[6]
+    return header, frames
+
+
+def _delta_file(header: dict, frames: list[bytes]) -> bytes:
+    for seg, frame in zip(header["segments"], frames, strict=True):
+        seg[6] = len(frame)
+    body = json.dumps(header).encode()
+    return delta.MAGIC + len(body).to_bytes(8, "little") + body + b"".join(frames)
+
+
+def test_sparse_xor_is_smaller_on_a_sparse_step_and_goes_dense_where_most_elements_changed(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    base = {"sparse": (torch.randn(512, 512, generator=g) * 0.02).bfloat16(),
+            "dense": (torch.randn(64, 64, generator=g) * 0.02).bfloat16()}
+    target = {"sparse": _step({"w": base["sparse"]}, 0.01)["w"], "dense": _step({"w": base["dense"]}, 0.9)["w"]}
+    rebuilt, stats = _rebuild(tmp_path, {"m.safetensors": save(base)}, save(target), "xor-sparse-zstd")
+    assert rebuilt == save(target)
+    buf = io.BytesIO()
+    delta.encode_file({"m.safetensors": save(base)}, save(target), buf, encoding="xor-sparse-zstd")
+    header, _ = _frames(buf.getvalue())
+    assert [seg[0] for seg in header["segments"]] == ["raw", "xor", "sx"]  # dense first (sorted by name)
+    sparse_only = {"w": base["sparse"]}, {"w": target["sparse"]}
+    sizes = {}
+    for encoding in ("xor-sparse-zstd", "xor-planes-zstd"):
+        buf = io.BytesIO()
+        sizes[encoding] = delta.encode_file({"m": save(sparse_only[0])}, save(sparse_only[1]), buf,
+                                            encoding=encoding).delta_bytes
+    assert sizes["xor-sparse-zstd"] < 0.8 * sizes["xor-planes-zstd"], sizes
+
+
+def test_a_sparse_segment_that_points_outside_its_tensor_is_an_error(tmp_path):
+    base = {"w": torch.randn(100, 8).bfloat16()}
+    target = _step(base, 0.05)
+    buf = io.BytesIO()
+    delta.encode_file({"m": save(base)}, save(target), buf, encoding="xor-sparse-zstd")
+    header, frames = _frames(buf.getvalue())
+    assert header["segments"][1][0] == "sx"
+    (tmp_path / "base").write_bytes(save(base))
+    digests = hash_chunks(save(target), CHUNK, "xxh3-128")
+    for gap, match in ((800, "points outside its tensor"), (0, "points outside its tensor")):
+        gaps = np.array([1, gap], dtype="<u4").view(np.uint8).reshape(-1, 4).T.tobytes()
+        payload = (2).to_bytes(8, "little") + gaps + bytes(4)
+        frames[1] = zstandard.ZstdCompressor().compress(payload)
+        (tmp_path / "d").write_bytes(_delta_file(header, frames))
+        (tmp_path / "out").write_bytes(b"")
+        with pytest.raises(delta.DeltaError, match=match):
+            delta.apply_and_verify({"m": tmp_path / "base"}, tmp_path / "d", tmp_path / "out", hash_name="xxh3-128",
+                                   chunk_bytes=CHUNK, digests=digests)
+    frames[1] = zstandard.ZstdCompressor().compress((1).to_bytes(8, "little") + bytes(5))  # one byte short
+    (tmp_path / "d").write_bytes(_delta_file(header, frames))
+    with pytest.raises(delta.DeltaError, match="not a valid index list"):
+        delta.apply_and_verify({"m": tmp_path / "base"}, tmp_path / "d", tmp_path / "out", hash_name="xxh3-128",
+                               chunk_bytes=CHUNK, digests=digests)
+
+
+def test_the_manifest_accepts_exactly_the_codec_s_encodings():
+    assert set(typing.get_args(DeltaEncoding)) == set(delta.ENCODINGS)
+    assert delta.DEFAULT_ENCODING in delta.ENCODINGS

@@ -17,7 +17,13 @@ base_start, itemsize, frame_bytes], ...]}``. The segments cover the target's byt
   ``xor-planes-zstd`` the XOR is split into byte planes (byte 0 of every element, then byte 1,
   ...) before compression, which puts the mostly-zero high bytes of a bf16 change together;
 - ``iv`` (``index-value-zstd``): the positions of the elements that changed (gaps, uint32) and
-  their new values; applying it twice gives the same bytes.
+  their new values; applying it twice gives the same bytes;
+- ``sx`` (``xor-sparse-zstd``): the positions of the elements that changed (gaps, uint32, in
+  byte planes) and the XOR of each with its base element (in byte planes). An RL step changes
+  about 1 % of a bf16 policy's elements, mostly by one or two bf16 steps: the positions are
+  small numbers and the XORs a few low bits, and neither has to carry the unchanged 99 %. A
+  segment where more than a quarter of the elements changed is an ``xor`` segment in byte
+  planes instead (smaller there).
 
 A tensor longer than ``SEGMENT_BYTES`` is cut into several segments, so that memory stays
 bounded on both sides and segments compress and decompress in parallel (zstandard and numpy
@@ -26,13 +32,14 @@ release the interpreter lock over the byte work).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from concurrent.futures import Executor
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -43,11 +50,14 @@ import zstandard
 from rolloutd.wire.hashes import new_hasher
 
 MAGIC = b"RDELTA1\n"
-ENCODINGS = ("xor-planes-zstd", "xor-zstd", "index-value-zstd")
-DEFAULT_ENCODING = "xor-planes-zstd"
+ENCODINGS = ("xor-sparse-zstd", "xor-planes-zstd", "xor-zstd", "index-value-zstd")
+DEFAULT_ENCODING = "xor-sparse-zstd"  # the smallest on real optimizer steps (bench/README.md, bench/delta.py)
 SEGMENT_BYTES = 8 << 20        # one frame's worth of target bytes at most
 MAX_HEADER_BYTES = 64 << 20    # a delta header larger than this is not one rolloutd wrote
 _WINDOW = 8                    # segments in flight at once per file (bounds memory)
+_DENSE_SHARE = 4               # xor-sparse-zstd: a segment with more than 1/4 of its elements changed goes dense
+_UINT = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_KINDS = ("raw", "xor", "iv", "sx")
 _DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
                 "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
 
@@ -76,7 +86,7 @@ class EncodeStats:
 
 @dataclass(frozen=True)
 class _Segment:
-    kind: str               # raw | xor | iv
+    kind: str               # raw | xor | iv | sx
     start: int
     end: int
     base_file: str | None = None
@@ -127,7 +137,7 @@ def _plan(bases: Mapping[str, memoryview], target_name_hint: str | None, target:
           encoding: str, stats: EncodeStats) -> list[_Segment]:
     """The segments of one target file: each tensor against the base tensor of the same name,
     dtype and shape wherever it is; the rest whole."""
-    kind = "iv" if encoding == "index-value-zstd" else "xor"
+    kind = {"index-value-zstd": "iv", "xor-sparse-zstd": "sx"}.get(encoding, "xor")
     layout = _layout(target)
     if layout is None:  # not safetensors: against the base file of the same name and size
         base = bases.get(target_name_hint) if target_name_hint else None
@@ -205,35 +215,55 @@ def _planes(x: np.ndarray, itemsize: int) -> np.ndarray:
     return x if itemsize == 1 else np.ascontiguousarray(x.reshape(-1, itemsize).T)
 
 
-def _xor_planes(base: np.ndarray, planes: np.ndarray, itemsize: int) -> np.ndarray:
-    """``base`` XOR the XOR whose byte planes are ``planes``: one strided pass per plane, no
-    interleaved copy of the planes first."""
-    out = np.empty_like(base)
+def _xor_planes(base: np.ndarray, planes: np.ndarray, itemsize: int, out: np.ndarray) -> None:
+    """``out`` = ``base`` XOR the XOR whose byte planes are ``planes``: one strided pass per
+    plane, no interleaved copy of the planes first."""
     n = len(base) // itemsize
     for k in range(itemsize):
         np.bitwise_xor(base[k::itemsize], planes[k * n:(k + 1) * n], out=out[k::itemsize])
-    return out
+
+
+def _elements(x: np.ndarray, size: int) -> np.ndarray:
+    """The bytes ``x`` as one unsigned integer per element where numpy has one of that size (one
+    comparison per element instead of one per byte), else one row of bytes per element."""
+    dt = _UINT.get(size)
+    return x.view(dt) if dt is not None else x.reshape(-1, size)
+
+
+def _nonzero(elements: np.ndarray) -> np.ndarray:
+    """Indices of the elements with any byte set."""
+    # a boolean array first: numpy's nonzero over uint16 is about 10x slower than over bools
+    return np.flatnonzero(elements != 0 if elements.ndim == 1 else elements.any(axis=1))
 
 
 def _encode_segment(seg: _Segment, bases: Mapping[str, memoryview], target: memoryview, encoding: str,
-                    level: int) -> tuple[bytes, bool]:
-    """(the segment's frame, whether any byte differs from the base)."""
+                    level: int) -> tuple[str, bytes, bool]:
+    """(the segment's kind as written, its frame, whether any byte differs from the base)."""
     tgt = _u8(target[seg.start:seg.end])
     if seg.kind == "raw":
-        return _compressor(level).compress(tgt.data), True
+        return "raw", _compressor(level).compress(tgt.data), True
     base = _u8(bases[seg.base_file][seg.base_start:seg.base_start + (seg.end - seg.start)])
-    if seg.kind == "xor":
-        x = np.bitwise_xor(base, tgt)
-        changed = bool(x.any())
-        payload = _planes(x, seg.itemsize) if encoding == "xor-planes-zstd" else x
-        return _compressor(level).compress(payload.data), changed
-    # index/value: the elements whose bytes differ, as gaps between their indices, and their values
     size = seg.itemsize
-    differ = np.flatnonzero((base.reshape(-1, size) != tgt.reshape(-1, size)).any(axis=1))
-    gaps = np.diff(differ, prepend=-1).astype("<u4")
-    values = tgt.reshape(-1, size)[differ]
-    payload = len(differ).to_bytes(8, "little") + gaps.tobytes() + values.tobytes()
-    return _compressor(level).compress(payload), len(differ) > 0
+    if seg.kind == "iv":  # the elements whose bytes differ, as gaps between their indices, and their values
+        differ = _nonzero(_elements(base, size) != _elements(tgt, size))
+        gaps = np.diff(differ, prepend=-1).astype("<u4")
+        values = tgt.reshape(-1, size)[differ]
+        payload = len(differ).to_bytes(8, "little") + gaps.tobytes() + values.tobytes()
+        return "iv", _compressor(level).compress(payload), len(differ) > 0
+    x = np.bitwise_xor(base, tgt)
+    if seg.kind == "sx":
+        xe = _elements(x, size)
+        differ = _nonzero(xe)
+        if len(differ) * _DENSE_SHARE <= len(xe):
+            gaps = np.diff(differ, prepend=-1).astype("<u4")
+            payload = b"".join((len(differ).to_bytes(8, "little"), _planes(_u8(gaps), 4).tobytes(),
+                                _planes(_u8(np.ascontiguousarray(xe[differ])), size).tobytes()))
+            return "sx", _compressor(level).compress(payload), len(differ) > 0
+        changed = True
+    else:
+        changed = bool(x.any())
+    payload = x if encoding == "xor-zstd" else _planes(x, size)
+    return "xor", _compressor(level).compress(payload.data), changed
 
 
 def encode_file(bases: Mapping[str, object], target: object, out: BinaryIO, *,
@@ -250,21 +280,19 @@ def encode_file(bases: Mapping[str, object], target: object, out: BinaryIO, *,
     stats = EncodeStats(target_bytes=len(tview))
     segments = _plan(views, target_name, tview, encoding, stats)
 
-    def work(seg: _Segment) -> tuple[bytes, bool]:
+    def work(seg: _Segment) -> tuple[str, bytes, bool]:
         return _encode_segment(seg, views, tview, encoding, level)
 
     results = list(pool.map(work, segments) if pool is not None else map(work, segments))
-    stats.tensors_changed = len({seg.group for seg, (_, changed) in zip(segments, results, strict=True)
+    stats.tensors_changed = len({seg.group for seg, (_, _, changed) in zip(segments, results, strict=True)
                                  if seg.kind != "raw" and changed})
     header = json.dumps({"encoding": encoding, "target_size": len(tview),
-                         "segments": [[s.kind, s.start, s.end, s.base_file, s.base_start, s.itemsize, len(f)]
-                                      for s, (f, _) in zip(segments, results, strict=True)]},
+                         "segments": [[k, s.start, s.end, s.base_file, s.base_start, s.itemsize, len(f)]
+                                      for s, (k, f, _) in zip(segments, results, strict=True)]},
                         separators=(",", ":")).encode()
-    out.write(MAGIC + len(header).to_bytes(8, "little") + header)
-    stats.delta_bytes = len(MAGIC) + 8 + len(header)
-    for frame, _ in results:
-        out.write(frame)
-        stats.delta_bytes += len(frame)
+    frames = [frame for _, frame, _ in results]
+    out.write(b"".join((MAGIC, len(header).to_bytes(8, "little"), header, *frames)))  # one write: small
+    stats.delta_bytes = len(MAGIC) + 8 + len(header) + sum(map(len, frames))
     stats.seconds = time.perf_counter() - began
     return stats
 
@@ -313,7 +341,7 @@ def _header(delta: memoryview, what: str) -> tuple[str, int, list[_Segment], lis
         raise DeltaError(f"{what}: unknown encoding {encoding!r}")
     pos = 0
     for i, s in enumerate(segments):
-        if (s.start != pos or s.end < s.start or s.end - s.start > SEGMENT_BYTES or s.kind not in ("raw", "xor", "iv")
+        if (s.start != pos or s.end < s.start or s.end - s.start > SEGMENT_BYTES or s.kind not in _KINDS
                 or s.itemsize < 1 or (s.end - s.start) % s.itemsize or frames[i] < 0):
             raise DeltaError(f"{what}: segment {i} is not valid")
         pos = s.end
@@ -324,43 +352,86 @@ def _header(delta: memoryview, what: str) -> tuple[str, int, list[_Segment], lis
     return encoding, size, segments, frames, 16 + n
 
 
-def _decode_segment(seg: _Segment, frame: memoryview, bases: Mapping[str, memoryview], encoding: str,
-                    what: str, index: int) -> np.ndarray:
-    length = seg.end - seg.start
+def _scratch(length: int) -> np.ndarray:
+    """A buffer of this thread's, reused from segment to segment: fresh memory costs a page
+    fault per page, more than the copy into it."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < length:
+        buf = _local.scratch = np.empty(max(length, SEGMENT_BYTES), dtype=np.uint8)
+    return buf[:length]
+
+
+def _decompress_into(frame: memoryview, out: np.ndarray, what: str, index: int) -> None:
+    """Decompress ``frame`` straight into ``out``, which it must fill exactly (its checksum is
+    checked at its end)."""
     try:
-        payload = _decompressor().decompress(frame, max_output_size=max(length, 1) + 8 + 4 * length)
+        reader = _decompressor().stream_reader(frame)
+        view, n = memoryview(out), 0
+        while n < len(out) and (got := reader.readinto(view[n:])):
+            n += got
+        extra = reader.readinto(bytearray(1)) if n == len(out) else 0
     except zstandard.ZstdError as e:
         raise DeltaError(f"{what}: segment {index} does not decompress ({e})") from None
+    if n != len(out) or extra:
+        raise DeltaError(f"{what}: segment {index} has {'more than ' if extra else ''}{n} bytes, not {len(out)}")
+
+
+def _decode_into(seg: _Segment, frame: memoryview, bases: Mapping[str, memoryview], encoding: str,
+                 what: str, index: int, out: np.ndarray) -> None:
+    """The segment's target bytes, into ``out``."""
+    length = seg.end - seg.start
     if seg.kind == "raw":
-        if len(payload) != length:
-            raise DeltaError(f"{what}: segment {index} has {len(payload)} bytes, not {length}")
-        return _u8(payload)
+        _decompress_into(frame, out, what, index)
+        return
     base_data = bases.get(seg.base_file) if isinstance(seg.base_file, str) else None
     if base_data is None or not 0 <= seg.base_start <= seg.base_start + length <= len(base_data):
         raise DeltaError(f"{what}: segment {index} refers to bytes the base lacks "
                          f"({seg.base_file!r} at {seg.base_start})")
     base = _u8(base_data[seg.base_start:seg.base_start + length])
     if seg.kind == "xor":
-        if len(payload) != length:
-            raise DeltaError(f"{what}: segment {index} has {len(payload)} bytes, not {length}")
-        if encoding != "xor-planes-zstd" or seg.itemsize == 1:
-            return np.bitwise_xor(base, _u8(payload))
-        return _xor_planes(base, _u8(payload), seg.itemsize)
-    return _apply_iv(payload, base, seg.itemsize, what, index)
+        if encoding == "xor-zstd" or seg.itemsize == 1:
+            _decompress_into(frame, out, what, index)
+            np.bitwise_xor(base, out, out=out)
+        else:
+            planes = _scratch(length)
+            _decompress_into(frame, planes, what, index)
+            _xor_planes(base, planes, seg.itemsize, out)
+        return
+    try:  # an index list: small, at most 8 + (4 + itemsize) bytes per element
+        payload = _decompressor().decompress(frame, max_output_size=max(length, 1) + 8 + 4 * length)
+    except zstandard.ZstdError as e:
+        raise DeltaError(f"{what}: segment {index} does not decompress ({e})") from None
+    where, at = _positions(payload, length // seg.itemsize, seg.itemsize, seg.kind == "sx", what, index)
+    np.copyto(out, base)
+    changed = _elements(out, seg.itemsize)
+    values = _elements(_unplanes(_u8(payload)[at:], seg.itemsize) if seg.kind == "sx" else _u8(payload)[at:],
+                       seg.itemsize)
+    if seg.kind == "sx":
+        changed[where] ^= values
+    else:
+        changed[where] = values
 
 
-def _apply_iv(payload: bytes, base: np.ndarray, size: int, what: str, index: int) -> np.ndarray:
+def _positions(payload: bytes, elements: int, size: int, gap_planes: bool, what: str,
+               index: int) -> tuple[np.ndarray, int]:
+    """(indices of the changed elements, offset of their values) of an index list: a count, then
+    the gaps between consecutive indices (the first from -1), checked to stay inside the tensor."""
     count = int.from_bytes(payload[:8], "little") if len(payload) >= 8 else -1
-    elements = len(base) // size
     if not 0 <= count <= elements or len(payload) != 8 + count * (4 + size):
-        raise DeltaError(f"{what}: segment {index} is not a valid index/value list")
-    gaps = np.frombuffer(payload, dtype="<u4", count=count, offset=8).astype(np.int64)
+        raise DeltaError(f"{what}: segment {index} is not a valid index list")
+    raw = _u8(payload)[8:8 + 4 * count]
+    gaps = (_unplanes(raw, 4) if gap_planes else raw).view("<u4").astype(np.int64)
     where = np.cumsum(gaps) - 1
     if count and (gaps[0] < 1 or where[-1] >= elements or (gaps[1:] < 1).any()):
         raise DeltaError(f"{what}: segment {index} points outside its tensor")
-    out = base.copy().reshape(-1, size)
-    out[where] = np.frombuffer(payload, dtype=np.uint8, offset=8 + 4 * count).reshape(-1, size)
-    return out.reshape(-1)
+    return where, 8 + 4 * count
+
+
+def _unplanes(planes: np.ndarray, itemsize: int) -> np.ndarray:
+    """The bytes whose byte planes are ``planes``, interleaved back."""
+    return planes if itemsize == 1 else np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
+
+
 
 
 class _ChunkHasher:
@@ -432,23 +503,36 @@ def apply_and_verify(base_files: Mapping[str, Path], delta_path: Path, target_pa
             closers.append(close)
         starts = np.cumsum([offset, *frames]).tolist()
         hasher = _ChunkHasher(hash_name, chunk_bytes, digests, what)
+        free: list[np.ndarray] = []  # segment buffers the hasher is done with, reused
+        lock = threading.Lock()
 
-        def decode(i: int) -> np.ndarray:
-            return _decode_segment(segments[i], delta[starts[i]:starts[i + 1]], bases, encoding, what, i)
+        def rebuild(i: int) -> np.ndarray:
+            """Segment i decoded and written (in a pool thread: the writes run in parallel too);
+            the buffer goes to the hasher, which hands it back."""
+            seg = segments[i]
+            with lock:
+                buf = free.pop() if free else None
+            if buf is None or len(buf) < seg.end - seg.start:
+                buf = np.empty(max(SEGMENT_BYTES, seg.end - seg.start), dtype=np.uint8)
+            out = buf[:seg.end - seg.start]
+            _decode_into(seg, delta[starts[i]:starts[i + 1]], bases, encoding, what, i, out)
+            view, pos = memoryview(out), 0
+            while pos < len(view):
+                pos += os.pwrite(fd, view[pos:], seg.start + pos)
+            return out
 
         fd = os.open(target_path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.ftruncate(fd, size)
-            for i, data in enumerate(_ordered(decode, len(segments), pool)):
-                view = memoryview(data).cast("B")
-                hasher.update(view)
-                pos, seg = 0, segments[i]
-                while pos < len(view):
-                    pos += os.pwrite(fd, view[pos:], seg.start + pos)
-                if progress is not None:
-                    progress(len(view))
+            with contextlib.closing(_ordered(rebuild, len(segments), pool)) as rebuilt:
+                for out in rebuilt:  # in order: the chunk digests are of the file's bytes in order
+                    hasher.update(memoryview(out))
+                    with lock:
+                        free.append(out.base if out.base is not None else out)
+                    if progress is not None:
+                        progress(len(out))
         finally:
-            os.close(fd)
+            os.close(fd)  # after every write: _ordered waits for the segments under way
         hasher.finish()
     finally:
         for close in reversed(closers):
@@ -469,6 +553,7 @@ def _ordered(fn: Callable[[int], np.ndarray], n: int, pool: Executor | None) -> 
                 pending.append(pool.submit(fn, nxt))
                 nxt += 1
             yield result
-    finally:
+    finally:  # on an error: nothing of this rebuild may still run once the caller closes its files
         for f in pending:
             f.cancel()
+        wait(pending)

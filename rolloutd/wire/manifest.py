@@ -183,7 +183,7 @@ class Canary(BaseModel):
 # canonical bytes, and so the digest, it had before they existed (the plugin hashes the raw JSON).
 _OMITTED_WHEN_NONE = ("canary", "partial", "source", "delta")
 
-DeltaEncoding = Literal["xor-planes-zstd", "xor-zstd", "index-value-zstd"]
+DeltaEncoding = Literal["xor-sparse-zstd", "xor-planes-zstd", "xor-zstd", "index-value-zstd"]
 MAX_REMOVED = 100_000
 MAX_TENSOR_NAME = 1000
 
