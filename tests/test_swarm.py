@@ -19,7 +19,7 @@ from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.puller import Puller
-from rolloutd.rollout.swarm import Swarm, SwarmSettings, peer_token
+from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings, peer_token
 from rolloutd.wire.manifest import verify_file
 
 from .conftest import free_port
@@ -491,3 +491,181 @@ def test_a_tracker_reply_is_bounded_like_a_request():
     with pytest.raises(ValidationError):
         AnnounceReply.model_validate({"instance": "i", "versions": {str(v): {"peers": [], "origin": "0"}
                                                                     for v in range(1, 18)}})
+
+
+# -- delta versions: peers carry the delta files ------------------------------------------------------
+
+def bf16_like(seed: int, tensors: int = 4, elements: int = 1 << 19) -> dict:
+    """16-bit tensors with the bit patterns of bf16 weights (the high half of float32 normals)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    return {f"model.layers.{i}.mlp.weight": (rng.standard_normal(elements, dtype=np.float32).view(np.uint32)
+                                             >> 16).astype(np.uint16) for i in range(tensors)}
+
+
+def rl_step(sd: dict, seed: int, fraction: float = 0.02) -> dict:
+    """A copy of ``sd`` with ``fraction`` of each tensor's elements one bf16 step away, as an RL
+    step leaves a bf16 policy."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, t in sd.items():
+        t = t.copy()
+        idx = rng.choice(t.size, int(t.size * fraction), replace=False)
+        t[idx] += 1
+        out[name] = t
+    return out
+
+
+def publish_sd(reg: EmbeddedRegistry, version: int, sd: dict, hash_name: str = "blake3") -> None:
+    reg.publish(version, sd, chunk_bytes=4096, shard_bytes=2 << 20, hash_name=hash_name)
+
+
+async def delta_fleet(reg, tmp_path, count: int, hash_name: str = "blake3"):
+    """``count`` nodes holding version 1; version 2 published as a delta on it. -> (nodes, v2 manifest)"""
+    v1 = bf16_like(0)
+    publish_sd(reg, 1, v1, hash_name)
+    nodes = [make_node(f"n{i}", reg, tmp_path) for i in range(count)]
+    try:
+        await asyncio.wait_for(asyncio.gather(*(n.puller.pull(1) for n in nodes)), 60)
+        publish_sd(reg, 2, rl_step(v1, 1), hash_name)
+        m2 = await nodes[0].client.manifest(2)
+        assert m2.delta is not None and m2.delta.base_version == 1
+    except BaseException:
+        for n in nodes:
+            await n.close()
+        raise
+    return nodes, m2
+
+
+async def test_nodes_pulling_a_delta_together_take_about_one_copy_of_the_delta_from_the_registry(reg, tmp_path):
+    nodes, m2 = await delta_fleet(reg, tmp_path, 4)
+    delta_bytes = m2.delta.total_bytes
+    assert sum(len(f.chunks) for f in m2.delta.files) >= 8  # enough chunks to spread over the nodes
+    try:
+        before, peers_before = served(reg), sum(n.server.served_bytes for n in nodes)
+        results = await asyncio.wait_for(asyncio.gather(*(n.puller.pull(2) for n in nodes)), 60)
+        assert {(r.kind, r.base) for r in results} == {("delta", 1)}
+        for n in nodes:
+            n.check(2)
+        ratio = (served(reg) - before) / delta_bytes
+        assert ratio <= 1.5, f"registry sent {ratio:.2f} copies of the delta"  # 4 without peers carrying it
+        assert sum(n.server.served_bytes for n in nodes) - peers_before >= 2 * delta_bytes
+    finally:
+        for n in nodes:
+            await n.close()
+
+
+async def test_a_peer_serving_bad_delta_bytes_is_dropped_and_the_delta_pull_still_succeeds(reg, tmp_path):
+    """The liar claims every delta chunk of version 2: its bytes fail the delta files' chunk
+    digests, it is dropped, and the pull ends from the delta all the same (no fall back)."""
+    from rolloutd.wire.messages import Announce, HeldVersion
+    nodes, m2 = await delta_fleet(reg, tmp_path, 1)
+    runner, port = await bad_peer(corrupt=True)
+    liar = RegistryClient(reg.url, TOKEN)
+    try:
+        claim = Announce(url=f"http://127.0.0.1:{port}", versions={"2": HeldVersion(digest=m2.delta.digest)})
+        await liar.announce("liar", claim)
+        result = await asyncio.wait_for(nodes[0].puller.pull(2), 60)
+        assert (result.kind, nodes[0].puller.progress.delta_error) == ("delta", None)
+        assert result.retries >= 1  # a chunk the liar gave was fetched again from the registry
+        assert result.bytes_fetched == m2.delta.total_bytes  # the liar's bytes were never kept
+        nodes[0].check(2)
+    finally:
+        for n in nodes:
+            await n.close()
+        await liar.close()
+        await runner.cleanup()
+
+
+async def test_the_delta_files_of_an_xxh3_version_are_never_taken_from_a_peer(reg, tmp_path, caplog):
+    from rolloutd.wire.messages import Announce, HeldVersion
+    nodes, m2 = await delta_fleet(reg, tmp_path, 1, hash_name="xxh3-128")
+    runner, port = await bad_peer(corrupt=True)
+    liar = RegistryClient(reg.url, TOKEN)
+    try:
+        claim = Announce(url=f"http://127.0.0.1:{port}", versions={"2": HeldVersion(digest=m2.delta.digest)})
+        await liar.announce("liar", claim)
+        result = await asyncio.wait_for(nodes[0].puller.pull(2), 60)
+        assert (result.kind, result.retries) == ("delta", 0)  # the liar was never asked
+        assert "2" not in nodes[0].swarm.ledger.held()
+        assert [r.message for r in caplog.records if "without peers" in r.message][1:] == [
+            "pull the delta files of version 2 from the registry only, without peers: its chunk digests are "
+            "xxh3-128, which a hostile peer could forge (publish with a cryptographic hash: blake3, sha256)"]
+    finally:
+        for n in nodes:
+            await n.close()
+        await liar.close()
+        await runner.cleanup()
+
+
+async def test_a_delta_pull_announces_and_serves_its_checked_delta_chunks_only_while_it_runs(tmp_path):
+    """Under the delta section's digest, with a map over the delta files; a landed chunk of another
+    plan is not announced; once the pull ends (or falls back to the whole version) no delta byte
+    is served."""
+    from rolloutd.registry.client import Timeouts
+    from rolloutd.wire.manifest import Delta, DeltaFile, Manifest
+    from rolloutd.wire.messages import AnnounceReply
+
+    class SilentClient:  # a FAKE registry client: the announcer's replies do not matter here
+        url, token, timeouts = "http://127.0.0.1:9", None, Timeouts()
+
+        async def announce(self, node, body):
+            return AnnounceReply(instance="x", versions={})
+
+    port = free_port()
+    mirror = Mirror(tmp_path / "m", 1 << 30)
+    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=PEER_TOKEN), SilentClient(),
+                  mirror, node="me")
+    server = PeerServer(mirror, swarm.ledger, "127.0.0.1", port, PEER_TOKEN).start()
+    target = Manifest.model_validate({"version": 2, "hash": "blake3", "chunk_bytes": 4096, "files": [
+        {"name": "a", "size": 8192, "chunks": ["0" * 64, "1" * 64]}]}).sealed()
+    manifest = target.with_delta(Delta(base_version=1, base_digest="e" * 64, encoding="xor-planes-zstd", files=[
+        DeltaFile(name="a.delta", size=8192, chunks=["2" * 64, "3" * 64], target="a")]))
+    files = Manifest(version=2, hash="blake3", chunk_bytes=4096, files=[
+        {"name": "a.delta", "size": 8192, "chunks": ["2" * 64, "3" * 64]}]).sealed()
+    partial = mirror.begin(target)
+    staged = mirror.stage(partial, files)
+    staged.path("a.delta").write_bytes(b"d" * 8192)
+    url = f"http://127.0.0.1:{port}/v1/versions/2/files/a.delta"
+    auth = {"authorization": f"Bearer {PEER_TOKEN}"}
+    try:
+        plan = swarm.plan_delta(manifest, files, staged.dir)
+        assert swarm.ledger.held()["2"].model_dump() == {"digest": manifest.delta.digest, "chunks": "0",
+                                                         "pulling": True}
+        other = ChunkPlan(files, swarm.registry)
+        swarm.landed(Pick(1, files.files[0], 1, swarm.registry), other)  # not the pull in progress
+        assert swarm.ledger.held()["2"].chunks == "0"
+        swarm.landed(Pick(0, files.files[0], 0, swarm.registry), plan)
+        assert swarm.ledger.held()["2"].chunks == "1"
+        async with httpx.AsyncClient() as http:
+            r = await http.get(url, headers={**auth, "range": "bytes=0-4095"})
+            assert r.status_code == 206 and r.content == b"d" * 4096
+            r = await http.get(url, headers={**auth, "range": "bytes=4096-8191"})
+            assert r.status_code == 416  # not checked yet
+            swarm.finish(plan)
+            assert swarm.ledger.held() == {}
+            r = await http.get(url, headers={**auth, "range": "bytes=0-4095"})
+            assert r.status_code == 404 and r.json()["error"]["code"] == "version_unknown"
+    finally:
+        server.stop()
+        mirror.discard(partial)
+
+
+async def test_a_delta_chunk_checked_before_a_fall_back_is_not_served_by_the_whole_versions_pull(tmp_path):
+    """A request judged against the delta pull's view, answered after the same version's whole
+    pull began (the delta failed): the delta files are not the version's, nothing is served."""
+    from rolloutd.wire.manifest import Manifest
+    mirror = Mirror(tmp_path / "m", 1 << 30)
+    from rolloutd.rollout.swarm import Ledger
+    ledger = Ledger(mirror)
+    server = PeerServer(mirror, ledger, "127.0.0.1", free_port(), PEER_TOKEN)
+    files = Manifest(version=2, hash="blake3", chunk_bytes=4096, files=[
+        {"name": "a.delta", "size": 8192, "chunks": ["2" * 64, "3" * 64]}]).sealed()
+    target = Manifest(version=2, hash="blake3", chunk_bytes=4096, files=[
+        {"name": "a.delta", "size": 8192, "chunks": ["0" * 64, "1" * 64]}]).sealed()  # a file of that name
+    ledger.begin(files, tmp_path, 0b01, digest="d" * 64)
+    _, _, allowed = server._locate(2, "a.delta")
+    assert allowed(0, 4096)
+    ledger.begin(target, tmp_path, 0b01)  # the whole version's pull, with its own chunk 0 checked
+    assert not allowed(0, 4096)

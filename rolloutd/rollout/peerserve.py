@@ -3,8 +3,9 @@
 ``GET``/``HEAD /v1/versions/{v}/files/{name}`` with the registry's ``Range`` semantics
 (``rolloutd.wire.ranges``) and error bodies (``{"error": {"code", "message"}}``): a complete
 version in the mirror whole; the pull in progress only inside chunks already checked (a range
-that touches another chunk is ``416``). ``GET /healthz`` needs no token. Nothing else is
-served: no vLLM route, no admin action, no directory listing.
+that touches another chunk is ``416``): a version's files, or, while it is pulled from its delta,
+its delta files (:meth:`Swarm.plan_delta`), from where the pull staged them. ``GET /healthz``
+needs no token. Nothing else is served: no vLLM route, no admin action, no directory listing.
 
 It runs on its own thread with its own event loop (aiohttp, ``sendfile``): serving peers is pull
 work, and pull work never shares a loop with generation traffic. A listener on an
@@ -176,8 +177,12 @@ class PeerServer:
 
         def checked(start: int, end: int) -> bool:
             bits = self.ledger.partial(version)
-            if bits is None:  # committed meanwhile (or abandoned): the complete copy, if any
-                return self.ledger.complete(version) is not None
+            if bits is None or bits.digest != partial.digest:
+                # Committed meanwhile (or abandoned, or another pull of the version began: a delta
+                # pull that fell back to the whole version): the complete copy's file, if it has one
+                # (a delta file is never in it).
+                done = self.ledger.complete(version)
+                return done is not None and done.file(name) is not None
             lo, hi = start // chunk_bytes, (end - 1) // chunk_bytes
             want = ((1 << (hi - lo + 1)) - 1) << (first_bit + lo)
             return bits.bits & want == want

@@ -19,8 +19,9 @@ Contract:
   mirror holds complete, with the section's ``base_digest`` and sound (``Mirror.damage``), is
   pulled as its delta: room is made for the version and its delta files, the base is pinned
   (no gc or ``ensure_room`` removes it meanwhile; it is only ever read), the delta files are
-  fetched from the origin into the partial directory (``Mirror.stage``), checked chunk by chunk
-  as any file, then the pull workers rebuild every file of the version from the base and them
+  fetched from the origin (and, with peers on, from nodes pulling the same delta, docs/peers.md)
+  into the partial directory (``Mirror.stage``), checked chunk by chunk as any file, then the
+  pull workers rebuild every file of the version from the base and them
   (:func:`rolloutd.wire.delta.apply_and_verify`), each chunk checked against the version's
   digests as it is written; the delta files are removed and the version committed with the
   section dropped (``Manifest.target()``: the same digest), so the mirror holds an ordinary
@@ -499,9 +500,10 @@ class Puller:
         return result
 
     async def _fetch_and_rebuild(self, manifest: Manifest, base: Manifest, partial: Partial, staged: Partial) -> None:
-        """The delta files' chunks from the origin (peers carry complete versions, not delta
-        files), then one rebuild job per target file, on the same workers."""
-        plan = ChunkPlan(staged.manifest, self.swarm.origin(manifest))
+        """The delta files' chunks from the origin and, with peers on, from the nodes pulling the
+        same delta (``Swarm.plan_delta``: this node serves its checked delta chunks to them until
+        the rebuild ends), then one rebuild job per target file, on the same workers."""
+        plan = self.swarm.plan_delta(manifest, staged.manifest, staged.dir)
         jobs = _rebuild_jobs(manifest, self.mirror.path(base.version), base, partial, staged)
         workers, streams = self._plan(max(plan.count, len(jobs)))
 
@@ -509,7 +511,10 @@ class Puller:
             if plan.count:
                 await self._chunks(plan, staged.manifest, staged, pool, min(streams, plan.count))
             await self._rebuild(jobs, pool, streams)
-        await self._with_pool(manifest.version, workers, streams, work)
+        try:
+            await self._with_pool(manifest.version, workers, streams, work)
+        finally:
+            self.swarm.finish(plan)
 
     async def _rebuild(self, jobs: list[ApplyJob], pool: FetchPool, streams: int) -> None:
         started, left = time.monotonic(), deque(jobs)
@@ -748,8 +753,7 @@ class Puller:
             plan.failed(pick, last)
             return
         plan.done(pick, end - start)
-        if plan is self.last_plan:  # the swarm's plan (a delta pull's files are not announced)
-            self.swarm.landed(pick)
+        self.swarm.landed(pick, plan)  # announced if it is the swarm's plan in progress
 
     async def _attempt(self, pool: FetchPool, job: ChunkJob) -> None:
         """One attempt at a chunk. A failed attempt takes back the bytes it had added to the

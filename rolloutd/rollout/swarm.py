@@ -20,6 +20,17 @@ holds for its peers, and the announcements that tie both to the registry's track
   ``announce_every_s`` while pulling (and soon after a chunk lands), every
   ``announce_idle_s`` at rest; each reply updates the plan of the pull in progress.
 
+A delta version pulled from its delta (docs/deltas.md) has two swarms: its delta files and its
+target. While this node fetches the delta files and rebuilds the version from them
+(:meth:`Swarm.plan_delta`), it announces the version under the delta section's digest with a
+chunk map over the delta files (in the section's order) and serves the checked ones from where
+the pull staged them; the tracker hands pullers of the delta to holders of the delta. Once the
+version is committed the delta files are gone and the node announces the version itself, as
+any complete one. So a fleet that pulls a delta version together takes about one copy of the
+delta from the origin; a node that pulls it later, alone, takes the delta from the origin (the
+delta files are kept only while this node's own pull runs: no room in the mirror is spent on
+them beyond what the pull needs).
+
 Without peers (``peers.enabled: false``) the plan hands out every chunk from the origin, in
 file order, and nothing is announced. The same for a version peers may not carry
 (:func:`peers_refused`): its chunk digests are not cryptographic (a peer could forge bytes that
@@ -100,6 +111,7 @@ class PartialView:
     dir: Path
     bits: int
     first_bit: dict[str, int]  # file name -> the bit of its first chunk (computed once per pull)
+    digest: str = ""  # what is announced: the manifest's digest, or a delta section's for its delta files
 
 
 def first_bits(manifest: Manifest) -> dict[str, int]:
@@ -128,15 +140,17 @@ class Ledger:
         self._complete: dict[int, tuple[tuple[int, ...], Manifest | None]] = {}
         self._complete_lock = threading.Lock()  # the announcer's thread and the peer listener's share it
 
-    def begin(self, manifest: Manifest, directory: Path, bits: int = 0) -> None:
+    def begin(self, manifest: Manifest, directory: Path, bits: int = 0, *, digest: str | None = None) -> None:
+        """The pull in progress writes ``manifest``'s files into ``directory``; announced under
+        ``digest`` (default: the manifest's; a delta section's for a delta pull's files)."""
         with self._lock:
-            self._partial = PartialView(manifest, directory, bits, first_bits(manifest))
+            self._partial = PartialView(manifest, directory, bits, first_bits(manifest), digest or manifest.digest)
 
     def add(self, bit: int) -> None:
         with self._lock:
             p = self._partial
             if p is not None:
-                self._partial = PartialView(p.manifest, p.dir, p.bits | 1 << bit, p.first_bit)
+                self._partial = PartialView(p.manifest, p.dir, p.bits | 1 << bit, p.first_bit, p.digest)
 
     def end(self) -> None:
         with self._lock:
@@ -188,8 +202,7 @@ class Ledger:
             out[str(version)] = HeldVersion(digest=manifest.digest)
         p = self._partial
         if p is not None and str(p.manifest.version) not in out:
-            out[str(p.manifest.version)] = HeldVersion(digest=p.manifest.digest, chunks=to_hex(p.bits),
-                                                       pulling=True)
+            out[str(p.manifest.version)] = HeldVersion(digest=p.digest, chunks=to_hex(p.bits), pulling=True)
         return out
 
 
@@ -393,16 +406,36 @@ class Swarm:
             self._dirty.set()
         return plan
 
-    def _peers_may_carry(self, manifest: Manifest) -> bool:
-        why = peers_refused(manifest)
-        if why is not None and manifest.digest not in self._refused_logged:
-            self._refused_logged.add(manifest.digest)
-            log.warning("pull version %d from the %s only, without peers: %s", manifest.version,
+    def plan_delta(self, manifest: Manifest, files: Manifest, directory: Path) -> ChunkPlan:
+        """The plan of a delta pull's delta files (``files``: a manifest of them alone, as the
+        pull stages them in ``directory``), announced from now on under the delta section's
+        digest, with the same rule as a version's chunks: peers only for cryptographic digests."""
+        on = self.settings.enabled and self._peers_may_carry(manifest, files=files)
+        plan = ChunkPlan(files, self.origin(manifest), peers=on, make_peer=self._peer if on else None,
+                         origin_wait_s=self.settings.origin_wait_s)
+        self._plan = plan
+        if on:
+            self.ledger.begin(files, directory, digest=manifest.delta.digest)
+            self._dirty.set()
+        return plan
+
+    def _peers_may_carry(self, manifest: Manifest, *, files: Manifest | None = None) -> bool:
+        """Whether peers may carry ``manifest``'s chunks (or, given, its delta ``files``'); a
+        refusal is logged once per digest."""
+        why = peers_refused(files or manifest)
+        digest = manifest.digest if files is None else manifest.delta.digest
+        if why is not None and digest not in self._refused_logged:
+            self._refused_logged.add(digest)
+            log.warning("pull %sversion %d from the %s only, without peers: %s",
+                        "the delta files of " if files is not None else "", manifest.version,
                         self.origin(manifest).label, why)
         return why is None
 
-    def landed(self, pick: Pick) -> None:
-        """A chunk of the plan's pull is written and checked: peers may have it."""
+    def landed(self, pick: Pick, plan: ChunkPlan | None = None) -> None:
+        """A chunk of the pull's plan (``plan``, when given, must be the one in progress) is
+        written and checked: peers may have it."""
+        if plan is not None and plan is not self._plan:
+            return
         if self.settings.enabled:  # a plan without peers began no partial in the ledger: a no-op
             self.ledger.add(pick.bit)
             self._dirty.set()
