@@ -13,7 +13,7 @@ from .vllm_server import ROOT, VLLM, require_vllm
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
 
 
-def test_demo_serves_three_versions_of_a_tied_model_exactly_and_leaves_nothing(tmp_path):
+def test_demo_serves_three_versions_of_a_tied_model_exactly_the_third_as_a_delta_and_leaves_nothing(tmp_path):
     require_vllm()
     run = subprocess.run([sys.executable, "-m", "rolloutd.cli", "demo", "--vllm", str(VLLM),
                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=400, cwd=ROOT)
@@ -22,6 +22,9 @@ def test_demo_serves_three_versions_of_a_tied_model_exactly_and_leaves_nothing(t
     assert "with tied embeddings" in out
     for v in (1, 2, 3):
         assert f"trainer: published version {v}" in out
+        if v < 3:  # new seeds: every weight differs, so the registry sends them whole
+            assert re.search(rf"trainer: published version {v} .*; the registry sends it whole", out), out
+            assert f"node: pulled version {v} whole" in out, out
         assert re.search(rf"status: cpu0 SERVING version {v} \(incarnation 1, pid \d+\)", out), out
         assert f'"version": "{v}"' in out  # the tokens are labelled with the version
     gens = re.findall(r"generate at http://127.0.0.1:\d+ \(the gateway\) \[.*?\] -> (\[.*?\])", out)
@@ -33,6 +36,13 @@ def test_demo_serves_three_versions_of_a_tied_model_exactly_and_leaves_nothing(t
     assert re.search(r"begin version 3 in .* \(1 files, (\d+) bytes, \1 of them in recycled pages\)", run.stderr), \
         run.stderr[-4000:]
     assert len(re.findall(r"gate: the version's canary scored on the server: max \|dlogprob\| \S+", out)) == 3
+    # Version 3 is one RL-like step after version 2: a delta, and the node says (from its /status)
+    # that it fetched a small share of the version's bytes; its outputs above equal transformers'.
+    assert re.search(r"trainer: published version 3 .*; the registry sends it as a delta on version 2: ", out), out
+    fetched = re.search(r"node: pulled version 3 as a delta on version 2: fetched (\d+) bytes of its (\d+) "
+                        r"\(\S+%\), rebuilt and checked chunk by chunk in \d+ ms", out)
+    assert fetched, out
+    assert 0 < int(fetched[1]) < 0.15 * int(fetched[2]), fetched[0]
     assert "demo: done" in out
     assert "stop rolloutd: every server stopped" in run.stderr
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout

@@ -229,6 +229,49 @@ def build(directory: Path, family: str, seed: int = 0) -> Path:
     return directory
 
 
+def sparse_step(model, seed: int, prompts: list[list[int]], max_tokens: int, *, fraction: float = 0.02,
+                std: float = INIT_STD, rounded: bool = False, min_margin: float = MIN_MARGIN):
+    """A copy of ``model`` changed the way an RL step changes a published policy: ``fraction`` of
+    each parameter's elements (drawn from ``(seed, draw)``) move by a normal step of ``std``, the
+    rest stay bit for bit. ``draw`` is the first whose greedy outputs on ``prompts`` differ from
+    ``model``'s and have no near tie (``min_margin``; ``rounded``: both compared with every
+    parameter rounded to bf16, as a bf16 publish serves them), so that serving the version before
+    would show. Same arguments, same bytes."""
+    import copy
+
+    import torch
+
+    def outputs(m) -> tuple[list[list[int]], list[float]]:
+        return greedy_and_margins(bf16_rounded(m) if rounded else m, prompts, max_tokens)
+
+    before = outputs(model)[0]
+    for draw in range(64):
+        new = copy.deepcopy(model)
+        gen = torch.Generator().manual_seed(seed * 1000 + draw)
+        with torch.no_grad():
+            for p in new.parameters():  # a tied head is listed once, as the embedding
+                moved = torch.rand(p.shape, generator=gen) < fraction
+                p.add_(moved * torch.randn(p.shape, generator=gen) * std)
+        outs, margins = outputs(new)
+        if min(margins) >= min_margin and all(a != b for a, b in zip(outs, before, strict=True)):
+            return new.eval()
+    raise RuntimeError(f"no draw of seed {seed} changes every output with margins >= {min_margin}")
+
+
+def bf16_rounded(model):
+    """A float32 copy of ``model`` with every parameter rounded to bf16: what a server in float32
+    holds after loading its bf16 publish (buffers such as rotary frequencies are left alone: no
+    checkpoint carries them)."""
+    import copy
+
+    import torch
+    out = copy.deepcopy(model).float()
+    with torch.no_grad():
+        for p in out.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return out.eval()
+
+
 def greedy_and_margins(model, prompts: list[list[int]], max_tokens: int) -> tuple[list[list[int]], list[float]]:
     """:func:`greedy`'s outputs and, per prompt, the smallest top-1 minus top-2 logit gap seen."""
     import torch

@@ -4,10 +4,12 @@ An embedded registry; a small Qwen2-shaped model with tied embeddings built here
 hub; the shape of the small Qwen and Llama models RL post-trains); the daemon with one real
 ``vllm serve`` (vLLM's CPU build) started on that model; then the trainer publishes three
 versions from the model in memory (``publish(version, model.state_dict())``, each with a
-canary), and the demo shows, from the admin API and from generations through the gateway, that
-the server switched to each: its greedy outputs **equal** transformers' greedy decoding of the
-published weights, computed here, every token is labelled with the version that produced it,
-and the server's canary figure is within its tolerance. The daemon stops at the end, and no
+canary; version 3 is one RL-like step after version 2, and the registry sends it as a delta: the
+node fetches what changed and rebuilds the rest from version 2, as its /status shows), and the
+demo shows, from the admin API and from generations through the gateway, that the server
+switched to each: its greedy outputs **equal** transformers' greedy decoding of the published
+weights, computed here, every token is labelled with the version that produced it, and the
+server's canary figure is within its tolerance. The daemon stops at the end, and no
 process of it is left.
 """
 
@@ -29,6 +31,7 @@ from rolloutd.demo import families
 from rolloutd.node.adminctl import render_status
 from rolloutd.node.daemon import Daemon
 from rolloutd.registry.publish import EmbeddedRegistry
+from rolloutd.units import percent
 
 FAMILY = "qwen2"
 PROMPT = [1, 5, 9, 13, 40]
@@ -123,6 +126,35 @@ def _show(st: dict, gen: dict, want: list[int]) -> None:
         + ("equal" if gen["token_ids"] == want else "DIFFERENT"))
 
 
+def _trainer_model(version: int, before):
+    """The trainer's model at ``version``: versions 1 and 2 from seeds of their own (every weight
+    differs: the registry sends them whole); version 3 one RL-like step after version 2 (2 % of the
+    weights move: the registry sends it as a delta on version 2)."""
+    if version < 3:
+        return families.hf_model(FAMILY, version)
+    return families.sparse_step(before, version, [PROMPT], NEW_TOKENS)
+
+
+def _published_as(m) -> str:
+    if m.delta is None:
+        return "the registry sends it whole"
+    return (f"the registry sends it as a delta on version {m.delta.base_version}: "
+            f"{m.delta.total_bytes / 2**10:.0f} KiB for {m.total_bytes / 2**10:.0f} KiB "
+            f"({percent(m.delta.total_bytes / m.total_bytes)})")
+
+
+def _show_pull(p: dict) -> None:
+    """How the node got the version, from its /status: whole, or rebuilt from a delta."""
+    if p["kind"] == "delta":
+        share = percent(p["bytes_fetched"] / p["version_bytes"])
+        say(f"node: pulled version {p['version']} as a delta on version {p['base']}: fetched "
+            f"{p['bytes_fetched']} bytes of its {p['version_bytes']} ({share}), "
+            f"rebuilt and checked chunk by chunk in {p['reconstruct_s'] * 1000:.0f} ms")
+    else:
+        say(f"node: pulled version {p['version']} whole: fetched {p['bytes_fetched']} bytes of its "
+            f"{p['version_bytes']}" + (f" (its delta failed: {p['delta_error']})" if p["delta_error"] else ""))
+
+
 async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> list[bool]:
     """Publish versions 1, 2, 3 as a trainer does; for each, whether the server's outputs equal
     transformers' on the published weights."""
@@ -132,13 +164,16 @@ async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> lis
         await asyncio.sleep(0.1)
     admin = f"http://127.0.0.1:{daemon.admin.port}"
     exact = []
+    model = None
     for version in (1, 2, 3):
-        model = await asyncio.to_thread(families.hf_model, FAMILY, version)  # "the trainer's model"
+        model = await asyncio.to_thread(_trainer_model, version, model)
         canary = await asyncio.to_thread(make_canary, model, PROMPT)
-        m = await asyncio.to_thread(reg.publish, version, model.state_dict(), canary=canary)
+        await asyncio.to_thread(reg.publish, version, model.state_dict(), canary=canary)
+        m = await asyncio.to_thread(reg.manifest, version)  # as the registry published it: whole or a delta
         say(f"trainer: published version {version} ({m.total_bytes / 2**20:.1f} MiB in {len(m.files)} files, "
-            f"with a canary)")
+            f"with a canary); " + _published_as(m))
         st = await _wait_serving(admin, version, timeout_s)
+        _show_pull(st["pull"])
         gen = await _generate(st["servers"][0]["endpoint"])
         want = (await asyncio.to_thread(families.greedy, model, [PROMPT], NEW_TOKENS))[0]
         _show(st, gen, want)
