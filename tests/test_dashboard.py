@@ -28,7 +28,8 @@ TARGET_LABELS = {"instance", "job"}  # Prometheus adds them to every series it s
 FUNCTIONS = {"sum", "count", "max", "min", "avg", "rate", "increase", "histogram_quantile", "vector", "by"}
 KNOWN_VALUES = {  # labels whose values the code fixes
     "state": {s.name for s in ServerState}, "rolloutd_server_state": {s.name for s in ServerState},
-    "behind": set(BEHIND_BUCKETS), "kind": set(node_metrics.FAILURE_KINDS), "phase": set(node_metrics.UPDATE_PHASES),
+    "behind": set(BEHIND_BUCKETS), "phase": set(node_metrics.UPDATE_PHASES),
+    "kind": set(node_metrics.FAILURE_KINDS) | set(node_metrics.PULL_KINDS),  # update failures; pull bytes
     "result": set(node_metrics.PULL_RESULTS), "task": set(node_metrics.TASKS),
 }
 
