@@ -16,6 +16,15 @@ Runs, one after the other, each on a fresh registry and fresh mirrors:
 5. ``--faults``: N nodes, peers on, a FAKE peer (``tests/fake_peer.py``) claiming every chunk
    and serving wrong bytes, one node killed once the pull is under way, and the registry killed
    and restarted (on its data directory) mid-pull: every surviving node must end with the version.
+6. ``--delta`` (instead of 1-2; the size defaults to 2 GiB): N nodes, peers on, one registry:
+   version 1, bf16 tensors (the bit patterns of normal floats), published full; once every node
+   serves it, version 2, the same tensors with ``--changed`` of their elements one bf16 step
+   away (what an RL step leaves of a bf16 policy), which the registry publishes as a delta on
+   version 1. Measured: trainer bytes out for version 2 per delta byte (``delta_egress_ratio``,
+   every packet counted) and for version 1 per version byte (``egress_ratio``); publish (the
+   version visible) to every node serving it, version 2's over version 1's
+   (``delta_vs_full_time``), and the same to every mirror holding it; each node's pull kind
+   (every one must be ``delta``), bytes fetched and rebuild time.
 
 Every mirror is compared with the published files (sha256 of every file). The last line of
 stdout is one JSON object: ``nodes``, ``egress_ratio``, ``all_nodes_time_ratio`` and the rest.
@@ -24,6 +33,7 @@ Needs root (namespaces, ``tc``). From the repository root::
     .venv/bin/python bench/egress.py                       # 8 nodes, 512 MiB, 200 Mbit/s
     .venv/bin/python bench/egress.py --s3 --faults --no-peers
     .venv/bin/python bench/egress.py --nodes 3 --size-mib 32 --rate-mbit 100   # a short run
+    .venv/bin/python bench/egress.py --delta               # 8 nodes, 2 GiB, a full version then a delta
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
 
 from tests.netns_fleet import Fleet  # noqa: E402
 
@@ -64,6 +76,60 @@ def make_version(directory: Path, size_mib: int, files: int) -> dict[str, str]:
             while block := f.read(8 * MiB):
                 h.update(block)
         sums[path.name] = h.hexdigest()
+    return sums
+
+
+BF16_TENSORS_PER_FILE = 8
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(8 * MiB):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_bf16(path: Path, tensors: dict) -> None:
+    """A safetensors file of BF16 tensors given as uint16 arrays of their bit patterns (numpy has
+    no bfloat16; the file is what a trainer's bf16 checkpoint is, byte for byte)."""
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        header[name] = {"dtype": "BF16", "shape": [int(t.size)], "data_offsets": [offset, offset + t.nbytes]}
+        offset += t.nbytes
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    with open(path, "wb") as f:
+        f.write(len(head).to_bytes(8, "little") + head)
+        for t in tensors.values():
+            f.write(t.tobytes())
+
+
+def make_bf16_versions(full: Path, delta: Path, size_mib: int, files: int, changed: float,
+                       seed: int = 0) -> tuple[dict[str, str], dict[str, str]]:
+    """Two versions of ``size_mib`` in ``files`` files of BF16 tensors: ``full`` (the bit
+    patterns of normal floats) and ``delta``, the same with ``changed`` of each tensor's elements
+    one bf16 step up or down. Returns the sha256 of each file of each, by name."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    full.mkdir(parents=True, exist_ok=True)
+    delta.mkdir(parents=True, exist_ok=True)
+    sums: tuple[dict[str, str], dict[str, str]] = ({}, {})
+    elements = size_mib * MiB // files // 2 // BF16_TENSORS_PER_FILE
+    for i in range(files):
+        name = f"model-{i + 1:05d}-of-{files:05d}.safetensors"
+        before, after = {}, {}
+        for k in range(BF16_TENSORS_PER_FILE):
+            t = (rng.standard_normal(elements, dtype=np.float32) * 0.02).view(np.uint32) >> 16
+            before[f"model.layers.{i}.w{k}.weight"] = t = t.astype(np.uint16)
+            stepped = t.copy()
+            idx = rng.integers(0, elements, int(elements * changed))
+            stepped[idx] += rng.choice(np.array([1, 0xFFFF], dtype=np.uint16), idx.size)  # +-1 step (wraps)
+            after[f"model.layers.{i}.w{k}.weight"] = stepped
+        for d, tensors, out in ((full, before, sums[0]), (delta, after, sums[1])):
+            write_bf16(d / name, tensors)
+            out[name] = _sha256(d / name)
     return sums
 
 
@@ -167,6 +233,71 @@ def run_faults(fleet: Fleet, data: Path, sums, size: int, *, nodes: int, chunk: 
             "not_identical": identical(fleet, survivors, 1, sums)}
 
 
+def wait_all_serving(daemons, version: int, timeout_s: float) -> float:
+    """When every server of every daemon first served ``version`` (monotonic time, by polling)."""
+    deadline = time.monotonic() + timeout_s
+    left = list(daemons)
+    while left:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"version {version} not served by {[d.cfg['node']['name'] for d in left]}")
+        for d in list(left):
+            try:
+                servers = d.status()["servers"]
+            except Exception:
+                continue
+            if servers and all(s["state"] == "SERVING" and s["version"] == version for s in servers):
+                left.remove(d)
+        time.sleep(0.05)
+    return time.monotonic()
+
+
+def run_delta(fleet: Fleet, full: Path, delta: Path, sums: tuple[dict, dict], size: int, *, nodes: int,
+              chunk: int, timeout_s: float = 1800) -> dict:
+    """One registry, ``nodes`` nodes with peers: version 1 (full), then version 2 (a delta on it)."""
+    reset_nodes(fleet)
+    fleet.stop_registry()
+    reg_data = fleet.dir / "registry-data"  # on disk: two versions of the model stay out of memory
+    shutil.rmtree(reg_data, ignore_errors=True)
+    fleet.start_registry(data_dir=reg_data)
+    daemons = fleet.start_nodes(nodes, peers=True)
+    wait_serving(daemons)
+    out: dict = {"nodes": nodes}
+    for version, data in ((1, full), (2, delta)):
+        trainer0, served0 = fleet.tx_bytes("trainer"), fleet.served_bytes()
+        began = time.monotonic()
+        visible = fleet.publish(version, data, chunk_bytes=chunk)
+        mirrors = fleet.wait_mirrors(daemons, version, timeout_s)
+        serving = wait_all_serving(daemons, version, timeout_s)
+        tx, served = fleet.tx_bytes("trainer") - trainer0, fleet.served_bytes() - served0
+        manifest = httpx.get(f"{fleet.registry_url}/v1/versions/{version}", headers=fleet.auth, timeout=30).json()
+        pulls = [d.status()["pull"] for d in daemons]
+        run = {"publish_to_visible_s": round(visible - began, 2),
+               "to_all_mirrors_s": round(max(mirrors.values()) - visible, 2),
+               "to_all_serving_s": round(serving - visible, 2),
+               "trainer_tx_bytes": tx, "registry_file_bytes": served,
+               "kinds": sorted({p["kind"] for p in pulls}),
+               "bytes_fetched_per_node": sorted(p["bytes_fetched"] for p in pulls),
+               "reconstruct_s": sorted(p["reconstruct_s"] for p in pulls if p["reconstruct_s"] is not None),
+               "pull_s_max": max(p["seconds"] for p in pulls),
+               "not_identical": identical(fleet, daemons, version, sums[version - 1])}
+        if version == 2:
+            if manifest.get("delta") is None:
+                raise RuntimeError("version 2 was published full: the registry made no delta of it")
+            delta_bytes = sum(f["size"] for f in manifest["delta"]["files"])
+            run.update(delta_bytes=delta_bytes, delta_of_full=round(delta_bytes / size, 4),
+                       trainer_tx_per_delta=round(tx / delta_bytes, 3),
+                       registry_file_per_delta=round(served / delta_bytes, 3))
+        else:
+            run.update(trainer_tx_per_version=round(tx / size, 3), registry_file_per_version=round(served / size, 3))
+        out[f"v{version}"] = run
+        print(f"version {version}:", json.dumps(run), flush=True)
+    v1, v2 = out["v1"], out["v2"]
+    out.update(egress_ratio=v1["trainer_tx_per_version"], delta_egress_ratio=v2["trainer_tx_per_delta"],
+               delta_vs_full_time=round(v2["to_all_serving_s"] / v1["to_all_serving_s"], 4),
+               delta_vs_full_mirror_time=round(v2["to_all_mirrors_s"] / v1["to_all_mirrors_s"], 4))
+    return out
+
+
 def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
@@ -174,20 +305,26 @@ def load() -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--nodes", type=int, default=8)
-    p.add_argument("--size-mib", type=int, default=512)
+    p.add_argument("--size-mib", type=int, default=None, help="the version's size (default 512; 2048 with --delta)")
     p.add_argument("--files", type=int, default=4)
     p.add_argument("--chunk-mib", type=int, default=8, help="the manifest's chunk size (the swarm's unit)")
     p.add_argument("--rate-mbit", type=float, default=200.0, help="the trainer's (and the store's) link")
     p.add_argument("--s3", action="store_true", help="also with the version in a real S3 server")
     p.add_argument("--faults", action="store_true", help="also the fault run")
     p.add_argument("--no-peers", action="store_true", help="also N nodes without peers (the baseline)")
+    p.add_argument("--delta", action="store_true", help="a full version then a delta version, instead of the "
+                   "alone and swarm runs")
+    p.add_argument("--changed", type=float, default=0.015, help="with --delta: the share of elements changed")
     p.add_argument("--dir", type=Path, default=None, help="scratch directory (default: a temporary one)")
     args = p.parse_args()
     if os.geteuid() != 0:
         print("bench/egress.py: needs root (network namespaces, tc)", file=sys.stderr)
         return 2
+    args.size_mib = args.size_mib or (2048 if args.delta else 512)
     scratch = Path(args.dir or tempfile.mkdtemp(prefix="rolloutd-egress-"))
     chunk = args.chunk_mib * MiB
+    if args.delta:
+        return main_delta(args, scratch, chunk)
     result: dict = {"nodes": args.nodes, "size_mib": args.size_mib, "chunk_mib": args.chunk_mib,
                     "rate_mbit": args.rate_mbit, "load_before": load()}
     try:
@@ -223,6 +360,25 @@ def main() -> int:
     result["ok"] = (result["egress_ratio"] <= 1.5 and result["all_nodes_time_ratio"] <= 2.0
                     and not swarm["not_identical"] and not result.get("s3", {}).get("not_identical")
                     and not result.get("faults", {}).get("not_identical"))
+    print(json.dumps(result))
+    return 0
+
+
+def main_delta(args, scratch: Path, chunk: int) -> int:
+    result: dict = {"nodes": args.nodes, "size_mib": args.size_mib, "chunk_mib": args.chunk_mib,
+                    "rate_mbit": args.rate_mbit, "changed": args.changed, "load_before": load()}
+    try:
+        sums = make_bf16_versions(scratch / "v1", scratch / "v2", args.size_mib, args.files, args.changed)
+        with Fleet(scratch / "fleet", args.nodes, rate_mbit=args.rate_mbit).setup() as fleet:
+            result.update(run_delta(fleet, scratch / "v1", scratch / "v2", sums, args.size_mib * MiB,
+                                    nodes=args.nodes, chunk=chunk))
+    finally:
+        if args.dir is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+    result["load_after"] = load()
+    v1, v2 = result["v1"], result["v2"]
+    result["ok"] = (result["delta_egress_ratio"] <= 1.5 and result["delta_vs_full_time"] <= 0.1
+                    and v2["kinds"] == ["delta"] and not v1["not_identical"] and not v2["not_identical"])
     print(json.dumps(result))
     return 0
 

@@ -125,7 +125,8 @@ class HeldVersion(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    digest: ManifestDigest = Field(description="the manifest digest it holds (another is ignored)")
+    digest: ManifestDigest = Field(description="the manifest digest it holds, or the delta section's digest for "
+                                   "the delta files of a pull from the delta (another is ignored)")
     chunks: str | None = Field(None, pattern=HEX_RE.pattern, description="chunks held and checked, "
                                "bit i = chunk i of the version in manifest order, lowercase hex; null: all")
     pulling: bool = Field(False, description="a pull of it is in progress: the reply says where from")
