@@ -977,8 +977,14 @@ async def test_a_delta_whose_rebuild_differs_from_the_version_is_refused_and_the
     attach_delta(registry, 3, m2.delta.model_copy(update={"digest": None}), blobs)
     stats = stat_of(mirror, f1)
     puller = make_puller(client, mirror)
+    seen: set[int] = set()
+
+    async def look(_n: int) -> None:
+        seen.update(puller.progress.worker_pids)  # the delta pull's workers, then the full pull's
+    proxy.on_bytes = look
     with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
         result = await puller.pull(3)
+    assert len(seen) >= 2 and all(gone(pid) for pid in seen)  # the failed delta pull's were reaped too
     assert (result.kind, result.digest) == ("full", m3.digest)
     for name, data in f3.items():
         assert (mirror.path(3) / name).read_bytes() == data, name
