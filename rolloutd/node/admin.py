@@ -87,7 +87,8 @@ class PullStatus(_Model):
     version: int | None = Field(description="the version being pulled (null until \"latest\" is resolved)")
     state: PullState = Field(description="where the pull is")
     bytes_done: int = Field(description="bytes written into the mirror so far")
-    bytes_total: int = Field(description="bytes of the whole version")
+    bytes_total: int = Field(description="bytes of the whole version (of a delta pull: its delta files' bytes "
+                             "plus the version's, fetched then rebuilt)")
     bytes_resumed: int = Field(description="of bytes_done: chunks an earlier try of this version checked "
                                "and left in the mirror, not fetched again")
     rate_bytes_per_s: float = Field(description="recent rate while pulling; the average once ended")
