@@ -270,7 +270,8 @@ def run_delta(fleet: Fleet, full: Path, delta: Path, sums: tuple[dict, dict], si
         serving = wait_all_serving(daemons, version, timeout_s)
         tx, served = fleet.tx_bytes("trainer") - trainer0, fleet.served_bytes() - served0
         manifest = httpx.get(f"{fleet.registry_url}/v1/versions/{version}", headers=fleet.auth, timeout=30).json()
-        pulls = [d.status()["pull"] for d in daemons]
+        statuses = [d.status() for d in daemons]
+        pulls = [st["pull"] for st in statuses]
         run = {"publish_to_visible_s": round(visible - began, 2),
                "to_all_mirrors_s": round(max(mirrors.values()) - visible, 2),
                "to_all_serving_s": round(serving - visible, 2),
@@ -279,6 +280,7 @@ def run_delta(fleet: Fleet, full: Path, delta: Path, sums: tuple[dict, dict], si
                "bytes_fetched_per_node": sorted(p["bytes_fetched"] for p in pulls),
                "reconstruct_s": sorted(p["reconstruct_s"] for p in pulls if p["reconstruct_s"] is not None),
                "pull_s_max": max(p["seconds"] for p in pulls),
+               "bytes_from_peers": sum(st["pull_sources"]["last_pull"].get("peers", 0) for st in statuses),
                "not_identical": identical(fleet, daemons, version, sums[version - 1])}
         if version == 2:
             if manifest.get("delta") is None:

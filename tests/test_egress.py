@@ -82,6 +82,7 @@ def test_a_delta_version_leaves_the_registry_once_and_every_node_rebuilds_it(tmp
     assert v2["kinds"] == ["delta"] and v2["bytes_fetched_per_node"] == [v2["delta_bytes"]] * NODES, out
     assert v2["delta_of_full"] < 0.05, out  # a small step: a small delta
     assert v2["registry_file_per_delta"] <= 1.5, out  # NODES copies if peers did not carry the delta files
+    assert v2["bytes_from_peers"] >= (NODES - 1.5) * v2["delta_bytes"], out  # as /status pull_sources says
     # Every packet of the trainer's link: the delta's bytes once, and the manifests, long polls and
     # announcements of a few seconds, which weigh on a delta of half a MiB (not on a real one).
     assert v2["trainer_tx_per_delta"] < NODES - 0.5, out

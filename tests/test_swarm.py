@@ -551,6 +551,9 @@ async def test_nodes_pulling_a_delta_together_take_about_one_copy_of_the_delta_f
         ratio = (served(reg) - before) / delta_bytes
         assert ratio <= 1.5, f"registry sent {ratio:.2f} copies of the delta"  # 4 without peers carrying it
         assert sum(n.server.served_bytes for n in nodes) - peers_before >= 2 * delta_bytes
+        # what /status pull_sources says: the delta pull's own plan, its bytes by source
+        from_peers = sum(n.swarm.last_plan.bytes_from.get("peers", 0) for n in nodes)
+        assert from_peers == sum(n.server.served_bytes for n in nodes) - peers_before
     finally:
         for n in nodes:
             await n.close()

@@ -503,7 +503,7 @@ class Daemon:
 
     def _pull_sources(self) -> dict:
         """Bytes of the last pull by kind of source, and what this node served its peers."""
-        plan = self.updater.puller.last_plan
+        plan = self.swarm.last_plan  # a delta pull's plan of its delta files too (the puller's is the version's)
         out = {"last_pull": dict(plan.bytes_from) if plan is not None else {}, "peers": self.cfg.peers.enabled}
         if self.peer_server is not None:
             out.update(url=self.swarm.settings.url, served_bytes=self.peer_server.served_bytes,

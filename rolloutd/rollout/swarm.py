@@ -377,6 +377,7 @@ class Swarm:
         self.object_store = object_store or ObjectStoreSettings()
         self.read_timeout_s = read_timeout_s
         self._plan: ChunkPlan | None = None
+        self.last_plan: ChunkPlan | None = None  # the last pull's plan, kept after it ends: its bytes by source
         self._dirty = asyncio.Event()
         self._last_announce = 0.0
         self._refused_logged: set[str] = set()  # manifest digests whose origin-only pull was logged
@@ -400,7 +401,7 @@ class Swarm:
         on = self.settings.enabled and self._peers_may_carry(manifest)
         plan = ChunkPlan(manifest, self.origin(manifest), peers=on, make_peer=self._peer if on else None,
                          origin_wait_s=self.settings.origin_wait_s, done_bits=done_bits)
-        self._plan = plan
+        self._plan = self.last_plan = plan
         if on:
             self.ledger.begin(manifest, directory, done_bits)
             self._dirty.set()
@@ -413,7 +414,7 @@ class Swarm:
         on = self.settings.enabled and self._peers_may_carry(manifest, files=files)
         plan = ChunkPlan(files, self.origin(manifest), peers=on, make_peer=self._peer if on else None,
                          origin_wait_s=self.settings.origin_wait_s)
-        self._plan = plan
+        self._plan = self.last_plan = plan
         if on:
             self.ledger.begin(files, directory, digest=manifest.delta.digest)
             self._dirty.set()
