@@ -28,7 +28,11 @@ virtual machine that hands freed memory back to its host costs more than the cop
 Modes run ``--repeats`` times, interleaved. Reported per mode: median seconds, seconds / memcpy
 seconds (goal: publish <= 2x), and heartbeat latency p50 / p99 / max while the trainer worked
 (goal: every heartbeat answered within its 2 s timeout). The last stdout line is one JSON
-object; ``bench/results/publish.json`` holds every run. From the repo root::
+object: ``<mode>_to_memcpy`` for each mode (``http_to_memcpy``: ``RegistryHTTP.publish``, goal
+<= 3x; median seconds over median memcpy seconds) and ``<mode>_to_memcpy_paired`` (the median of
+each run over the memcpy of its own round), then the whole summary with each mode's CPU time
+(``trainer_cpu_s``, every thread of the trainer's process; ``registry_cpu_s``);
+``bench/results/publish.json`` holds every run. From the repo root::
 
     .venv/bin/python bench/publish.py                 # 2 GiB, 3 repeats, a few minutes
     .venv/bin/python bench/publish.py --gib 0.25 --repeats 1 --modes memcpy,publish,async
@@ -95,7 +99,7 @@ def child(mode: str, gib: float, tmp_dir: Path, registry_url: str | None, steps:
             sys.stdin.readline()  # the heartbeats are going
             out: dict = {"seconds_each": []}
             for version in range(1, steps + 1):
-                t0 = time.perf_counter()
+                t0, cpu0 = time.perf_counter(), time.process_time()
                 if mode == "memcpy":
                     copies = [torch.empty(t.shape, dtype=t.dtype).copy_(t) for t in sd.values()]
                     del copies
@@ -106,6 +110,7 @@ def child(mode: str, gib: float, tmp_dir: Path, registry_url: str | None, steps:
                 else:
                     reg.publish(version, sd)
                 out["seconds_each"].append(round(time.perf_counter() - t0, 4))
+                out["trainer_cpu_s"] = round(time.process_time() - cpu0, 3)  # every thread's, the last step's
             out["seconds"] = out["seconds_each"][-1]
             print(json.dumps(out), flush=True)
         finally:
@@ -241,6 +246,7 @@ def main() -> int:
             print(f"[{rep + 1}/{args.repeats}] {mode:13} {r['seconds']:7.3f} s"
                   + (f" (returned after {r['returned_s']:.3f} s)" if "returned_s" in r else "")
                   + (f" (registry CPU {r['registry_cpu_s']:.2f} s per version)" if "registry_cpu_s" in r else "")
+                  + f" (trainer CPU {r['trainer_cpu_s']:.2f} s)"
                   + f"  heartbeats: {r['beats']} p50 {r['beat_p50_ms']:.1f} ms p99 {r['beat_p99_ms']:.1f} ms "
                     f"max {r['beat_max_ms']:.1f} ms", flush=True)
     summary = {}
@@ -254,6 +260,10 @@ def main() -> int:
                          "beats_over_timeout": sum(r["beats_over_timeout"] for r in rs)}
         if "registry_cpu_s" in rs[0]:
             summary[mode]["registry_cpu_s"] = statistics.median(r["registry_cpu_s"] for r in rs)
+        summary[mode]["trainer_cpu_s"] = statistics.median(r["trainer_cpu_s"] for r in rs)
+        if "memcpy" in runs:  # each run against the memory copy of its own round: steadier on a busy host
+            summary[mode]["to_memcpy_paired"] = round(statistics.median(
+                r["seconds"] / m["seconds"] for r, m in zip(rs, runs["memcpy"], strict=True)), 2)
         if "returned_s" in rs[0]:
             summary[mode]["returned_s"] = statistics.median(r["returned_s"] for r in rs)
             summary[mode]["returned_to_memcpy"] = round(summary[mode]["returned_s"] / base, 2) if base else None
@@ -271,7 +281,10 @@ def main() -> int:
         extra = f" (returns after {s['returned_s']:.3f} s)" if "returned_s" in s else ""
         print(f"| {mode}{extra} | {s['seconds']:.3f} | {ratio} | {s['gb_per_s']:.2f} | {s['beat_p99_ms']:.1f} ms | "
               f"{s['beat_max_ms']:.1f} ms | {s['beats_over_timeout']} |")
-    print(json.dumps({"summary": summary, "loadavg_before": load0}))
+    headline = {f"{m.replace('-', '_')}_to_memcpy": s["to_memcpy"] for m, s in summary.items() if m != "memcpy"}
+    headline.update({f"{m.replace('-', '_')}_to_memcpy_paired": s.get("to_memcpy_paired")
+                     for m, s in summary.items() if m != "memcpy"})
+    print(json.dumps({**headline, "gib": args.gib, "summary": summary, "loadavg_before": load0}))
     return 0
 
 
