@@ -23,9 +23,13 @@ on that step's bytes against the previous step's:
   distribution of the difference of the values' ordinals over all changed elements). It
   assumes elements independent; an encoding may beat it where changes cluster.
 
-Every timing is the median of ``--repeats`` (3) per step, interleaved (publish, copy, then each
-encoding's encode and rebuild, again and again), and the summary's ratios the median over the
-steps of the first learning rate of each step's ratio: figures measured side by side. The last stdout line is
+Every timing is the median of ``--repeats`` (3) per step (one at the other learning rates),
+taken interleaved (publish, copy, then each encoding's encode and rebuild, again and again);
+the summary's ratios are the median,
+over the steps of the first learning rate, of each step's ratio: figures measured side by side.
+Each is also taken in CPU seconds of every thread of the process (the codec's pool, the
+registry's threads), which move less than wall seconds with the machine's other load; the goals
+are stated in wall seconds. The last stdout line is
 one JSON object; ``bench/results/delta.json`` holds every step. From the repository root::
 
     .venv/bin/python bench/delta.py                     # 55 M parameters, 10 steps per lr
@@ -113,49 +117,61 @@ def entropy_bound(base: dict, target: dict) -> tuple[float, float]:
     return p, bits / 8 / full
 
 
-def memcpy_s(files: list[tuple[str, bytes]]) -> float:
+class Timed:
+    """Wall seconds of a block, and CPU seconds of every thread of this process meanwhile (the
+    codec's pool, the registry's threads): the CPU figure moves less with other load."""
+
+    def __enter__(self) -> Timed:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.wall, time.process_time() - self.cpu
+
+
+def memcpy(files: list[tuple[str, bytes]]) -> Timed:
     """One copy of every file's bytes into fresh memory."""
-    t0 = time.perf_counter()
-    for _, data in files:
-        dst = np.empty(len(data), dtype=np.uint8)
-        np.copyto(dst, np.frombuffer(data, dtype=np.uint8))
-        del dst
-    return time.perf_counter() - t0
+    with Timed() as t:
+        for _, data in files:
+            dst = np.empty(len(data), dtype=np.uint8)
+            np.copyto(dst, np.frombuffer(data, dtype=np.uint8))
+            del dst
+    return t
 
 
-def encode_all(bases: dict[str, bytes], targets: list[tuple[str, bytes]], encoding: str, pool) -> tuple[dict, float]:
-    """Delta bytes per target file, and the seconds to encode them and hash their chunks."""
+def encode_all(bases: dict[str, bytes], targets: list[tuple[str, bytes]], encoding: str, pool) -> tuple[dict, Timed]:
+    """Delta bytes per target file, and the time to encode them and hash their chunks."""
     out = {}
-    t0 = time.perf_counter()
-    for name, data in targets:
-        buf = io.BytesIO()
-        delta.encode_file(bases, data, buf, encoding=encoding, pool=pool, target_name=name)
-        out[name] = buf.getvalue()
-        hash_chunks(out[name], DEFAULT_CHUNK_BYTES, DEFAULT_HASH, pool)
-    return out, time.perf_counter() - t0
+    with Timed() as t:
+        for name, data in targets:
+            buf = io.BytesIO()
+            delta.encode_file(bases, data, buf, encoding=encoding, pool=pool, target_name=name)
+            out[name] = buf.getvalue()
+            hash_chunks(out[name], DEFAULT_CHUNK_BYTES, DEFAULT_HASH, pool)
+    return out, t
 
 
-def rebuild_all(base_dir: Path, deltas: dict[str, bytes], targets: list[tuple[str, bytes]], work: Path,
-                pool) -> tuple[float, bool]:
-    """Seconds to rebuild and verify every target file from the base files and the deltas (files
-    on disk, as in a node's mirror), and whether every rebuilt file equals its target."""
+def rebuild_all(base_dir: Path, deltas: dict[str, bytes], targets: list[tuple[str, bytes]],
+                digests: dict[str, list[str]], work: Path, pool, check: bool) -> tuple[Timed, bool]:
+    """The time to rebuild and verify every target file from the base files and the deltas (files
+    on disk, as in a node's mirror), and (``check``) whether every rebuilt file equals its target."""
     base_files = {p.name: p for p in base_dir.iterdir()}
     jobs = []
-    for i, (name, data) in enumerate(targets):
+    for i, (name, _) in enumerate(targets):
         dpath = work / f"{i}.delta"
         dpath.write_bytes(deltas[name])
-        jobs.append((name, dpath, work / f"{i}.target", hash_chunks(data, DEFAULT_CHUNK_BYTES, DEFAULT_HASH)))
-    t0 = time.perf_counter()
-    for _name, dpath, tpath, digests in jobs:
-        tpath.touch()
-        delta.apply_and_verify(base_files, dpath, tpath, hash_name=DEFAULT_HASH, chunk_bytes=DEFAULT_CHUNK_BYTES,
-                               digests=digests, pool=pool)
-    seconds = time.perf_counter() - t0
-    exact = all(tpath.read_bytes() == data for (_, data), (_, _, tpath, _) in zip(targets, jobs, strict=True))
+        jobs.append((name, dpath, work / f"{i}.target", digests[name]))
+    with Timed() as t:
+        for _name, dpath, tpath, digests in jobs:
+            tpath.touch()
+            delta.apply_and_verify(base_files, dpath, tpath, hash_name=DEFAULT_HASH,
+                                   chunk_bytes=DEFAULT_CHUNK_BYTES, digests=digests, pool=pool)
+    exact = not check or all(tpath.read_bytes() == data
+                             for (_, data), (_, _, tpath, _) in zip(targets, jobs, strict=True))
     for _, dpath, tpath, _ in jobs:
         dpath.unlink()
         tpath.unlink()
-    return seconds, exact
+    return t, exact
 
 
 def write_base(files: list[tuple[str, bytes]], directory: Path) -> None:
@@ -201,31 +217,37 @@ def run_lr(lr: float, args, pool, tmp: Path) -> list[dict]:
             full = sum(len(d) for _, d in files)
             changed, bound = entropy_bound(base_sd, sd)
             bases = dict(base_files)
-            times: dict[str, list[float]] = {"publish": [], "memcpy": []}
+            times: dict[str, list[Timed]] = {"publish": [], "memcpy": []}
             sizes, exact = {}, dict.fromkeys(delta.ENCODINGS, True)
-            for _ in range(args.repeats):  # interleaved, so that a busy moment hits every figure alike
-                t0 = time.perf_counter()
+            digests = {name: hash_chunks(data, DEFAULT_CHUNK_BYTES, DEFAULT_HASH) for name, data in files}
+            repeats = args.repeats if lr == args.lrs[0] else 1  # the summary's times are the first lr's
+            for rep in range(repeats):  # interleaved, so that a busy moment hits every figure alike
                 version += 1
-                publish(version, sd)
-                times["publish"].append(time.perf_counter() - t0)
-                times["memcpy"].append(memcpy_s(files))
+                with Timed() as t:
+                    publish(version, sd)
+                times["publish"].append(t)
+                times["memcpy"].append(memcpy(files))
                 for encoding in delta.ENCODINGS:
-                    deltas, enc_s = encode_all(bases, files, encoding, pool)
+                    deltas, t = encode_all(bases, files, encoding, pool)
+                    times.setdefault(f"enc {encoding}", []).append(t)
                     sizes[encoding] = sum(len(d) for d in deltas.values())
-                    rebuild_s, ok = rebuild_all(base_dir, deltas, files, work, pool)
+                    t, ok = rebuild_all(base_dir, deltas, files, digests, work, pool, check=rep == 0)
+                    times.setdefault(f"rebuild {encoding}", []).append(t)
                     exact[encoding] &= ok
-                    times.setdefault(f"enc {encoding}", []).append(enc_s)
-                    times.setdefault(f"rebuild {encoding}", []).append(rebuild_s)
-            t = {k: statistics.median(v) for k, v in times.items()}
+            w = {k: statistics.median(x.wall for x in v) for k, v in times.items()}
+            c = {k: statistics.median(x.cpu for x in v) for k, v in times.items()}
             row = {"lr": lr, "step": step, "params": params, "loss": round(loss.item(), 4),
                    "train_s": round(train_s, 3), "full_bytes": full, "changed": changed, "bound": bound,
-                   "publish_s": t["publish"], "memcpy_s": t["memcpy"], "enc": {}}
-            for encoding in delta.ENCODINGS:
-                enc_s, rebuild_s = t[f"enc {encoding}"], t[f"rebuild {encoding}"]
-                row["enc"][encoding] = {"bytes": sizes[encoding], "ratio": sizes[encoding] / full,
-                                        "encode_s": enc_s, "rebuild_s": rebuild_s,
-                                        "encode_vs_publish": enc_s / t["publish"],
-                                        "rebuild_vs_memcpy": rebuild_s / t["memcpy"], "exact": exact[encoding]}
+                   "publish_s": w["publish"], "memcpy_s": w["memcpy"], "publish_cpu_s": c["publish"],
+                   "memcpy_cpu_s": c["memcpy"], "enc": {}}
+            for e in delta.ENCODINGS:
+                row["enc"][e] = {"bytes": sizes[e], "ratio": sizes[e] / full,
+                                 "encode_s": w[f"enc {e}"], "rebuild_s": w[f"rebuild {e}"],
+                                 "encode_vs_publish": w[f"enc {e}"] / w["publish"],
+                                 "rebuild_vs_memcpy": w[f"rebuild {e}"] / w["memcpy"],
+                                 "encode_cpu_vs_publish_cpu": c[f"enc {e}"] / c["publish"],
+                                 "rebuild_cpu_vs_memcpy_cpu": c[f"rebuild {e}"] / max(c["memcpy"], 1e-9),
+                                 "exact": exact[e]}
             rows.append(row)
             print_row(row)
             base_files, base_sd = files, sd
@@ -236,8 +258,9 @@ def run_lr(lr: float, args, pool, tmp: Path) -> list[dict]:
 
 
 def print_row(r: dict) -> None:
-    sizes = "  ".join(f"{e} {v['ratio'] * 100:5.2f}% enc {v['encode_vs_publish']:4.2f}x rebuild "
-                      f"{v['rebuild_vs_memcpy']:4.2f}x{'' if v['exact'] else ' NOT EXACT'}"
+    sizes = "  ".join(f"{e} {v['ratio'] * 100:5.2f}% enc {v['encode_vs_publish']:4.2f}x "
+                      f"(cpu {v['encode_cpu_vs_publish_cpu']:4.2f}x) rebuild {v['rebuild_vs_memcpy']:4.2f}x "
+                      f"(cpu {v['rebuild_cpu_vs_memcpy_cpu']:4.2f}x){'' if v['exact'] else ' NOT EXACT'}"
                       for e, v in r["enc"].items())
     print(f"lr {r['lr']:g} step {r['step']:2d} loss {r['loss']:.3f} changed {r['changed'] * 100:5.2f}% "
           f"bound {r['bound'] * 100:5.2f}%  full {r['full_bytes'] / 1e6:.1f} MB publish "
@@ -253,7 +276,11 @@ def summarize(rows: list[dict], args) -> dict:
                    "encode_vs_full_publish": round(med(r["enc"][e]["encode_vs_publish"] for r in mine), 3),
                    "reconstruct_vs_memcpy": round(med(r["enc"][e]["rebuild_vs_memcpy"] for r in mine), 3),
                    "encode_s": round(med(r["enc"][e]["encode_s"] for r in mine), 4),
-                   "reconstruct_s": round(med(r["enc"][e]["rebuild_s"] for r in mine), 4)}
+                   "reconstruct_s": round(med(r["enc"][e]["rebuild_s"] for r in mine), 4),
+                   "encode_cpu_vs_full_publish_cpu": round(med(r["enc"][e]["encode_cpu_vs_publish_cpu"]
+                                                               for r in mine), 3),
+                   "reconstruct_cpu_vs_memcpy_cpu": round(med(r["enc"][e]["rebuild_cpu_vs_memcpy_cpu"]
+                                                              for r in mine), 3)}
                for e in delta.ENCODINGS}
     best = min(per_enc, key=lambda e: per_enc[e]["ratio_last"])
     by_lr = {}
@@ -272,6 +299,8 @@ def summarize(rows: list[dict], args) -> dict:
             "reconstruct_vs_memcpy": per_enc[SHIPPED]["reconstruct_vs_memcpy"],
             "publish_s": round(med(r["publish_s"] for r in mine), 4),
             "memcpy_s": round(med(r["memcpy_s"] for r in mine), 4),
+            "publish_cpu_s": round(med(r["publish_cpu_s"] for r in mine), 4),
+            "memcpy_cpu_s": round(med(r["memcpy_cpu_s"] for r in mine), 4),
             "all_exact": all(v["exact"] for r in rows for v in r["enc"].values()),
             "encodings": per_enc, "by_lr": by_lr, "threads": args.threads, "repeats": args.repeats,
             "loadavg": Path("/proc/loadavg").read_text().split()[:3]}

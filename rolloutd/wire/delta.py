@@ -250,7 +250,7 @@ def _encode_segment(seg: _Segment, bases: Mapping[str, memoryview], target: memo
         values = tgt.reshape(-1, size)[differ]
         payload = len(differ).to_bytes(8, "little") + gaps.tobytes() + values.tobytes()
         return "iv", _compressor(level).compress(payload), len(differ) > 0
-    x = np.bitwise_xor(base, tgt)
+    x = np.bitwise_xor(base, tgt, out=_scratch(len(tgt)))  # only used within this call
     if seg.kind == "sx":
         xe = _elements(x, size)
         differ = _nonzero(xe)
