@@ -251,3 +251,17 @@ def test_a_sparse_segment_that_points_outside_its_tensor_is_an_error(tmp_path):
 def test_the_manifest_accepts_exactly_the_codec_s_encodings():
     assert set(typing.get_args(DeltaEncoding)) == set(delta.ENCODINGS)
     assert delta.DEFAULT_ENCODING in delta.ENCODINGS
+
+
+def test_a_delta_rebuilding_another_size_is_refused_before_the_file_grows(tmp_path):
+    base_bytes = save(_checkpoint())
+    target_bytes = save(_step(_checkpoint(), 0.02))
+    buf = io.BytesIO()
+    delta.encode_file({"m.safetensors": base_bytes}, target_bytes, buf)
+    (tmp_path / "base").write_bytes(base_bytes)
+    (tmp_path / "d").write_bytes(buf.getvalue())
+    (tmp_path / "out").write_bytes(b"")
+    with pytest.raises(delta.TargetMismatch, match="the manifest lists 1"):
+        delta.apply_and_verify({"m.safetensors": tmp_path / "base"}, tmp_path / "d", tmp_path / "out",
+                               hash_name="xxh3-128", chunk_bytes=CHUNK, digests=["0" * 32])
+    assert (tmp_path / "out").stat().st_size == 0

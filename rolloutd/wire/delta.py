@@ -521,6 +521,9 @@ def apply_and_verify(base_files: Mapping[str, Path], delta_path: Path, target_pa
                 pos += os.pwrite(fd, view[pos:], seg.start + pos)
             return out
 
+        if -(-size // chunk_bytes) != len(digests):  # before the file takes the header's word for its size
+            raise TargetMismatch(f"{what}: the delta rebuilds {size} bytes, {-(-size // chunk_bytes)} chunks; "
+                                 f"the manifest lists {len(digests)}", 0)
         fd = os.open(target_path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.ftruncate(fd, size)
