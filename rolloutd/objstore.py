@@ -14,14 +14,26 @@ Contract:
   logged nor shown in an error.
 - Bytes read from a bucket are untrusted like every source's: the reader checks each chunk.
 - The registry holds no credentials, so the trainer deletes what it put there:
-  :func:`prune_versions` removes the ``<to>/<n>/`` prefixes it is told are done with; any other
-  key under ``to`` is left alone.
+  :func:`prune_versions` removes the ``<to>/<n>/`` prefixes it is told are done with (a delta
+  version's delta files with the rest: they are objects under the same prefix); any other key
+  under ``to`` is left alone.
+- Delta versions (docs/deltas.md): the registry holds none of these bytes, so the trainer's
+  publisher encodes. :class:`KeptVersions` keeps on local disk the files of the last version it
+  put under each ``to`` (one version per ``to``); :func:`encode_delta_files` writes the next
+  version's delta files against them, which go to the bucket beside the target's files.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import shutil
+import tempfile
+import threading
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -29,7 +41,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field
 
 from rolloutd.units import size
-from rolloutd.wire.manifest import SOURCE_RE
+from rolloutd.wire.manifest import SOURCE_RE, Delta, DeltaFile, Manifest, hash_chunks
 
 log = logging.getLogger("rolloutd.objstore")
 
@@ -140,6 +152,18 @@ def publish_files(source: str, files: Iterable[Path], settings: ObjectStoreSetti
             progress(path.stat().st_size)
 
 
+def delete_objects(source: str, names: Iterable[str], settings: ObjectStoreSettings) -> None:
+    """Delete the objects ``<prefix>/<name>`` of ``source`` (absent ones are no error)."""
+    import obstore
+
+    bucket, prefix = parse_source(source)
+    keys = [object_key(prefix, name) for name in names]
+    try:
+        obstore.delete(open_bucket(bucket, settings), keys)
+    except Exception as e:  # obstore's own classes
+        raise ObjectStoreError(f"delete {len(keys)} objects under {source}: {_short(e)}") from None
+
+
 def prune_versions(to: str, doomed: Callable[[int], bool], settings: ObjectStoreSettings) -> list[int]:
     """Delete the objects under ``<to>/<n>/`` for every version ``n`` that has some and for
     which ``doomed(n)`` is true; returns those versions. Keys under ``to`` that are not in a
@@ -169,3 +193,85 @@ def prune_versions(to: str, doomed: Callable[[int], bool], settings: ObjectStore
 def _short(e: BaseException) -> str:
     """An obstore error's first line: its full text carries a debug dump of the request."""
     return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+# -- delta versions: the publisher encodes ---------------------------------------------------------
+
+@dataclass(frozen=True)
+class Kept:
+    """A version published under a ``to``, its files in ``directory`` (the target's, as hashed)."""
+
+    manifest: Manifest
+    directory: Path
+
+
+class KeptVersions:
+    """The files of the last version this publisher put under each ``to``, on local disk: the
+    base its next version there is encoded against (one version per ``to``: its full size on
+    disk, plus the next one's while that is published). The files are those the object store's
+    client uploaded from (``workdir``); they go with :meth:`close` or the process. A publisher
+    without one (a new process) publishes its next version full."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, Kept] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def workdir(version: int) -> Path:
+        """A new private directory for the files of ``version`` (in ``TMPDIR``)."""
+        return Path(tempfile.mkdtemp(prefix=f"rolloutd-v{version}-"))
+
+    def base(self, to: str, version: int | None, digest: str | None) -> Kept | None:
+        """The version kept for ``to`` if it is ``version`` with ``digest`` (the registry's newest)."""
+        with self._lock:
+            kept = self._kept.get(_to_key(to))
+        if kept is None or (kept.manifest.version, kept.manifest.digest) != (version, digest):
+            return None
+        return kept
+
+    def keep(self, to: str, manifest: Manifest, directory: Path) -> None:
+        """``manifest`` (its files in ``directory``, which this now owns) is the version kept for
+        ``to``; the one kept before is deleted."""
+        with self._lock:
+            old = self._kept.get(_to_key(to))
+            self._kept[_to_key(to)] = Kept(manifest.target(), directory)
+        if old is not None and old.directory != directory:
+            shutil.rmtree(old.directory, ignore_errors=True)
+
+    def close(self) -> None:
+        with self._lock:
+            kept, self._kept = list(self._kept.values()), {}
+        for k in kept:
+            shutil.rmtree(k.directory, ignore_errors=True)
+
+
+def _to_key(to: str) -> str:
+    return to.rstrip("/")
+
+
+def encode_delta_files(base: Kept, manifest: Manifest, directory: Path, *, encoding: str | None = None,
+                       threads: int | None = None) -> Delta:
+    """Write the delta files of ``manifest`` (its files in ``directory``) against ``base`` into
+    ``directory`` and return the delta section. The byte work runs in threads (zstandard and
+    numpy let go of the interpreter lock)."""
+    from rolloutd.registry.server.blobs import map_file
+    from rolloutd.wire.delta import DEFAULT_ENCODING, delta_file_name, encode_file, removed_tensors
+
+    encoding = encoding or DEFAULT_ENCODING
+    workers = threads or max(2, min(8, os.cpu_count() or 2))
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(ThreadPoolExecutor(workers, thread_name_prefix="publish-delta"))
+        bases = {f.name: stack.enter_context(map_file(base.directory / f.name)) for f in base.manifest.files}
+        targets = {f.name: stack.enter_context(map_file(directory / f.name)) for f in manifest.files}
+        taken, files = set(targets), []
+        for f in manifest.files:
+            name = delta_file_name(f.name, taken)
+            taken.add(name)
+            with open(directory / name, "wb") as out:
+                encode_file(bases, targets[f.name], out, encoding=encoding, pool=pool, target_name=f.name)
+            with map_file(directory / name) as view:
+                files.append(DeltaFile(name=name, size=len(view), target=f.name,
+                                       chunks=hash_chunks(view, manifest.chunk_bytes, manifest.hash, pool)))
+        removed = removed_tensors(bases, targets)
+    return Delta(base_version=base.manifest.version, base_digest=base.manifest.digest, encoding=encoding,
+                 files=files, removed=removed)

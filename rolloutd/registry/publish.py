@@ -14,7 +14,7 @@ import contextlib
 import http.client
 import json
 import logging
-import tempfile
+import shutil
 import time
 import urllib.parse
 import urllib.request
@@ -25,8 +25,11 @@ from typing import Any
 import httpx
 
 from rolloutd.objstore import (
+    KeptVersions,
     ObjectStoreError,
     ObjectStoreSettings,
+    delete_objects,
+    encode_delta_files,
     prune_versions,
     publish_files,
     version_source,
@@ -56,6 +59,7 @@ from rolloutd.wire.manifest import (
     DEFAULT_HASH,
     MAX_VERSION,
     Canary,
+    Delta,
     FileEntry,
     Manifest,
     build_manifest,
@@ -102,9 +106,11 @@ class RegistryHTTP:
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers,
                                   timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._kept = KeptVersions()  # per object store prefix: the last version put there, for deltas
 
     def close(self) -> None:
         self._http.close()
+        self._kept.close()
 
     def _call(self, method: str, path: str, **kw) -> Any:
         r = self._send(method, path, **kw)
@@ -206,21 +212,24 @@ class RegistryHTTP:
         shard is streamed to the registry from the tensors' own memory (hashed as it goes, no
         file in between), then the manifest is published. Publishing the same tensors again is
         a no-op. ``to``, ``store`` and ``prune``: as for :meth:`publish_dir` (the shards are
-        written to a temporary directory first, for the object store's client). ``delta``: as for
-        :meth:`publish_dir`."""
+        written to a local directory first, for the object store's client, and kept there as the
+        base of the next version's delta). ``delta``: as for :meth:`publish_dir`."""
         shards = plan_shards(state_dict, shard_bytes)
         if to is not None:
-            with tempfile.TemporaryDirectory(prefix=f"rolloutd-v{version}-") as tmp:
+            work = self._kept.workdir(version)
+            try:
                 entries = []
                 for shard in shards:
-                    with MappedFile(Path(tmp) / shard.name, shard.size) as dest:
+                    with MappedFile(work / shard.name, shard.size) as dest:
                         entries.append(FileEntry(name=shard.name, size=shard.size,
                                                  chunks=write_shard(shard, dest, chunk_bytes, hash_name)))
                 manifest = Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=entries,
                                     metadata=metadata or {}, canary=canary, partial=partial or None,
                                     source=version_source(to, version)).sealed()
-                return self._upload(manifest, [Path(tmp) / e.name for e in entries], progress, store,
-                                    prune_to=to if prune else None)
+            except BaseException:
+                shutil.rmtree(work, ignore_errors=True)
+                raise
+            return self._upload_to_store(manifest, work, to, progress, store, prune, delta)
 
         def sealed(chunks: list[list[str]] | None) -> Manifest:
             files = [FileEntry(name=sh.name, size=sh.size if c is not None else 0, chunks=c or [])
@@ -337,12 +346,24 @@ class RegistryHTTP:
         ``delta`` (the default): the registry publishes the version as a delta on its newest live
         version when that is smaller, encoding it itself (docs/deltas.md); ``False``: a full
         version. The manifest returned is the target's either way (``manifest(version)`` gives
-        the registry's, with its delta section)."""
+        the registry's, with its delta section). With ``to`` the publisher encodes it (the registry
+        holds none of those bytes) against the last version it put under ``to``, which it keeps on
+        local disk (a copy of its files: the caller may overwrite them with the next version):
+        see :meth:`_upload_to_store`."""
         files = safetensors_files(path)
-        source = version_source(to, version) if to is not None else None
-        manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                  partial=partial, source=source, hash_name=hash_name)
-        return self._upload(manifest, files, progress, store, prune_to=to if prune else None, delta=delta)
+        if to is None:
+            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
+                                      partial=partial, hash_name=hash_name)
+            return self._upload(manifest, files, progress, delta=delta)
+        work = self._kept.workdir(version)
+        try:
+            copies = [Path(shutil.copyfile(p, work / p.name)) for p in files]  # hashed as kept and uploaded
+            manifest = build_manifest(version, copies, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
+                                      partial=partial, source=version_source(to, version), hash_name=hash_name)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        return self._upload_to_store(manifest, work, to, progress, store, prune, delta)
 
     def prune_store(self, to: str, store: ObjectStoreSettings | None = None, *,
                     below: int | None = None) -> list[int]:
@@ -357,18 +378,33 @@ class RegistryHTTP:
         below = max(held, default=0) if below is None else below
         return prune_versions(to, lambda n: n < below and n not in held, store or ObjectStoreSettings())
 
+    def _upload_to_store(self, manifest: Manifest, work: Path, to: str, progress: Progress | None,
+                         store: ObjectStoreSettings | None, prune: bool, delta: bool) -> Manifest:
+        """Publish ``manifest`` (its source under ``to``, its files in ``work``) through the object
+        store; once published, ``work`` is kept as the base of the next version under ``to``
+        (the one kept before is deleted), else deleted."""
+        try:
+            published = self._upload(manifest, [work / f.name for f in manifest.files], progress, store,
+                                      prune_to=to if prune else None, delta=delta, to=to)
+        except BaseException:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
+        self._kept.keep(to, manifest, work)
+        return published
+
     def _upload(self, manifest: Manifest, files: list[Path], progress: Progress | None,
                 store: ObjectStoreSettings | None = None, prune_to: str | None = None,
-                delta: bool = True) -> Manifest:
-        """Upload each file (to the object store when the manifest names one), then publish the
-        manifest (a no-op when the registry has it)."""
+                delta: bool = True, to: str | None = None) -> Manifest:
+        """Upload each file (to the object store when the manifest names one, under ``to``), then
+        publish the manifest (a no-op when the registry has it)."""
         try:
             if self.manifest(manifest.version).digest == manifest.digest:
                 return manifest
         except (errors.VersionUnknown, errors.VersionRetired):
             pass
         if manifest.source is not None:
-            return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress, prune_to)
+            return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress, prune_to,
+                                          delta=delta, to=to)
         version = manifest.version
         total, done = manifest.total_bytes, 0
         try:
@@ -389,22 +425,70 @@ class RegistryHTTP:
         return manifest
 
     def _publish_to_store(self, manifest: Manifest, files: list[Path], store: ObjectStoreSettings,
-                          progress: Progress | None, prune_to: str | None) -> Manifest:
+                          progress: Progress | None, prune_to: str | None, *, delta: bool = True,
+                          to: str | None = None) -> Manifest:
         """Files to the object store first, then the manifest: a version is never visible before
-        its bytes are where it says."""
-        self._call("GET", "/v1/versions/latest")  # fail on a wrong token before uploading gigabytes
-        done = 0
+        its bytes are where it says. A delta version's delta files are objects beside its own
+        files (:meth:`_store_delta`); the target's files go too (a node without the base takes
+        the whole version from the store)."""
+        latest = self._call("GET", "/v1/versions/latest")  # fail on a wrong token before uploading gigabytes
+        section = self._store_delta(manifest, files[0].parent, latest, to) if delta and to and files else None
+        extra = [files[0].parent / f.name for f in section.files] if section is not None else []
+        total, done = manifest.total_bytes + (section.total_bytes if section is not None else 0), 0
 
         def stored(n: int) -> None:
             nonlocal done
             done += n
             if progress:
-                progress(done, manifest.total_bytes)
-        publish_files(manifest.source, files, store, stored)
-        self._post_manifest(manifest)
+                progress(done, total)
+        try:
+            publish_files(manifest.source, [*files, *extra], store, stored)
+        finally:
+            for p in extra:  # never a base: only the target's files are kept
+                p.unlink(missing_ok=True)
+        reply = self._post_manifest(manifest.with_delta(section) if section is not None else manifest)
+        if section is not None and reply.get("delta") is None:
+            self._drop_delta_objects(manifest, section, store)
         if prune_to is not None:
             self._prune_after(prune_to, store, manifest.version)
         return manifest
+
+    def _store_delta(self, manifest: Manifest, work: Path, latest: dict, to: str) -> Delta | None:
+        """The delta section of ``manifest`` (its files in ``work``, where its delta files are
+        written) on the version kept for ``to``, when that is the registry's newest (the same
+        number and digest); None: full. The registry decides whether a delta section it is sent
+        is published, with the rules it applies to its own (docs/deltas.md: anchors, not worth
+        it); a delta that could never pass them (no smaller than its target) is not sent."""
+        base = self._kept.base(to, latest.get("version"), latest.get("digest"))
+        if base is None:
+            log.info("publish version %d to %s full: no version kept here is the registry's newest (%s)",
+                     manifest.version, to, latest.get("version"))
+            return None
+        began = time.perf_counter()
+        try:
+            section = encode_delta_files(base, manifest, work)
+        except Exception as e:  # a full version is always right: a failed encode costs bytes, never the publish
+            log.warning("encode version %d against version %d failed: %s; publish it full", manifest.version,
+                        base.manifest.version, e, exc_info=True)
+            return None
+        log.info("encode version %d against version %d: %d bytes for %d (%.1f%%) in %.2f s", manifest.version,
+                 base.manifest.version, section.total_bytes, manifest.total_bytes,
+                 100 * section.total_bytes / max(manifest.total_bytes, 1), time.perf_counter() - began)
+        if section.total_bytes >= manifest.total_bytes:
+            log.info("publish version %d full: its delta is no smaller than it", manifest.version)
+            for f in section.files:
+                (work / f.name).unlink(missing_ok=True)
+            return None
+        return section
+
+    def _drop_delta_objects(self, manifest: Manifest, section: Delta, store: ObjectStoreSettings) -> None:
+        """The registry published ``manifest`` full: its delta files' objects are of no use."""
+        log.info("publish version %d: the registry took it full (see its log), so its delta objects go",
+                 manifest.version)
+        try:
+            delete_objects(manifest.source, [f.name for f in section.files], store)
+        except ObjectStoreError as e:  # they go with the version's prefix when it is pruned
+            log.warning("%s; they go when version %d is pruned", e, manifest.version)
 
     def _prune_after(self, to: str, store: ObjectStoreSettings, version: int) -> None:
         """Prune after publishing ``version``; a failure costs a warning, never the publish."""

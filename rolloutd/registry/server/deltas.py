@@ -8,6 +8,10 @@ with them, in the same step.
 
 A delta is published unless a full version is better, and the log says why:
 - no base: no live version, or its bytes are not here (an object store holds them);
+- a version whose bytes are in an object store: its publisher encoded the delta section it
+  sent; it is kept when its base is a live version here, as named (number and digest), and the
+  rules below allow it (the registry cannot read those delta files: nodes check every chunk
+  and the rebuilt target); else dropped, the version published full;
 - an anchor: ``delta_anchor_every`` versions since the last full one, or the delta bytes since
   it would pass ``delta_anchor_fraction`` of the full size (a node far behind takes a full
   version from the registry anyway; anchors bound what a chain of deltas costs to follow);
@@ -60,12 +64,17 @@ def why_full_before(settings: RegistrySettings, manifest: Manifest, asked: bool,
     if not asked:
         return "asked for"
     if manifest.source is not None:
-        # Its bytes went to an object store: the registry holds none to encode against (the
-        # trainer's publisher would have to; not done yet).
-        return "its bytes are in an object store"
-    if base is None:
+        # Its bytes went to an object store: the registry holds none to encode against, so the
+        # trainer's publisher encodes; ``base`` is the live version its delta section names.
+        if manifest.delta is None:
+            return "its bytes are in an object store"
+        d = manifest.delta
+        if base is None or base.number != d.base_version or base.manifest.digest != d.base_digest:
+            return (f"its delta's base, version {d.base_version} with digest {d.base_digest[:12]}..., is not a "
+                    "live version here")
+    elif base is None:
         return "no live version to encode against"
-    if base.manifest.source is not None or any(f.name not in base.blobs for f in base.manifest.files):
+    elif base.manifest.source is not None or any(f.name not in base.blobs for f in base.manifest.files):
         return f"version {base.number}'s bytes are not on this registry"
     if chain is None:
         return f"the chain of deltas before version {base.number} is unknown here (a restart)"

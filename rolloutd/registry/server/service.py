@@ -8,6 +8,7 @@ its result is applied back on the loop under the publish lock.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -225,15 +226,15 @@ class RegistryService:
         async with self._lock():
             if self.store.check_publishable(manifest):
                 return self.store.get(manifest.version), False
+            if manifest.source is not None:  # the bytes are in an object store: the manifest only
+                self._check_canary(manifest, staged=False)
+                manifest, why_full = self._sent_delta(manifest, delta)
+                blobs = await asyncio.to_thread(self.blobs.commit, manifest)
+                return self._publish_committed(manifest, blobs, why_full=why_full), True
             if manifest.delta is not None:  # only a delta section the registry encoded itself is served
                 log.info("drop the delta section sent with version %d: the registry encodes its own",
                          manifest.version)
                 manifest = manifest.target()
-            if manifest.source is not None:  # the bytes are in an object store: the manifest only
-                self._check_canary(manifest, staged=False)
-                # Always full: the registry holds no bytes of it to encode (nor to serve delta files from).
-                blobs = await asyncio.to_thread(self.blobs.commit, manifest)
-                return self._publish_committed(manifest, blobs, why_full="its bytes are in an object store"), True
             self._check_staged(manifest)
             await asyncio.to_thread(self._check_canary, manifest, staged=True)
             self._publishing.add(manifest.version)
@@ -293,6 +294,26 @@ class RegistryService:
         finally:
             self.metrics.delta_encode.observe(time.perf_counter() - began)
         return with_delta, None
+
+    def _sent_delta(self, manifest: Manifest, asked: bool) -> tuple[Manifest, str | None]:
+        """An object-store version (its publisher encoded any delta section it has) as published:
+        with its section when the rules of the registry's own deltas allow it on the LIVE version
+        it names, else full; and why full. The registry holds none of the delta files' bytes to
+        check: nodes check every chunk of them and every rebuilt chunk of the target."""
+        base = None
+        if manifest.delta is not None:
+            with contextlib.suppress(errors.VersionUnknown, errors.VersionRetired):
+                base = self.store.get(manifest.delta.base_version)
+            if base is not None and base.state is not VersionState.LIVE:
+                base = None
+        chain = self._chains.get(base.number) if base is not None else None
+        why = why_full_before(self.settings, manifest, asked, base, chain)
+        if why is None:
+            why = why_full_after(self.settings, manifest.total_bytes, manifest.delta.total_bytes, chain)
+        if why is not None and manifest.delta is not None:
+            log.info("drop the delta section sent with version %d: %s", manifest.version, why)
+            return manifest.target(), why
+        return manifest, why
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._encoder is None:
