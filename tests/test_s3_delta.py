@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 
 import httpx
 import numpy as np
@@ -71,12 +72,16 @@ def test_the_next_version_in_the_bucket_is_a_delta_a_node_with_the_base_rebuilds
     to, store = f"s3://{s3.bucket}/delta", settings(s3)
     w1 = weights()
     w2 = step(w1, seed=1)
-    c1, c2 = checkpoint(tmp_path, "c1", w1), checkpoint(tmp_path, "c2", w2)
+    ckpt = checkpoint(tmp_path, "ckpt", w1)
     with EmbeddedRegistry(port=0) as reg:
-        reg.publish_dir(1, c1, chunk_bytes=CHUNK, to=to, store=store)
+        reg.publish_dir(1, ckpt, chunk_bytes=CHUNK, to=to, store=store)
         with_base = Mirror(tmp_path / "with-base", 1 << 30)
         assert asyncio.run(pull(reg, s3, with_base, 1)).kind == "full"
-        m2 = reg.publish_dir(2, c2, chunk_bytes=CHUNK, to=to, store=store)
+        c2 = checkpoint(tmp_path, "c2", w2)
+        for p in c2.iterdir():  # the trainer saves the next version over the last, in place
+            with open(ckpt / p.name, "r+b") as f:
+                f.write(p.read_bytes())
+        m2 = reg.publish_dir(2, ckpt, chunk_bytes=CHUNK, to=to, store=store)
         section = reg.manifest(2).delta
         assert section is not None and (section.base_version, section.base_digest) == (1, reg.manifest(1).digest)
         assert reg.manifest(2).digest == m2.digest and m2.delta is None  # the target's digest either way
@@ -140,10 +145,14 @@ def test_delta_false_a_new_publisher_and_a_newer_registry_version_publish_full(s
 
 
 @pytest.mark.slow
-def test_anchors_apply_and_a_refused_delta_leaves_no_objects(s3, tmp_path, caplog):
+def test_anchors_apply_a_refused_delta_leaves_no_objects_and_one_version_is_kept(s3, tmp_path, monkeypatch,
+                                                                                  caplog):
     """The registry's own rules decide (here an anchor every 3rd version); the delta objects of a
-    version it took full are deleted."""
+    version it took full are deleted. The publisher keeps one version's files on disk, the last."""
     caplog.set_level(logging.INFO)
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
     to, store = f"s3://{s3.bucket}/anchor", settings(s3)
     w = weights(seed=8)
     with EmbeddedRegistry(port=0, delta_anchor_every=3) as reg:
@@ -151,10 +160,14 @@ def test_anchors_apply_and_a_refused_delta_leaves_no_objects(s3, tmp_path, caplo
         for v in range(1, 6):
             reg.publish(v, w, chunk_bytes=CHUNK, to=to, store=store, prune=False)
             kinds.append(reg.manifest(v).delta and reg.manifest(v).delta.base_version)
+            kept = list(work.iterdir())
+            assert [p.name.split("-")[1] for p in kept] == [f"v{v}"]  # this version's files, no other
+            assert sorted(p.name for p in kept[0].iterdir()) == sorted(f.name for f in reg.manifest(v).files)
             w = step(w, seed=v)
         assert kinds == [None, 1, 2, None, 4]
         deltas = sorted({k.split("/")[1] for k in in_bucket(s3, "anchor/") if k.endswith(".delta")})
         assert deltas == ["2", "3", "5"]
+    assert list(work.iterdir()) == []  # gone with the publisher
     assert "drop the delta section sent with version 4: an anchor: every 3 versions" in caplog.text
 
 
