@@ -140,3 +140,22 @@ def test_prompts_fit_the_test_servers():
 
 def test_unsupported_names_known_families():
     assert set(families.UNSUPPORTED) <= set(families.FAMILIES)
+
+
+@builds_models
+def test_sparse_step_moves_a_few_elements_and_every_output(torch):
+    """An RL-like step: about 2 % of each tensor's elements move, the rest keep their bytes; every
+    greedy output changes with clear margins; the same arguments give the same bytes."""
+    before = families.hf_model("qwen2", 1)
+    after = families.sparse_step(before, 7, families.PROMPTS, 16, rounded=True)
+    again = families.sparse_step(before, 7, families.PROMPTS, 16, rounded=True)
+    a, b = before.state_dict(), after.state_dict()
+    moved = sum(int((a[k] != b[k]).sum()) for k in a)
+    total = sum(a[k].numel() for k in a)
+    assert 0.01 < moved / total < 0.03, moved / total
+    assert all(torch.equal(b[k], again.state_dict()[k]) for k in b)
+    rounded = families.bf16_rounded(after)
+    assert all(p.dtype == torch.float32 and torch.equal(p, p.to(torch.bfloat16).float()) for p in rounded.parameters())
+    outs, margins = families.greedy_and_margins(rounded, families.PROMPTS, 16)
+    old = families.greedy(families.bf16_rounded(before), families.PROMPTS, 16)
+    assert all(x != y for x, y in zip(outs, old, strict=True)) and min(margins) >= families.MIN_MARGIN
