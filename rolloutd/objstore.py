@@ -31,6 +31,7 @@ import os
 import shutil
 import tempfile
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -209,12 +210,14 @@ class KeptVersions:
     """The files of the last version this publisher put under each ``to``, on local disk: the
     base its next version there is encoded against (one version per ``to``: its full size on
     disk, plus the next one's while that is published). The files are those the object store's
-    client uploaded from (``workdir``); they go with :meth:`close` or the process. A publisher
-    without one (a new process) publishes its next version full."""
+    client uploaded from (``workdir``); they go with :meth:`close`, the object, or the
+    interpreter's exit. A publisher without one (a new process) publishes its next version full."""
 
     def __init__(self) -> None:
         self._kept: dict[str, Kept] = {}
         self._lock = threading.Lock()
+        # A trainer that never calls close() must not leave a version per run in TMPDIR.
+        self._finalizer = weakref.finalize(self, _remove_kept, self._kept, self._lock)
 
     @staticmethod
     def workdir(version: int) -> Path:
@@ -239,10 +242,15 @@ class KeptVersions:
             shutil.rmtree(old.directory, ignore_errors=True)
 
     def close(self) -> None:
-        with self._lock:
-            kept, self._kept = list(self._kept.values()), {}
-        for k in kept:
-            shutil.rmtree(k.directory, ignore_errors=True)
+        _remove_kept(self._kept, self._lock)
+
+
+def _remove_kept(kept: dict[str, Kept], lock: threading.Lock) -> None:
+    with lock:
+        gone = list(kept.values())
+        kept.clear()
+    for k in gone:
+        shutil.rmtree(k.directory, ignore_errors=True)
 
 
 def _to_key(to: str) -> str:

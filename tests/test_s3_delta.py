@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import subprocess
+import sys
 import tempfile
 
 import httpx
@@ -246,3 +249,24 @@ def test_a_sent_section_no_smaller_than_the_fraction_is_dropped(caplog):
                                                    for f in section.files], "digest": None})
         assert post(http, m2.with_delta(big))["delta"] is None
     assert "drop the delta section sent with version 2: not worth it" in caplog.text
+
+
+def test_the_kept_version_goes_with_the_process_without_close(tmp_path):
+    """A trainer that never closes its publisher leaves no version behind in TMPDIR."""
+    script = (
+        "from rolloutd.objstore import KeptVersions\n"
+        "from rolloutd.wire.manifest import build_manifest\n"
+        "kept = KeptVersions()\n"
+        "d = kept.workdir(1)\n"
+        "(d / 'model.safetensors').write_bytes(bytes(1000))\n"
+        "m = build_manifest(1, [d / 'model.safetensors'])\n"
+        "kept.keep('s3://b/p', m, d)\n"
+        "assert kept.base('s3://b/p/', 1, m.digest).directory == d and kept.base('s3://b/p', 1, '0' * 64) is None\n"
+        "print(d)\n")
+    work = tmp_path / "tmp"
+    work.mkdir()
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "TMPDIR": str(work)})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().startswith(str(work / "rolloutd-v1-"))
+    assert list(work.iterdir()) == []
