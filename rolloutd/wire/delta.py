@@ -262,7 +262,11 @@ def _encode_segment(seg: _Segment, bases: Mapping[str, memoryview], target: memo
         changed = True
     else:
         changed = bool(x.any())
-    payload = x if encoding == "xor-zstd" else _planes(x, size)
+    if encoding == "xor-zstd" or size == 1:
+        payload = x
+    else:  # in byte planes, into this thread's other buffer
+        payload = _scratch(len(x), "b")
+        np.copyto(payload.reshape(size, -1), x.reshape(-1, size).T)
     return "xor", _compressor(level).compress(payload.data), changed
 
 
@@ -352,12 +356,13 @@ def _header(delta: memoryview, what: str) -> tuple[str, int, list[_Segment], lis
     return encoding, size, segments, frames, 16 + n
 
 
-def _scratch(length: int) -> np.ndarray:
-    """A buffer of this thread's, reused from segment to segment: fresh memory costs a page
-    fault per page, more than the copy into it."""
-    buf = getattr(_local, "scratch", None)
+def _scratch(length: int, which: str = "a") -> np.ndarray:
+    """A buffer of this thread's (two: ``which`` is "a" or "b"), reused from segment to segment:
+    fresh memory costs a page fault per page, more than the copy into it."""
+    buf = getattr(_local, which, None)
     if buf is None or len(buf) < length:
-        buf = _local.scratch = np.empty(max(length, SEGMENT_BYTES), dtype=np.uint8)
+        buf = np.empty(max(length, SEGMENT_BYTES), dtype=np.uint8)
+        setattr(_local, which, buf)
     return buf[:length]
 
 
