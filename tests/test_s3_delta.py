@@ -6,6 +6,7 @@ a node pulls the delta from the bucket (real SeaweedFS S3 on loopback, real pull
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import subprocess
@@ -148,20 +149,33 @@ def test_delta_false_a_new_publisher_and_a_newer_registry_version_publish_full(s
 
 
 @pytest.mark.slow
+def test_a_delta_the_registry_would_not_take_is_not_uploaded(s3, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    to, store = f"s3://{s3.bucket}/big", settings(s3)
+    with EmbeddedRegistry(port=0) as reg:
+        reg.publish(1, weights(seed=10), chunk_bytes=CHUNK, to=to, store=store)
+        reg.publish(2, weights(seed=11), chunk_bytes=CHUNK, to=to, store=store)  # every element changed
+        assert reg.manifest(2).delta is None
+    assert "publish version 2 full: not worth it: the delta would be" in caplog.text
+    assert ".delta to s3://" not in caplog.text  # never uploaded
+
+
+@pytest.mark.slow
 def test_anchors_apply_a_refused_delta_leaves_no_objects_and_one_version_is_kept(s3, tmp_path, monkeypatch,
                                                                                   caplog):
-    """The registry's own rules decide (here an anchor every 3rd version); the delta objects of a
-    version it took full are deleted. The publisher keeps one version's files on disk, the last."""
+    """The registry's own rules decide (here an anchor every 3rd version): over HTTP once the
+    publisher sent the delta section, which then deletes the delta objects of a version the
+    registry took full. The publisher keeps one version's files on disk, the last."""
     caplog.set_level(logging.INFO)
     work = tmp_path / "work"
     work.mkdir()
     monkeypatch.setattr(tempfile, "tempdir", str(work))
     to, store = f"s3://{s3.bucket}/anchor", settings(s3)
     w = weights(seed=8)
-    with EmbeddedRegistry(port=0, delta_anchor_every=3) as reg:
+    with EmbeddedRegistry(port=0, delta_anchor_every=3) as reg, contextlib.closing(RegistryHTTP(reg.url)) as pub:
         kinds = []
         for v in range(1, 6):
-            reg.publish(v, w, chunk_bytes=CHUNK, to=to, store=store, prune=False)
+            pub.publish(v, w, chunk_bytes=CHUNK, to=to, store=store, prune=False)
             kinds.append(reg.manifest(v).delta and reg.manifest(v).delta.base_version)
             kept = list(work.iterdir())
             assert [p.name.split("-")[1] for p in kept] == [f"v{v}"]  # this version's files, no other
@@ -172,6 +186,21 @@ def test_anchors_apply_a_refused_delta_leaves_no_objects_and_one_version_is_kept
         assert deltas == ["2", "3", "5"]
     assert list(work.iterdir()) == []  # gone with the publisher
     assert "drop the delta section sent with version 4: an anchor: every 3 versions" in caplog.text
+    assert "upload model.safetensors.delta to s3://rolloutd-test/anchor/4/" in caplog.text
+
+
+@pytest.mark.slow
+def test_an_embedded_registrys_rules_are_asked_before_the_upload(s3, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    to, store = f"s3://{s3.bucket}/embedded", settings(s3)
+    w = weights(seed=12)
+    with EmbeddedRegistry(port=0, delta_anchor_every=2) as reg:
+        for v in (1, 2, 3):
+            reg.publish(v, w, chunk_bytes=CHUNK, to=to, store=store)
+            w = step(w, seed=v)
+        assert [reg.manifest(v).delta and reg.manifest(v).delta.base_version for v in (1, 2, 3)] == [None, 1, None]
+    assert "publish version 3 full: an anchor: every 2 versions" in caplog.text
+    assert ".delta to s3://rolloutd-test/embedded/3/" not in caplog.text
 
 
 @pytest.mark.slow

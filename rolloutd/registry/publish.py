@@ -474,12 +474,20 @@ class RegistryHTTP:
         log.info("encode version %d against version %d: %d bytes for %d (%.1f%%) in %.2f s", manifest.version,
                  base.manifest.version, section.total_bytes, manifest.total_bytes,
                  100 * section.total_bytes / max(manifest.total_bytes, 1), time.perf_counter() - began)
-        if section.total_bytes >= manifest.total_bytes:
-            log.info("publish version %d full: its delta is no smaller than it", manifest.version)
+        if why := self._refuses_delta(manifest.with_delta(section)):
+            log.info("publish version %d full: %s", manifest.version, why)
             for f in section.files:
                 (work / f.name).unlink(missing_ok=True)
             return None
         return section
+
+    def _refuses_delta(self, manifest: Manifest) -> str | None:
+        """Why the registry would publish ``manifest`` (an object-store version with a delta
+        section) full, when that is known before uploading: over HTTP, only a delta no smaller than
+        its version (the registry applies its rules to the section it is sent)."""
+        if manifest.delta.total_bytes >= manifest.total_bytes:
+            return "its delta is no smaller than it"
+        return None
 
     def _drop_delta_objects(self, manifest: Manifest, section: Delta, store: ObjectStoreSettings) -> None:
         """The registry published ``manifest`` full: its delta files' objects are of no use."""
@@ -683,6 +691,12 @@ class EmbeddedRegistry(RegistryHTTP):
             self.service.store.check_new_number(version)
         except errors.VersionConflict:
             pass
+
+    def _refuses_delta(self, manifest: Manifest) -> str | None:
+        """The registry's own rules, asked before the delta files are uploaded."""
+        async def ask() -> str | None:
+            return self.service.why_full_sent(manifest, True)
+        return self._thread.call(ask())
 
     def _commit(self, manifest: Manifest, verify: bool = False, delta: bool = True) -> None:
         service = self.service

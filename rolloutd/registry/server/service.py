@@ -300,6 +300,15 @@ class RegistryService:
         with its section when the rules of the registry's own deltas allow it on the LIVE version
         it names, else full; and why full. The registry holds none of the delta files' bytes to
         check: nodes check every chunk of them and every rebuilt chunk of the target."""
+        why = self.why_full_sent(manifest, asked)
+        if why is not None and manifest.delta is not None:
+            log.info("drop the delta section sent with version %d: %s", manifest.version, why)
+            return manifest.target(), why
+        return manifest, why
+
+    def why_full_sent(self, manifest: Manifest, asked: bool) -> str | None:
+        """Why an object-store version ``manifest`` would be published full, whatever delta section
+        it has; None: with its section. On the loop (an embedded publisher asks before it uploads)."""
         base = None
         if manifest.delta is not None:
             with contextlib.suppress(errors.VersionUnknown, errors.VersionRetired):
@@ -310,10 +319,7 @@ class RegistryService:
         why = why_full_before(self.settings, manifest, asked, base, chain)
         if why is None:
             why = why_full_after(self.settings, manifest.total_bytes, manifest.delta.total_bytes, chain)
-        if why is not None and manifest.delta is not None:
-            log.info("drop the delta section sent with version %d: %s", manifest.version, why)
-            return manifest.target(), why
-        return manifest, why
+        return why
 
     def _pool(self) -> ThreadPoolExecutor:
         if self._encoder is None:
