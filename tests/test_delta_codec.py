@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import json
 import random
+import threading
 import typing
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -265,3 +266,50 @@ def test_a_delta_rebuilding_another_size_is_refused_before_the_file_grows(tmp_pa
         delta.apply_and_verify({"m.safetensors": tmp_path / "base"}, tmp_path / "d", tmp_path / "out",
                                hash_name="xxh3-128", chunk_bytes=CHUNK, digests=["0" * 32])
     assert (tmp_path / "out").stat().st_size == 0
+
+
+class fake_held_pool:
+    """A real pool whose tasks, all but the first, wait for ``release`` before they run: the first
+    one's error reaches apply_and_verify while the others are still under way."""
+
+    def __init__(self, pool: ThreadPoolExecutor):
+        self.pool, self.running, self.submitted = pool, 0, 0
+        self.lock, self.release = threading.Lock(), threading.Event()
+
+    def submit(self, fn, *args):
+        first = self.submitted == 0
+        self.submitted += 1
+
+        def run():
+            with self.lock:
+                self.running += 1
+            try:
+                if not first:
+                    self.release.wait(10)
+                return fn(*args)
+            finally:
+                with self.lock:
+                    self.running -= 1
+        return self.pool.submit(run)
+
+
+def test_a_failed_rebuild_returns_only_once_no_segment_is_still_being_written(tmp_path, monkeypatch):
+    monkeypatch.setattr(delta, "SEGMENT_BYTES", 4096)
+    base = {"w": torch.randn(1000, 33).bfloat16()}
+    target = _step(base, 0.1)
+    buf = io.BytesIO()
+    delta.encode_file({"m": save(base)}, save(target), buf)
+    header, frames = _frames(buf.getvalue())
+    frames[0] = b"not zstd"  # the first segment (the safetensors header) fails at once
+    (tmp_path / "d").write_bytes(_delta_file(header, frames))
+    (tmp_path / "base").write_bytes(save(base))
+    (tmp_path / "out").write_bytes(b"")
+    with ThreadPoolExecutor(2) as real:
+        pool = fake_held_pool(real)
+        threading.Timer(0.3, pool.release.set).start()  # the held segments go on after the error
+        with pytest.raises(delta.DeltaError, match="segment 0 does not decompress"):
+            delta.apply_and_verify({"m": tmp_path / "base"}, tmp_path / "d", tmp_path / "out",
+                                   hash_name="xxh3-128", chunk_bytes=CHUNK,
+                                   digests=hash_chunks(save(target), CHUNK, "xxh3-128"), pool=pool)
+        assert pool.running == 0  # nothing writes through the closed descriptor, or a reused one
+        assert pool.submitted > 2
