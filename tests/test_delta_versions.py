@@ -82,7 +82,9 @@ class World:
         master = prev if not self.masters else families.sparse_step(prev, version, families.PROMPTS, NEW_TOKENS,
                                                                     rounded=True)
         self.masters[version] = master
-        self.want[version] = families.greedy(families.bf16_rounded(master), families.PROMPTS, NEW_TOKENS)
+        self.want[version], margins = families.greedy_and_margins(families.bf16_rounded(master), families.PROMPTS,
+                                                                  NEW_TOKENS)
+        assert min(margins) > 1e-3, "a near tie: pick other weights"
         self.reg.publish(version, copy.deepcopy(master).to(torch.bfloat16), **kw)
         return self.reg.manifest(version)
 
@@ -101,7 +103,11 @@ def start_node(world_tmp: Path, registry_url: str, model: Path, name: str, cpus:
     daemon = DaemonProcess(config(d, registry_url, [vllm_server("s0", model, cpus)],
                                   node={"name": name, "advertise_host": "127.0.0.1"}, **sections), d)
     daemon.start()
-    st = daemon.wait(lambda s: daemon.server("s0", s)["state"] == "SERVING", 300, f"{name} serving")
+    try:
+        st = daemon.wait(lambda s: daemon.server("s0", s)["state"] == "SERVING", 300, f"{name} serving")
+    except BaseException:
+        daemon.kill_everything()
+        raise
     return Node(daemon, f"http://127.0.0.1:{daemon.server('s0', st)['public_port']}")
 
 
@@ -179,8 +185,11 @@ def chain(world: World) -> None:
     if world.masters:
         assert world.latest >= 3, "a test before this one stopped half-way through the chain"
         return
+    a = families.greedy(families.hf_model(world.family, 0), families.PROMPTS, NEW_TOKENS)
+    assert generate(world.node.gateway, families.PROMPTS)[0] == a, "the start model differs from transformers'"
     m = world.publish(1, delta=False)  # B
     assert m.delta is None, "delta=False must publish a full version"
+    assert all(x != y for x, y in zip(a, world.want[1], strict=True)), "B must give other outputs than A"
     assert pulled(served_exactly(world, world.node, 1), 1)["kind"] == "full"
     for version, base in ((2, 1), (3, 2)):  # C, D
         m = world.publish(version)
