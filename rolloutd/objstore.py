@@ -272,14 +272,19 @@ def encode_delta_files(base: Kept, manifest: Manifest, directory: Path, *, encod
         bases = {f.name: stack.enter_context(map_file(base.directory / f.name)) for f in base.manifest.files}
         targets = {f.name: stack.enter_context(map_file(directory / f.name)) for f in manifest.files}
         taken, files = set(targets), []
-        for f in manifest.files:
-            name = delta_file_name(f.name, taken)
-            taken.add(name)
-            with open(directory / name, "wb") as out:
-                encode_file(bases, targets[f.name], out, encoding=encoding, pool=pool, target_name=f.name)
-            with map_file(directory / name) as view:
-                files.append(DeltaFile(name=name, size=len(view), target=f.name,
-                                       chunks=hash_chunks(view, manifest.chunk_bytes, manifest.hash, pool)))
+        try:
+            for f in manifest.files:
+                name = delta_file_name(f.name, taken)
+                taken.add(name)
+                with open(directory / name, "wb") as out:
+                    encode_file(bases, targets[f.name], out, encoding=encoding, pool=pool, target_name=f.name)
+                with map_file(directory / name) as view:
+                    files.append(DeltaFile(name=name, size=len(view), target=f.name,
+                                           chunks=hash_chunks(view, manifest.chunk_bytes, manifest.hash, pool)))
+        except BaseException:  # none left beside the target's files, which may be kept as a base
+            for name in taken - set(targets):
+                (directory / name).unlink(missing_ok=True)
+            raise
         removed = removed_tensors(bases, targets)
     return Delta(base_version=base.manifest.version, base_digest=base.manifest.digest, encoding=encoding,
                  files=files, removed=removed)

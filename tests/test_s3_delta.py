@@ -190,6 +190,28 @@ def test_anchors_apply_a_refused_delta_leaves_no_objects_and_one_version_is_kept
 
 
 @pytest.mark.slow
+def test_a_failed_encode_publishes_full_and_leaves_no_delta_file(s3, tmp_path, monkeypatch, caplog):
+    import rolloutd.wire.delta as codec
+
+    def fake_encoder_crash(bases, target, out, **kw):  # a fault the codec does not show on demand
+        out.write(b"half a delta")
+        raise MemoryError("fake: out of memory mid-encode")
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(work))
+    to, store = f"s3://{s3.bucket}/crash", settings(s3)
+    w = weights(seed=13)
+    with EmbeddedRegistry(port=0) as reg:
+        reg.publish(1, w, chunk_bytes=CHUNK, to=to, store=store)
+        monkeypatch.setattr(codec, "encode_file", fake_encoder_crash)
+        reg.publish(2, step(w, seed=1), chunk_bytes=CHUNK, to=to, store=store)
+        assert reg.manifest(2).delta is None
+        assert [p.name for p in next(work.iterdir()).iterdir()] == ["model.safetensors"]  # kept: the target only
+        assert not [k for k in in_bucket(s3, "crash/") if k.endswith(".delta")]
+    assert "encode version 2 against version 1 failed: fake: out of memory mid-encode; publish it full" in caplog.text
+
+
+@pytest.mark.slow
 def test_an_embedded_registrys_rules_are_asked_before_the_upload(s3, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     to, store = f"s3://{s3.bucket}/embedded", settings(s3)

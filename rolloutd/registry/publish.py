@@ -458,7 +458,8 @@ class RegistryHTTP:
         written) on the version kept for ``to``, when that is the registry's newest (the same
         number and digest); None: full. The registry decides whether a delta section it is sent
         is published, with the rules it applies to its own (docs/deltas.md: anchors, not worth
-        it); a delta that could never pass them (no smaller than its target) is not sent."""
+        it); what of them is known here first (:meth:`_refuses_delta`) keeps a delta from being
+        uploaded at all."""
         base = self._kept.base(to, latest.get("version"), latest.get("digest"))
         if base is None:
             log.info("publish version %d to %s full: no version kept here is the registry's newest (%s)",
@@ -467,6 +468,7 @@ class RegistryHTTP:
         began = time.perf_counter()
         try:
             section = encode_delta_files(base, manifest, work)
+            with_delta = manifest.with_delta(section)
         except Exception as e:  # a full version is always right: a failed encode costs bytes, never the publish
             log.warning("encode version %d against version %d failed: %s; publish it full", manifest.version,
                         base.manifest.version, e, exc_info=True)
@@ -474,7 +476,7 @@ class RegistryHTTP:
         log.info("encode version %d against version %d: %d bytes for %d (%.1f%%) in %.2f s", manifest.version,
                  base.manifest.version, section.total_bytes, manifest.total_bytes,
                  100 * section.total_bytes / max(manifest.total_bytes, 1), time.perf_counter() - began)
-        if why := self._refuses_delta(manifest.with_delta(section)):
+        if why := self._refuses_delta(with_delta):
             log.info("publish version %d full: %s", manifest.version, why)
             for f in section.files:
                 (work / f.name).unlink(missing_ok=True)
