@@ -16,11 +16,12 @@ a small share of the version's bytes fetched.
   its mirror holds D when F's delta needs E: asked to update, it takes F whole.
 - untied family: three faults, each at a publish (``fake_fault_at_publish``: on the registry's
   loop, its bytes committed, before the version is visible): a delta section carrying another
-  version's delta file (it applies cleanly to the base and rebuilds the version before it: not
-  the target's digests), a delta file corrupted at rest on the registry's disk, and a section
-  whose base digest is another version's. The first two fail the delta pull, naming the version
-  and the files; the third is never applied. In each the server keeps its version meanwhile, and
-  the node then takes the version whole and serves it exactly.
+  version's delta file (it applies cleanly to the base and rebuilds other weights, with an XOR
+  encoding the version before the base: not the target's digests), a delta file corrupted at
+  rest on the registry's disk, and a section whose base digest is another version's. The first
+  two fail the delta pull, naming the version and the files; the third is never applied. In each
+  the server keeps its version meanwhile, and the node then takes the version whole and serves it
+  exactly.
 """
 
 from __future__ import annotations
