@@ -472,9 +472,10 @@ def test_http_publish_streams_from_the_tensors_and_a_retry_is_a_no_op(registry, 
     import numpy as np
     import torch
 
+    import rolloutd.objstore as objstore
     import rolloutd.registry.publish as publish
-    for name in ("MappedFile", "tempfile"):
-        monkeypatch.setattr(publish, name, None)  # a file on the way would raise here
+    monkeypatch.setattr(publish, "MappedFile", None)  # a file on the way would raise here
+    monkeypatch.setattr(objstore, "tempfile", None)   # (a temporary directory is made there)
     sd = torch_state_dict(3)
     sd["model.layers.0.mlp.gate_proj.weight"] = torch.randn(128, 64).t()       # strided: copied through a block
     sd["model.layers.0.mlp.up_proj.weight"] = np.arange(4096, dtype=np.float32)[::2]  # numpy, strided
