@@ -82,7 +82,11 @@ def manifest_of(version: int, files: dict[str, bytes], tmp: Path) -> dict:
 def error_code(r: httpx.Response) -> str:
     assert r.headers.get("content-type", "").startswith("application/json"), (r.status_code, r.text[:300])
     body = r.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"}, body
+    assert set(body) == {"error"} and set(body["error"]) - {"fields"} == {"code", "message"}, body
+    if "fields" in body["error"]:  # the body fields an invalid_request names (docs/registry-api.md)
+        fields = body["error"]["fields"]
+        assert body["error"]["code"] == "invalid_request" and fields, body
+        assert all(isinstance(f, str) for f in fields), body
     assert body["error"]["message"], body
     return body["error"]["code"]
 

@@ -150,3 +150,77 @@ async def test_a_refused_version_reaches_the_directory_the_fleet_view_and_wait_f
     assert refused.value.version == 2 and refused.value.replicas == 1
     assert "their nodes refused version 2 (1 x gate: canary mismatch)" in str(refused.value)
     assert waited < 5, "not wait_for_replicas' timeout"
+
+
+class fake_registry:
+    """A registry that refuses heartbeats with a given 422 body while ``refusing(body)`` says so,
+    and answers the rest: for refusals whose words a real registry does not write."""
+
+    def __init__(self, error: dict, refusing=lambda body: True):
+        self.error, self.refusing, self.bodies = error, refusing, []
+
+    async def __aenter__(self) -> str:
+        from aiohttp import web
+
+        async def put(request):
+            body = await request.json()
+            self.bodies.append(body)
+            if self.refusing(body):
+                return web.json_response({"error": self.error}, status=422)
+            return web.json_response({"instance": "i", "latest": 2, "demand": {"min_version": None}})
+
+        app = web.Application()
+        app.router.add_put("/v1/replicas/{replica}", put)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        return f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+
+    async def __aexit__(self, *exc) -> None:
+        await self._runner.cleanup()
+
+
+async def beat_through(registry: fake_registry) -> tuple[bool, Heartbeater]:
+    async with registry as url:
+        hb, client, _ = heartbeater(url, "vllm serve exited with status 1")
+        try:
+            return await hb.beat(), hb
+        finally:
+            await client.close()
+
+
+async def test_a_refused_field_is_told_by_the_error_s_fields_whatever_its_words():
+    registry = fake_registry({"code": "invalid_request", "message": "unknown members in this schema",
+                              "fields": ["last_error", "last_pull"]},
+                             refusing=lambda body: "last_error" in body or "last_pull" in body)
+    ok, hb = await beat_through(registry)
+    assert ok and hb._refused == {"last_error", "last_pull"}
+    assert "gate" in registry.bodies[-1] and "last_pull" not in registry.bodies[-1]
+
+
+async def test_an_error_whose_words_name_an_optional_field_refuses_nothing_the_registry_did_not_name():
+    registry = fake_registry({"code": "invalid_request", "fields": ["state"],
+                              "message": "state: not one of the gate, refused or last_pull states; last_error"})
+    ok, hb = await beat_through(registry)
+    assert not ok and hb._refused == set() and len(registry.bodies) == 1
+
+
+async def test_a_registry_from_before_error_fields_is_read_by_the_locations_its_message_gives():
+    registry = fake_registry({"code": "invalid_request", "message": "gate: Extra inputs are not permitted; "
+                              "last_pull.kind: Extra inputs are not permitted"},
+                             refusing=lambda body: "gate" in body or "last_pull" in body)
+    ok, hb = await beat_through(registry)
+    assert ok and hb._refused == {"gate", "last_pull"}
+    old = fake_registry({"code": "invalid_request", "message": "state: Input should be 'gate' or 'refused'"})
+    ok, hb = await beat_through(old)
+    assert not ok and hb._refused == set()
+
+
+def test_the_registry_names_the_fields_it_refuses_in_the_error_not_only_in_its_words():
+    import httpx
+
+    hb = Heartbeat(node="n", server="s", state="SERVING").model_dump(mode="json")
+    with EmbeddedRegistry(port=0) as reg:
+        r = httpx.put(reg.url + "/v1/replicas/n.s", json={**hb, "state": "", "bogus": 1}, timeout=10)
+    assert r.status_code == 422 and r.json()["error"]["fields"] == ["state", "bogus"]

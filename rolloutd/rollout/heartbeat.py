@@ -86,7 +86,7 @@ class Heartbeater:
             try:
                 reply = await self._client.heartbeat(self.replica_id, hb, timeout_s=cfg.heartbeat.timeout_s)
             except errors.InvalidRequest as e:
-                refused = [f for f in OPTIONAL_HEARTBEAT_FIELDS if getattr(hb, f) is not None and f in str(e)]
+                refused = [f for f in OPTIONAL_HEARTBEAT_FIELDS if getattr(hb, f) is not None and f in e.fields]
                 if not refused:
                     raise
                 log.warning("heartbeat %s: the registry does not take %s (%s); sending heartbeats without",

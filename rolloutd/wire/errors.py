@@ -1,11 +1,14 @@
 """Registry errors: one class per stable ``code``, shared by the server and its clients.
 
 On the wire an error is ``{"error": {"code": "<code>", "message": "<words>"}}`` with the
-class's HTTP status. Clients turn the code back into the same class, so callers catch
-``LeaseExpired`` rather than compare strings. Codes are a contract: never rename one.
+class's HTTP status (an ``invalid_request`` adds ``"fields"``). Clients turn the code back into
+the same class, so callers catch ``LeaseExpired`` rather than compare strings. Codes are a
+contract: never rename one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from pydantic import BaseModel, ValidationError
 
@@ -26,9 +29,28 @@ class RegistryError(Exception):
 
 
 class InvalidRequest(RegistryError):
-    """The request's body, path or query is malformed."""
+    """The request's body, path or query is malformed. ``fields``: the top-level fields of the
+    body at fault, in order (empty: none named, e.g. a body that is not JSON); on the wire as
+    ``error.fields``, so a client tells which field was refused without reading the words."""
     code = "invalid_request"
     status = 422
+
+    def __init__(self, message: str = "", *, status: int | None = None, fields: Iterable[str] = ()):
+        super().__init__(message, status=status)
+        self.fields = tuple(fields)
+
+    @classmethod
+    def of(cls, problems, *, request_parts: bool = False) -> InvalidRequest:
+        """From pydantic's ``errors()``: the message :func:`describe` writes, and the fields.
+        ``request_parts``: each location starts with the part of the request (FastAPI's
+        ``body``, ``query``, ``path``, ...); only the body's name fields."""
+        return cls(describe(problems), fields=_fields(problems, request_parts))
+
+    def to_json(self) -> dict:
+        body = super().to_json()
+        if self.fields:
+            body["error"]["fields"] = list(self.fields)
+        return body
 
 
 class Unauthorized(RegistryError):
@@ -182,6 +204,11 @@ def from_json(status: int, body: object) -> RegistryError:
         code = str(body["error"].get("code", code))
         message = str(body["error"].get("message", message))
     cls = BY_CODE.get(code, RegistryError)
+    if cls is InvalidRequest:
+        fields = body["error"].get("fields")
+        if not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
+            fields = described_fields(message)  # a registry from before ``error.fields``
+        return InvalidRequest(message, status=status, fields=fields)
     return cls(message, status=status)
 
 
@@ -190,7 +217,7 @@ def parse(model: type[BaseModel], body: bytes) -> BaseModel:
     try:
         return model.model_validate_json(body)
     except ValidationError as e:
-        raise InvalidRequest(describe(e.errors())) from None
+        raise InvalidRequest.of(e.errors()) from None
 
 
 def describe(problems) -> str:
@@ -199,3 +226,19 @@ def describe(problems) -> str:
         loc = ".".join(str(x) for x in p.get("loc", ()) if x != "body") or "body"
         parts.append(f"{loc}: {p.get('msg')}")
     return "; ".join(parts)
+
+
+def _fields(problems, request_parts: bool) -> list[str]:
+    """The top-level body fields named by pydantic's ``errors()``, each once, in order."""
+    locs = [tuple(p.get("loc", ())) for p in problems]
+    if request_parts:
+        locs = [loc[1:] for loc in locs if loc[:1] == ("body",)]
+    return list(dict.fromkeys(str(loc[0]) for loc in locs if loc))
+
+
+def described_fields(message: str) -> list[str]:
+    """The top-level fields in a message :func:`describe` wrote (``loc: msg; loc: msg``): what a
+    registry from before ``error.fields`` says of them. Only each part's ``loc`` is read, so a
+    field name inside a message's words names nothing."""
+    names = (part.partition(": ")[0].split(".")[0] for part in message.split("; ") if ": " in part)
+    return list(dict.fromkeys(n for n in names if n and n != "body" and " " not in n))

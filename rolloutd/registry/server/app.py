@@ -1,6 +1,7 @@
 """The registry's HTTP API v1 (docs/registry-api.md) over FastAPI.
 
-Every error is JSON ``{"error": {"code", "message"}}`` with a stable code (see ``errors``).
+Every error is JSON ``{"error": {"code", "message"}}`` with a stable code (see ``errors``);
+an ``invalid_request`` names the body fields at fault in ``fields``.
 A pure-ASGI guard in front of the app checks the bearer token, bounds request bodies and
 records metrics, cheaply enough for thousands of heartbeats a second.
 """
@@ -63,6 +64,8 @@ class ErrorBody(BaseModel):
     class Detail(BaseModel):
         code: str = Field(description="stable error code, see errors.py")
         message: str
+        fields: list[str] | None = Field(None, description="invalid_request only: the top-level body "
+                                         "fields at fault (absent: none named)")
     error: Detail
 
 
@@ -130,7 +133,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        return error_response(errors.InvalidRequest(errors.describe(exc.errors())))
+        return error_response(errors.InvalidRequest.of(exc.errors(), request_parts=True))
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
