@@ -25,6 +25,7 @@ from rolloutd.rollout.updater import Target
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.states import ARROWS, ServerState
 from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv
+from rolloutd.supervise.vllm_http import VllmError
 
 from .fake_time import run
 from .supervisor_fakes import CANARY, UPDATE_ROUTES, Arrows, FakeUpdater, FakeVllm, config, mirror_version, now
@@ -758,6 +759,53 @@ def test_a_step_the_version_plays_no_part_in_is_the_servers_failure_never_a_refu
 
     rig = run(scenario())
     assert refused(rig) == [] and rig.sup.incarnation == 2 and rig.failures("check") == 2
+
+
+def fake_routes_behind_a_prefix(vllm: FakeVllm, prefix: str = "/engine") -> None:
+    """The fake's errors name its routes under ``prefix`` (a vLLM mounted behind a path, a route
+    renamed): the step that failed is the one the daemon ran, not a route it recognises."""
+    for name in ("start_weight_update", "update_weights", "finish_weight_update"):
+        def wrapped(*args, _call=getattr(vllm, name), **kw):
+            async def call():
+                try:
+                    return await _call(*args, **kw)
+                except VllmError as e:
+                    raise VllmError(prefix + e.route, "HTTP 500: a fault of the fake", status=e.status,
+                                    timed_out=e.timed_out) from None
+            return call()
+        setattr(vllm, name, wrapped)
+
+
+def test_a_failed_load_step_is_counted_as_the_step_that_ran_whatever_route_its_error_names(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path).start()
+        fake_routes_behind_a_prefix(rig.vllm)
+        await serving(rig, 1)
+        rig.vllm.faults["/start_weight_update"] = "fail_once"
+        await rig.publish(2)
+        await serving(rig, 2, nth=2)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert (rig.failures("start"), rig.failures("load")) == (1, 0)
+    assert rig.sup.incarnation == 1, "re-applied, not restarted"
+
+
+def test_a_version_failing_its_load_in_every_process_is_refused_whatever_route_its_error_names(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, restart={"max_retries": 0}).start()
+        fake_routes_behind_a_prefix(rig.vllm)
+        await serving(rig, 1)
+        rig.vllm.bad_versions["2"] = "load"  # in every process: the version's bytes, maybe
+        await rig.publish(2)
+        await serving(rig, 1, nth=2)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert [v for v, _ in refused(rig)] == [2] and "/engine/update_weights" in refused(rig)[0][1]
+    assert S.FATAL not in rig.arrows.states and rig.failures("load") == 4
 
 
 def test_a_process_that_dies_twice_loading_the_same_version_refuses_it(tmp_path):

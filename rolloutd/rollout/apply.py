@@ -178,22 +178,31 @@ class Applier:
 
     async def _load(self, target: Target, record: UpdateRecord) -> Target:
         """start → update → finish, re-applied after a failure; never returns half-loaded."""
-        p = self.policy
-        attempts = 1 + p.max_reapply
+        attempts = 1 + self.policy.max_reapply
         for attempt in range(1, attempts + 1):
-            try:
-                await self._phase(record, "start", self.vllm.start_weight_update(p.start_timeout_s))
-                await self._phase(record, "load", self.vllm.update_weights(target.update_info(), p.load_timeout_s))
-                await self._phase(record, "finish", self.vllm.finish_weight_update(str(target.version),
-                                                                                   p.finish_timeout_s))
+            if (failed := await self._load_once(target, record)) is None:
                 return target
-            except VllmError as e:
-                self._failed(_KIND.get(e.route, "load"), e)
-                target = await self._again(target, record, e, attempt, attempts, step="apply",
-                                           failed=f"loading version {target.version} failed",
-                                           meanwhile="the server stays paused",
-                                           maybe_version=e.route == "/update_weights" and not e.timed_out)
+            step, e = failed
+            self._failed(step, e)
+            target = await self._again(target, record, e, attempt, attempts, step="apply",
+                                       failed=f"loading version {target.version} failed",
+                                       meanwhile="the server stays paused",
+                                       maybe_version=step == "load" and not e.timed_out)
         raise AssertionError("unreachable")
+
+    async def _load_once(self, target: Target, record: UpdateRecord) -> tuple[str, VllmError] | None:
+        """start → update → finish once; None, or the step that failed (the one this ran, whatever
+        route the error names) and its error."""
+        p = self.policy
+        steps = (("start", lambda: self.vllm.start_weight_update(p.start_timeout_s)),
+                 ("load", lambda: self.vllm.update_weights(target.update_info(), p.load_timeout_s)),
+                 ("finish", lambda: self.vllm.finish_weight_update(str(target.version), p.finish_timeout_s)))
+        for step, call in steps:
+            try:
+                await self._phase(record, step, call())
+            except VllmError as e:
+                return step, e
+        return None
 
     async def _again(self, target: Target, record: UpdateRecord, error: Exception, attempt: int, attempts: int, *,
                      step: str, failed: str, meanwhile: str, maybe_version: bool) -> Target:
@@ -235,7 +244,3 @@ class Applier:
             seconds = time.perf_counter() - t0
             record.phases_s[name] = record.phases_s.get(name, 0.0) + seconds
             self.metrics.update_phase_seconds.labels(phase=name).observe(seconds)
-
-
-_KIND = {"/start_weight_update": "start", "/update_weights": "load", "/finish_weight_update": "finish",
-         "/weight_info": "check", "/resume": "resume"}
