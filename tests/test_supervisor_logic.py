@@ -764,16 +764,17 @@ def test_a_step_the_version_plays_no_part_in_is_the_servers_failure_never_a_refu
 def fake_routes_behind_a_prefix(vllm: FakeVllm, prefix: str = "/engine") -> None:
     """The fake's errors name its routes under ``prefix`` (a vLLM mounted behind a path, a route
     renamed): the step that failed is the one the daemon ran, not a route it recognises."""
+    def behind(step):
+        async def call(*args, **kw):
+            try:
+                return await step(*args, **kw)
+            except VllmError as e:
+                raise VllmError(prefix + e.route, "HTTP 500: a fault of the fake", status=e.status,
+                                timed_out=e.timed_out) from None
+        return call
+
     for name in ("start_weight_update", "update_weights", "finish_weight_update"):
-        def wrapped(*args, _call=getattr(vllm, name), **kw):
-            async def call():
-                try:
-                    return await _call(*args, **kw)
-                except VllmError as e:
-                    raise VllmError(prefix + e.route, "HTTP 500: a fault of the fake", status=e.status,
-                                    timed_out=e.timed_out) from None
-            return call()
-        setattr(vllm, name, wrapped)
+        setattr(vllm, name, behind(getattr(vllm, name)))
 
 
 def test_a_failed_load_step_is_counted_as_the_step_that_ran_whatever_route_its_error_names(tmp_path):
