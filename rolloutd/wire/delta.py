@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import mmap
 import os
 import threading
 import time
@@ -47,6 +46,7 @@ from typing import BinaryIO
 import numpy as np
 import zstandard
 
+from rolloutd.wire.filemap import map_readonly
 from rolloutd.wire.hashes import new_hasher
 
 MAGIC = b"RDELTA1\n"
@@ -471,22 +471,6 @@ class _ChunkHasher:
                                  f"{len(self.digests)}", self.index)
 
 
-def _map(path: Path) -> tuple[memoryview, Callable[[], None]]:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return memoryview(b""), lambda: None
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    view = memoryview(m)
-
-    def close() -> None:
-        try:
-            view.release()
-            m.close()
-        except BufferError:  # an error's traceback still holds a slice: the map goes with it
-            pass
-    return view, close
-
-
 def apply_and_verify(base_files: Mapping[str, Path], delta_path: Path, target_path: Path, *,
                      hash_name: str, chunk_bytes: int, digests: list[str],
                      progress: Callable[[int], None] | None = None, pool: Executor | None = None) -> None:
@@ -497,14 +481,14 @@ def apply_and_verify(base_files: Mapping[str, Path], delta_path: Path, target_pa
     what = f"{Path(target_path).name} from {Path(delta_path).name}"
     closers: list[Callable[[], None]] = []
     try:
-        delta, close = _map(Path(delta_path))
+        delta, close = map_readonly(Path(delta_path))
         closers.append(close)
         encoding, size, segments, frames, offset = _header(delta, what)
         bases: dict[str, memoryview] = {}
         for name in {s.base_file for s in segments if s.kind != "raw"}:
             if not isinstance(name, str) or name not in base_files:
                 raise DeltaError(f"{what}: the base has no file {name!r}")
-            bases[name], close = _map(Path(base_files[name]))
+            bases[name], close = map_readonly(Path(base_files[name]))
             closers.append(close)
         starts = np.cumsum([offset, *frames]).tolist()
         hasher = _ChunkHasher(hash_name, chunk_bytes, digests, what)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import mmap
 import os
 import re
 from collections.abc import Callable, Iterable
@@ -41,6 +40,7 @@ from pydantic import (
     model_validator,
 )
 
+from rolloutd.wire.filemap import map_readonly
 from rolloutd.wire.hashes import new_hasher
 from vllm_plugin.wire import canonical_json, read_header
 
@@ -373,20 +373,6 @@ def _is_lower_hex(s: str) -> bool:
 
 # -- hashing files -------------------------------------------------------------------------
 
-def _map(path: Path) -> tuple[memoryview, Callable[[], None]]:
-    """Memory-map a file read-only (an empty file maps to an empty view)."""
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
-            return memoryview(b""), lambda: None
-        m = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    view = memoryview(m)
-
-    def close() -> None:
-        view.release()
-        m.close()
-    return view, close
-
-
 def hash_chunks(data: memoryview | bytes, chunk_bytes: int, hash_name: str,
                 pool: ThreadPoolExecutor | None = None) -> list[str]:
     """Digest of every ``chunk_bytes`` slice of ``data``."""
@@ -400,7 +386,7 @@ def hash_chunks(data: memoryview | bytes, chunk_bytes: int, hash_name: str,
 
 def hash_file(path: Path, chunk_bytes: int, hash_name: str,
               pool: ThreadPoolExecutor | None = None) -> FileEntry:
-    view, close = _map(path)
+    view, close = map_readonly(path)
     try:
         return FileEntry(name=path.name, size=len(view),
                          chunks=hash_chunks(view, chunk_bytes, hash_name, pool))
@@ -430,7 +416,7 @@ def verify_file(path: Path, entry: FileEntry, manifest: Manifest) -> list[int]:
     """Like :func:`bad_chunks`, for a file on disk."""
     if not path.is_file():
         return list(range(len(entry.chunks))) or [0]
-    view, close = _map(path)
+    view, close = map_readonly(path)
     try:
         return bad_chunks(view, entry, manifest)
     finally:
