@@ -19,7 +19,8 @@ a small share of the version's bytes fetched.
   version's delta file (it applies cleanly to the base and rebuilds other weights, with an XOR
   encoding the version before the base: not the target's digests), a delta file corrupted at
   rest on the registry's disk, and a section whose base digest is another version's. The first
-  two fail the delta pull, naming the version and the files; the third is never applied. In each
+  two fail the delta pull, naming the version and the files; the third is refused before a byte
+  of its delta is fetched, naming the version and both digests. In each
   the server keeps its version meanwhile, and the node then takes the version whole and serves it
   exactly.
 """
@@ -336,16 +337,17 @@ def test_a_delta_file_corrupted_on_the_registrys_disk_is_refused(worlds):
     assert pull["retries"] >= 1, pull  # the chunk was asked for again before the delta was given up
 
 
-def test_a_delta_with_a_wrong_base_digest_is_never_applied(worlds):
-    """The mirror holds the base version under another digest than the section's: another copy as
-    far as the node can tell (a registry restarted with the same numbers makes one), so the node
-    refuses the delta without a fetch and takes the version whole; said at INFO, not a failure."""
+def test_a_delta_with_a_wrong_base_digest_is_refused_and_never_applied(worlds):
+    """The registry the node follows gave it the base under one digest and the delta section names
+    another: refused with a clear error (WARNING, /status pull.delta_error) before a byte of the
+    delta is fetched, and the version taken whole."""
     world = worlds.get(UNTIED)
     chain(world)
     base = world.latest
     held, other = world.reg.manifest(base).digest, world.reg.manifest(base - 1).digest  # a real digest
     m, pull, log = refused_then_whole(world, wrong_base_digest(other))
     assert m.delta.base_digest == other
-    assert pull["delta_error"] is None and pull["bytes_fetched"] == pull["version_bytes"], pull  # no delta byte
-    assert (f"pull version {m.version} whole, not from its delta: the mirror holds its base, version {base}, "
-            f"with digest {held[:12]}..., not {other[:12]}...") in log, log
+    assert pull["bytes_fetched"] == pull["version_bytes"], pull  # not a byte of the delta
+    why = failed(m.version, pull, log)
+    assert why == (f"version {m.version}: its delta names base version {base} with digest {other[:12]}..., but "
+                   f"this registry's version {base} in the mirror has digest {held[:12]}..."), why

@@ -908,9 +908,11 @@ def puller_warnings(caplog) -> list[str]:
 
 async def test_a_delta_on_a_base_digest_the_mirror_does_not_hold_pulls_the_whole_version(
         registry, proxy, client, mirror, caplog):
-    """The mirror's version 1 is another copy than the delta's base (another registry's, or a
-    section that names a wrong digest): the delta is never applied to it."""
+    """The mirror's version 1 was pulled for another registry instance (a registry that
+    restarted numbers its versions again): the delta is never applied to it, and that is no
+    failure, the node simply lacks that base."""
     m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    mirror.follow("another-instance")  # version 1's copy was pulled while the node followed none
     wrong = m2.delta.model_copy(update={"base_digest": "ab" * 32, "digest": None})
     attach_delta(registry, 2, wrong, blobs)
     before = len(proxy.byte_requests)
@@ -920,8 +922,33 @@ async def test_a_delta_on_a_base_digest_the_mirror_does_not_hold_pulls_the_whole
     assert (result.kind, result.bytes) == ("full", m2.total_bytes)
     assert {name for name, _, _ in proxy.byte_requests[before:]} == set(f2)
     assert_pulled(mirror, 2, f2, m2.target())
-    assert f"the mirror holds its base, version 1, with digest {m1.digest[:12]}..., not abababababab..." in caplog.text
-    assert puller.progress.delta_error is None  # not a failure: the node simply lacks that base
+    assert (f"the mirror holds its base, version 1, with digest {m1.digest[:12]}... (pulled from another registry "
+            "instance), not abababababab...") in caplog.text
+    assert puller.progress.delta_error is None
+
+
+async def test_a_delta_naming_a_wrong_base_digest_of_this_registry_is_refused_with_its_reason(
+        registry, proxy, client, mirror, caplog):
+    """The registry the node follows gave it version 1 with one digest and now names another as
+    the delta's base: a clear error (WARNING, ``delta_error``), the delta never applied, the
+    version pulled whole."""
+    instance = registry.service.store.instance
+    m1, f1, m2, f2, blobs = await delta_setup(registry, client, mirror)
+    mirror.follow(instance)
+    mirror.claim(1, m1.digest, instance)  # the copy is this registry's, as the updater records it
+    wrong = m2.delta.model_copy(update={"base_digest": "ab" * 32, "digest": None})
+    attach_delta(registry, 2, wrong, blobs)
+    before = len(proxy.byte_requests)
+    puller = make_puller(client, mirror)
+    with caplog.at_level(logging.WARNING, logger="rolloutd.rollout.puller"):
+        result = await puller.pull(2)
+    assert (result.kind, result.bytes) == ("full", m2.total_bytes)
+    assert {name for name, _, _ in proxy.byte_requests[before:]} == set(f2)  # not a byte of the delta
+    assert_pulled(mirror, 2, f2, m2.target())
+    error = puller.progress.delta_error
+    assert error == (f"version 2: its delta names base version 1 with digest abababababab..., but this registry's "
+                     f"version 1 in the mirror has digest {m1.digest[:12]}..."), error
+    assert f"pull version 2 whole: its delta pull failed: {error}" in puller_warnings(caplog)
 
 
 async def test_a_delta_file_corrupted_on_the_registry_falls_back_to_the_whole_version(

@@ -437,8 +437,16 @@ class Puller:
                       lambda _: self.mirror.unpin(delta.base_version))
         try:
             base = await asyncio.to_thread(self.mirror.manifest, delta.base_version)
+            if base is not None and base.digest != delta.base_digest and await asyncio.to_thread(
+                    self._from_this_registry, delta.base_version):
+                # The registry that gave us this copy now names another base: its delta cannot be ours.
+                self._fall_back(v, f"version {v}: its delta names base version {delta.base_version} with digest "
+                                   f"{delta.base_digest[:12]}..., but this registry's version {delta.base_version} "
+                                   f"in the mirror has digest {base.digest[:12]}...")
+                return None
             if base is None or base.digest != delta.base_digest:
-                held = "not" if base is None else f"with digest {base.digest[:12]}..., not {delta.base_digest[:12]}..."
+                held = "not" if base is None else (f"with digest {base.digest[:12]}... (pulled from another "
+                                                   f"registry instance), not {delta.base_digest[:12]}...")
                 log.info("pull version %d whole, not from its delta: the mirror holds its base, version %d, %s",
                          v, delta.base_version, held)
                 return None
@@ -457,6 +465,11 @@ class Puller:
                 return None
         finally:
             await _settle(asyncio.to_thread(self.mirror.unpin, delta.base_version))
+
+    def _from_this_registry(self, version: int) -> bool:
+        """Whether the mirror's copy of ``version`` was pulled for the registry instance the node follows."""
+        following = self.mirror.following
+        return following is not None and self.mirror.record(version).instance == following
 
     def _fall_back(self, version: int, why: str) -> None:
         log.warning("pull version %d whole: its delta pull failed: %s", version, why)
