@@ -71,7 +71,7 @@ log = logging.getLogger("rolloutd.publish")
 UPLOAD_PIECE_BYTES = 4 << 20
 # httpx (over TLS or a proxy) copies each piece it sends into a new buffer (joined with its framing): pieces
 # under glibc's 128 KiB mmap threshold come from memory the process reuses, where pieces of
-# megabytes were new pages each time (a page fault per 4 KiB: 1.4 GiB of faults to send 1 GiB).
+# megabytes were new pages each time (a page fault per 4 KiB; docs/data-path.md, "Reused buffers").
 SEND_PIECE_BYTES = 120 << 10
 Progress = Callable[[int, int], None]  # (bytes done, bytes in all)
 # Verifying a large version takes the registry longer than any fixed timeout: it answers a
@@ -277,7 +277,7 @@ class RegistryHTTP:
     def _put_body(self, path: str, size: int, pieces: Iterable[memoryview]) -> None:
         """PUT a body of ``size`` bytes given as buffers. Over plain HTTP each buffer goes to the
         socket as it is (``http.client``): httpx's HTTP/1.1 writer joins every piece into a new
-        bytes object, one more copy of every byte (0.2 s of CPU per GiB measured). Over TLS
+        bytes object, one more copy of every byte (bench/README.md, "Publishing a state dict"). Over TLS
         (whose records are copies anyway) or a proxy: through httpx, in small pieces."""
         url = urllib.parse.urlsplit(self.url)
         timeout = self._upload_timeout(size)

@@ -45,7 +45,7 @@ Contract:
   One pull at a time per ``Puller``.
 - The pull workers of a pull that succeeded are kept ``keep_workers_s`` for the next one (0:
   stopped as each pull ends), so a node that pulls every RL step starts them once: a start
-  is 50-60 ms of a 2 GiB pull's 0.7 s here (bench/README.md). A pull that fails or is cancelled
+  is a noticeable share of a pull (bench/README.md, "Workers kept between steps"). A pull that fails or is cancelled
   stops them (the next starts fresh ones); a kept worker that dies is started again as during a
   pull. ``await Puller.close()`` stops them at once, and must be called before the loop ends.
 - Once ``stopping`` is set (the daemon stops), a pull ends cancelled whatever it met: a failure

@@ -477,7 +477,7 @@ class Swarm:
         self._last_announce = time.monotonic()
         plan = self._plan
         failed = plan.dropped if plan is not None else []
-        # Off the loop: the first look at a version parses its manifest (0.2 s for 16,000 chunks).
+        # Off the loop: the first look at a version parses its manifest (a large one takes long: docs/peers.md).
         body = Announce(url=self.settings.url, versions=await asyncio.to_thread(self.ledger.held), failed=failed)
         try:
             reply = await self.client.announce(self.node, body)
