@@ -328,8 +328,9 @@ class Pull(_Section):
     timeout_s: Seconds = Field(3600.0, description="longest time for a whole pull")
     keep_workers_s: float = Field(600.0, ge=0, description="how long the pull workers are kept after a pull "
                                   "for the next one: a node that pulls every RL step starts them once, not "
-                                  "at every pull (a start costs a 2 GiB pull about 7 % of its time); an idle "
-                                  "worker takes no CPU and about 23 MiB of memory; 0 stops them after each pull")
+                                  "at every pull (a start is a noticeable share of a pull); an idle worker takes "
+                                  "no CPU and some memory (bench/README.md: \"Workers kept between steps\", "
+                                  "\"The daemon's own footprint\"); 0 stops them after each pull")
 
     def worker_count(self) -> int:
         return self.workers or max(1, min(os.cpu_count() or 1, 16))

@@ -26,8 +26,8 @@ log = logging.getLogger("rolloutd")
 # glibc's malloc gives each buffer over 128 KiB fresh pages of its own (mmap) and hands the
 # heap's freed top back to the kernel. The body of an upload passes through a few such buffers
 # per read (the socket's, the HTTP parser's, the request's), so every byte of it was written
-# into new pages: a page fault per 4 KiB (286,000 to receive 1 GiB; bench/publish.py, http).
-# Kept in the heap and reused instead, receiving 1 GiB took 2.1-2.5 s against 3.5-3.6 s.
+# into new pages: a page fault per 4 KiB. Kept in the heap and reused instead, an upload is
+# received markedly faster (docs/data-path.md, "Reused buffers").
 MALLOC_MMAP_THRESHOLD = 16 << 20
 MALLOC_TRIM_THRESHOLD = 256 << 20  # freed memory the process keeps for its next buffers
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt's parameters, from malloc.h

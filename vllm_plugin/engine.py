@@ -10,9 +10,9 @@ Built by vLLM in each worker after the model loads. One update is vLLM's cycle
   embeddings under either name) before any weight is loaded, then tensors stream in layer order
   from memory-mapped safetensors files into ``model.load_weights``: the only copy of the bytes
   is the one into the model. The files are mapped with ``MAP_POPULATE`` (page tables filled in
-  one call instead of one fault per page): the load takes 19 % less time than through
-  ``safetensors.safe_open``, whose mapping faults page by page (bench/pause.py, 342 MB: update
-  0.19 s against 0.23 s). Everything the mapping reads was checked against the header first.
+  one call instead of one fault per page): the load takes less time than through
+  ``safetensors.safe_open``, whose mapping faults page by page (bench/README.md, "Pause window
+  of an update"). Everything the mapping reads was checked against the header first.
   Once streamed, a layer that received nothing fails the update: vLLM would only log
   ``<Layer>: Failed to load weights`` and keep that layer's old tensors (how a tied output head
   stayed stale). A manifest with ``"partial": true`` skips both coverage checks;

@@ -15,8 +15,9 @@ import asyncio
 
 from rolloutd.node.metrics import Metrics
 
-# Every wake-up of an idle loop costs: on a 2-core VM a 0.1 s probe took 0.25 % of a core
-# (half the daemon's idle budget), 0.25 s about 0.1 %. A stall shorter than this is still seen,
+# Every wake-up of an idle loop costs CPU and the probe is most of an idle daemon's wake-ups: this
+# interval keeps it well inside the idle budget (bench/README.md, "The daemon's own footprint",
+# has the cost of shorter ones). A stall shorter than this is still seen,
 # only not always and not whole; the histogram shows how often.
 INTERVAL_S = 0.25
 

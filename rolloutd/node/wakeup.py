@@ -5,7 +5,8 @@ API) runs on one thread that sleeps in epoll and wakes for a few tens of microse
 time. On a node where pull workers, vLLM's processes and the trainer's clients keep every core
 busy, the kernel's fair scheduler (EEVDF, Linux 6.6 and later) lets a task that is running
 finish its slice before a woken one takes the core, so each wake-up of the gateway could wait
-a slice (1.4 ms by default on 2 cores, more on larger machines), several times per request.
+a slice (the kernel's default, longer on machines with more cores), several times per request
+(docs/data-path.md, "The daemon's loop runs when it wakes", has what the short slice saves).
 
 A task may ask for a shorter slice (``sched_setattr`` with ``sched_runtime``; Linux 6.12 and
 later; no privilege needed). A shorter slice gives it an earlier deadline, so it preempts a

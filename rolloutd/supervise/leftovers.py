@@ -140,7 +140,7 @@ class ProcessGroups(Containment):
 # -- shared memory left by a group -------------------------------------------------------------------
 SHM_DIR = Path("/dev/shm")
 # What vLLM's processes create there: Python's multiprocessing.shared_memory segments ("psm_<hex>":
-# vLLM's message queues and object storage; ~160 MiB each with the test flags), Python's
+# vLLM's message queues and object storage; hundreds of MiB each: docs/daemon.md, "Start"), Python's
 # multiprocessing named semaphores ("sem.mp-<random>": the locks of vLLM's worker processes,
 # which are started with "spawn"; 32 bytes each, but they pile up), and vLLM's own mmap regions
 # (KV offload, encoder cache transfer). Python's resource tracker would unlink the first two

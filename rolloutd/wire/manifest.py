@@ -58,7 +58,9 @@ DEFAULT_CANARY_TOLERANCE = 0.05
 MAX_CANARY_TOLERANCE = 1.0
 
 HashName = Literal["xxh3-128", "sha256", "blake3"]
-DEFAULT_HASH: HashName = "xxh3-128"  # 15 GB/s a core: a pull from the origin as fast as a copy
+# Fast enough that hashing never bounds a pull from the origin: a small share of a pull worker's
+# CPU (docs/data-path.md, "What was measured of the alternatives").
+DEFAULT_HASH: HashName = "xxh3-128"
 # Chunk digests nobody can collide on purpose: the only ones a node accepts peers' bytes against
 # (xxh3-128 guards against corruption, not against a hostile peer; docs/peers.md, threat model).
 CRYPTO_HASHES = frozenset({"sha256", "blake3"})

@@ -36,9 +36,9 @@ from rolloutd.wire.manifest import FileEntry, Manifest, bad_chunks, verify_file
 
 log = logging.getLogger("rolloutd.registry")
 
-# Letting go of memory takes time: unmapping or closing a memory file of 1 GiB took 0.16 s
-# here, so a 15 GB version reclaimed on the event loop would hold every heartbeat past its 2 s
-# timeout. A memory store's bytes are let go of on this thread instead.
+# Letting go of memory takes time in proportion to its size (docs/data-path.md, "Memory let go
+# of off the loop"): a large version reclaimed on the event loop would hold every heartbeat past
+# its timeout. A memory store's bytes are let go of on this thread instead.
 _FREER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="registry-free")
 
 
@@ -55,8 +55,8 @@ def _on_freer(fn: Callable[..., object], *args) -> None:
         fn(*args)
 
 
-# One read per streamed piece: 4 MiB served ~1.4x faster per core than 1 MiB, 16 MiB was
-# slower again (bench/registry_serve.py).
+# One read per streamed piece: larger pieces cost less per byte served, up to a size past which
+# they were slower again (bench/README.md, "What made it faster, and what would next").
 READ_BYTES = 4 << 20
 IOV_MAX = os.sysconf("SC_IOV_MAX")
 
@@ -155,8 +155,8 @@ def _anonymous(size: int) -> mmap.mmap | bytearray:
 
 class _MemoryFile:
     """An upload's ``size`` bytes in an anonymous in-memory file (memfd), written by ``pwritev``:
-    no interpreter lock held, and half the cost of faulting in fresh mapped pages (0.65 against
-    1.27 s/GiB measured); ``done`` maps it for the version's blob to read from."""
+    no interpreter lock held, and cheaper than faulting in fresh mapped pages (docs/data-path.md,
+    "Memory store: a memory file"); ``done`` maps it for the version's blob to read from."""
 
     def __init__(self, size: int):
         self.size = size

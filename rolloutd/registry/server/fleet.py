@@ -81,9 +81,10 @@ class FleetView:
 
     async def document_async(self, q: FleetQuery) -> dict:
         """The document, its pass over every replica in steps of ``SLICE`` replicas with a turn
-        of the loop between them: in one go, the pass (17 ms at 10,000 replicas) held up every
+        of the loop between them: in one go, the pass over every replica held up every
         heartbeat that came meanwhile; in a thread, worse (each of the loop's many takes of the
-        interpreter lock then waits out the thread's switch interval)."""
+        interpreter lock then waits out the thread's switch interval; bench/README.md, "The
+        fleet page at 10,000 replicas")."""
         if (p := self._cached(self.store.now(), q.stale_s)) is None:
             async with self._passing:
                 now = self.store.now()

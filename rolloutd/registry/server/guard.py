@@ -91,7 +91,7 @@ class Guard:
 
     async def _heartbeat(self, scope, receive, send) -> None:
         """``PUT /v1/replicas/{id}`` without FastAPI: its per-request machinery cost more than
-        the heartbeat itself, halving the registry's capacity (bench/registry_load.py). The
+        the heartbeat itself (bench/README.md, "Registry heartbeat capacity"). The
         FastAPI route of the same path documents it and runs the same ``service.heartbeat``."""
         scope["route"] = self._heartbeat_route
         try:
