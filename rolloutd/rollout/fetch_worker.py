@@ -112,7 +112,11 @@ class Worker:
 
     def _rebuild(self, job: dict) -> None:
         """One target file of a delta pull, rebuilt and checked; its outcome emitted."""
-        from rolloutd.wire import delta as codec  # numpy and zstandard: only a rebuild needs them
+        try:
+            from rolloutd.wire import delta as codec  # numpy and zstandard: only a rebuild needs them
+        except ImportError as e:  # an install without them: the pull goes whole, the thread lives on
+            self.emit({"id": job["id"], "error": {"kind": "delta", "message": f"cannot rebuild: {e}"}})
+            return
         spec = job["apply"]
         try:
             with ProgressBatcher(lambda n: self.emit({"id": job["id"], "bytes": n}), self.progress_bytes) as report:
