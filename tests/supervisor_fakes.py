@@ -236,8 +236,9 @@ class FakeVllm:
         await self._route("/v1/models", timeout_s)
         return "m"
 
-    async def prompt_logprobs(self, token_ids: list[int], timeout_s: float) -> list[float]:
-        await self.served_model(timeout_s)  # as the real client: the model's name, then the request
+    async def prompt_logprobs(self, token_ids: list[int], timeout_s: float, *, model: str | None = None) -> list[float]:
+        if model is None:  # as the real client: the model's name, then the request
+            await self.served_model(timeout_s)
         await self._route("/v1/completions", timeout_s)
         bad = self.bad_versions.get(str(self.label))
         if bad == "refuse":

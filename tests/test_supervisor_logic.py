@@ -769,11 +769,10 @@ def fake_routes_behind_a_prefix(vllm: FakeVllm, prefix: str = "/engine") -> None
             try:
                 return await step(*args, **kw)
             except VllmError as e:
-                raise VllmError(prefix + e.route, "HTTP 500: a fault of the fake", status=e.status,
-                                timed_out=e.timed_out) from None
+                raise VllmError(prefix + e.route, str(e), status=e.status, timed_out=e.timed_out) from None
         return call
 
-    for name in ("start_weight_update", "update_weights", "finish_weight_update"):
+    for name in ("start_weight_update", "update_weights", "finish_weight_update", "served_model", "prompt_logprobs"):
         setattr(vllm, name, behind(getattr(vllm, name)))
 
 
@@ -807,6 +806,22 @@ def test_a_version_failing_its_load_in_every_process_is_refused_whatever_route_i
     rig = run(scenario())
     assert [v for v, _ in refused(rig)] == [2] and "/engine/update_weights" in refused(rig)[0][1]
     assert S.FATAL not in rig.arrows.states and rig.failures("load") == 4
+
+
+def test_a_canary_the_server_refuses_to_score_is_the_version_s_fault_whatever_route_its_error_names(tmp_path):
+    async def scenario():
+        rig = Rig(tmp_path, canary=True).start()
+        fake_routes_behind_a_prefix(rig.vllm)
+        await serving(rig, 1)
+        rig.vllm.bad_versions["2"] = "refuse"  # the scoring request answered 400
+        await rig.publish(2)
+        await serving(rig, 1, nth=2)
+        await rig.stop()
+        return rig
+
+    rig = run(scenario())
+    assert [v for v, _ in refused(rig)] == [2] and "cannot score the canary" in refused(rig)[0][1]
+    assert rig.sup.incarnation == 1 and rig.vllm.loaded == ["1", "2", "1"], "refused at once: no re-apply, no restart"
 
 
 def test_a_process_that_dies_twice_loading_the_same_version_refuses_it(tmp_path):

@@ -38,7 +38,6 @@ MANIFEST_NAME = "manifest.json"
 # What vLLM answers for a request it will not run as it is (a validation error): the same canary
 # gets the same answer from any process of this server.
 REFUSED_REQUEST = frozenset({400, 422})
-SCORE_ROUTE = "/v1/completions"  # the route of the scoring request itself (VllmClient.prompt_logprobs)
 
 
 class GateFailed(Exception):
@@ -85,12 +84,15 @@ async def run_gate(vllm: VllmClient, canary: Canary | None, timeout_s: float) ->
                         "nats: it would pass any weights")
         raise GateFailed(result.error, result, version_fault=True)
     ids = [*canary.prompt_ids, *canary.continuation_ids] if canary else list(PROBE_IDS)
+    scoring = False  # the scoring request itself was sent (not only the model's name asked)
     try:
         async with asyncio.timeout(timeout_s):
-            served = await vllm.prompt_logprobs(ids, timeout_s)
+            model = await vllm.served_model(timeout_s)
+            scoring = True
+            served = await vllm.prompt_logprobs(ids, timeout_s, model=model)
     except (VllmError, TimeoutError) as e:
         what = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else str(e)
-        unscorable = (canary is not None and isinstance(e, VllmError) and e.route == SCORE_ROUTE
+        unscorable = (canary is not None and scoring and isinstance(e, VllmError)
                       and e.status in REFUSED_REQUEST)
         result.error = (f"gate: the server cannot score the canary of {len(ids)} tokens: {what}" if unscorable
                         else f"gate: scoring failed: {what}")

@@ -103,15 +103,16 @@ class VllmClient:
         except (TypeError, KeyError, IndexError):
             raise VllmError("/v1/models", f"unexpected answer {str(body)[:200]!r}") from None
 
-    async def prompt_logprobs(self, token_ids: list[int], timeout_s: float) -> list[float]:
+    async def prompt_logprobs(self, token_ids: list[int], timeout_s: float, *, model: str | None = None) -> list[float]:
         """The server's logprob of each token of ``token_ids`` after the tokens before it: one
         value per position from 1 on (``len(token_ids) - 1`` values; position 0 has no prefix).
+        ``model``: :meth:`served_model`'s answer (None: asked first).
 
         vLLM 0.32 answers ``choices[0].prompt_logprobs`` as a list: ``null`` for position 0, then
         one object per position keyed by token id (a string), each ``{"logprob", "rank",
         "decoded_token"}``; with ``prompt_logprobs: 0`` it holds the prompt's own token (plus
         the top-1 token when that is another one). Values may be non-finite: the caller checks."""
-        model = await self.served_model(timeout_s)
+        model = model if model is not None else await self.served_model(timeout_s)
         route = "/v1/completions"
         body = await self.call("POST", route, timeout_s, json={
             "model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0,
