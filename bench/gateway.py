@@ -89,7 +89,7 @@ def serve_gateway(upstream: str, port: str) -> None:
     from rolloutd.config import Gateway as Settings
     from rolloutd.gateway.relay import Gateway
     from rolloutd.node.metrics import Metrics
-    from rolloutd.supervise.states import ServerState
+    from rolloutd.wire.states import ServerState
 
     async def main() -> None:
         gw = Gateway("bench", Path(upstream), int(port), Settings(host="127.0.0.1"), None, Metrics())
@@ -109,7 +109,7 @@ import uvloop
 from rolloutd.config import Gateway as Settings
 from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
-from rolloutd.supervise.states import ServerState
+from rolloutd.wire.states import ServerState
 
 async def main():
     gw = Gateway("bench", Path(sys.argv[1]), int(sys.argv[2]), Settings(host="127.0.0.1"), sys.argv[3], Metrics())

@@ -17,7 +17,7 @@ import uvloop
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.gateway.relay import Gateway
 from rolloutd.node.metrics import Metrics
-from rolloutd.supervise.states import ServerState
+from rolloutd.wire.states import ServerState
 
 _SOCKETS: list[Path] = []
 

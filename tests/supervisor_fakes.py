@@ -21,9 +21,9 @@ from pathlib import Path
 from rolloutd.config import Config
 from rolloutd.rollout.updater import Target
 from rolloutd.supervise.child import ChildError, describe_exit
-from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.vllm_http import VllmError
 from rolloutd.wire.manifest import Canary, Manifest, build_manifest
+from rolloutd.wire.states import ServerState
 
 S = ServerState
 UPDATE_ROUTES = ("/pause", "/start_weight_update", "/update_weights", "/finish_weight_update", "/weight_info",

@@ -40,8 +40,8 @@ from rolloutd.rollout.apply import UpdateRecord
 from rolloutd.rollout.gate import GateResult
 from rolloutd.rollout.puller import PullProgress, PullState
 from rolloutd.rollout.updater import RegistryView
-from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
+from rolloutd.wire.states import ServerState
 
 TOKEN = "adm-7f3c9e-secret-token"
 NOW = 1_750_000_000.0

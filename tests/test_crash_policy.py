@@ -16,8 +16,8 @@ import pytest
 from rolloutd.config import Config
 from rolloutd.httpserver import QuietServer
 from rolloutd.node.daemon import Daemon
-from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
+from rolloutd.wire.states import ServerState
 
 from .daemon_harness import config
 from .test_process import alive_in_group

@@ -19,7 +19,7 @@ from rolloutd.node import metrics as node_metrics
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS
 from rolloutd.registry.server.service import Metrics as RegistryMetrics
-from rolloutd.supervise.states import ServerState
+from rolloutd.wire.states import ServerState
 
 ROOT = Path(__file__).parent.parent
 DASHBOARD = ROOT / "packaging" / "grafana" / "rolloutd.json"

@@ -10,8 +10,8 @@ import pytest
 from rolloutd.registry.server.fleet import FAILING_STATES, FleetQuery, FleetView
 from rolloutd.registry.server.rollouts import RolloutLog
 from rolloutd.registry.server.store import Store
-from rolloutd.supervise.states import ServerState
 from rolloutd.wire.messages import GateReport, Heartbeat, PullReport, RefusedVersion
+from rolloutd.wire.states import ServerState
 
 from .test_store import publish
 

@@ -21,7 +21,7 @@ from aiohttp import web
 
 from rolloutd.demo.tinymodel import TINY, build
 from rolloutd.supervise.plugin_path import install_plugin
-from rolloutd.supervise.states import ServerState as S
+from rolloutd.wire.states import ServerState as S
 
 from .conftest import free_port
 from .daemon_harness import wait_until

@@ -12,8 +12,8 @@ import threading
 import httpx
 import pytest
 
-from rolloutd.supervise.states import ServerState as S
 from rolloutd.wire import version_contract as contract
+from rolloutd.wire.states import ServerState as S
 
 from .conftest import free_port
 from .daemon_harness import wait_until

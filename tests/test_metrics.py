@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from rolloutd.node.metrics import FAILURE_KINDS, PULL_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
-from rolloutd.supervise.states import ServerState
+from rolloutd.wire.states import ServerState
 
 
 def samples(m: Metrics) -> dict[tuple[str, tuple], float]:

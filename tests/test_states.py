@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from rolloutd.supervise.states import ARROWS, BadTransition, Lifecycle, ServerState
+from rolloutd.wire.states import ARROWS, BadTransition, Lifecycle, ServerState
 
 from .conftest import FakeClock
 

@@ -23,9 +23,9 @@ from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.updater import Target
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
-from rolloutd.supervise.states import ARROWS, ServerState
 from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv
 from rolloutd.supervise.vllm_http import VllmError
+from rolloutd.wire.states import ARROWS, ServerState
 
 from .fake_time import run
 from .supervisor_fakes import CANARY, UPDATE_ROUTES, Arrows, FakeUpdater, FakeVllm, config, mirror_version, now

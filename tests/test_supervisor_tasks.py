@@ -21,8 +21,8 @@ from rolloutd.config import Config
 from rolloutd.node.metrics import Metrics
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.sockets import prepare_socket_dir
-from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
+from rolloutd.wire.states import ServerState
 
 from .conftest import free_port
 from .test_process import alive_in_group

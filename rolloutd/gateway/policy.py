@@ -32,9 +32,9 @@ import time
 
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.node.metrics import Metrics
-from rolloutd.supervise.states import ServerState
 from rolloutd.wire import version_contract
 from rolloutd.wire.auth import bearer_ok
+from rolloutd.wire.states import ServerState
 
 # path -> methods: what a trainer needs for generation, and nothing that changes the server.
 ROUTES: dict[str, frozenset[str]] = {

@@ -44,8 +44,8 @@ import httptools
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.gateway.policy import Policy, Unavailable
 from rolloutd.node.metrics import Metrics
-from rolloutd.supervise.states import ServerState
 from rolloutd.wire import version_contract
+from rolloutd.wire.states import ServerState
 
 log = logging.getLogger("rolloutd.gateway.relay")
 

@@ -43,8 +43,8 @@ from rolloutd.config import Config, read_token
 from rolloutd.httpserver import QuietServer, bind, server_config
 from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.puller import PullState
-from rolloutd.supervise.states import ServerState
 from rolloutd.wire.auth import bearer_ok
+from rolloutd.wire.states import ServerState
 
 log = logging.getLogger("rolloutd.node.admin")
 

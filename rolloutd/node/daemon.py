@@ -73,9 +73,9 @@ from rolloutd.supervise.cgroups import contain
 from rolloutd.supervise.leftovers import ShmBaseline
 from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.supervise.sockets import prepare_socket_dir
-from rolloutd.supervise.states import ServerState
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.units import size
+from rolloutd.wire.states import ServerState
 
 log = logging.getLogger("rolloutd")
 S = ServerState

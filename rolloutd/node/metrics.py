@@ -14,7 +14,7 @@ import contextlib
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import Enum as StateEnum
 
-from rolloutd.supervise.states import ServerState
+from rolloutd.wire.states import ServerState
 
 # A pause is milliseconds on a small model and minutes on a large one over a slow mirror.
 PAUSE_BUCKETS = (.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)

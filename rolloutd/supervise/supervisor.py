@@ -60,8 +60,8 @@ from rolloutd.supervise.child import Child, ChildError
 from rolloutd.supervise.containment import Containment
 from rolloutd.supervise.plugin_path import child_env
 from rolloutd.supervise.sockets import SocketDirError, remove_stale
-from rolloutd.supervise.states import Lifecycle, ServerState
 from rolloutd.supervise.vllm_http import VllmClient
+from rolloutd.wire.states import Lifecycle, ServerState
 
 log = logging.getLogger("rolloutd.server")
 S = ServerState
