@@ -88,7 +88,7 @@ def serve_gateway(upstream: str, port: str) -> None:
 
     from rolloutd.config import Gateway as Settings
     from rolloutd.gateway.relay import Gateway
-    from rolloutd.node.metrics import Metrics
+    from rolloutd.metrics import Metrics
     from rolloutd.wire.states import ServerState
 
     async def main() -> None:
@@ -108,7 +108,7 @@ from pathlib import Path
 import uvloop
 from rolloutd.config import Gateway as Settings
 from rolloutd.gateway.relay import Gateway
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.wire.states import ServerState
 
 async def main():

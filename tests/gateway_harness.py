@@ -16,7 +16,7 @@ import uvloop
 
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.gateway.relay import Gateway
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.wire.states import ServerState
 
 _SOCKETS: list[Path] = []

@@ -33,9 +33,9 @@ from pydantic import ValidationError
 from rolloutd import config as config_mod
 from rolloutd.config import Config
 from rolloutd.httpserver import run
+from rolloutd.metrics import Metrics
 from rolloutd.node.admin import AdminServer, NodeStatus, action_token, create_app, write_token
 from rolloutd.node.adminctl import DEFAULT_URL, add_parsers, render_status, resolve
-from rolloutd.node.metrics import Metrics
 from rolloutd.rollout.apply import UpdateRecord
 from rolloutd.rollout.gate import GateResult
 from rolloutd.rollout.puller import PullProgress, PullState

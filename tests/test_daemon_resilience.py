@@ -250,8 +250,8 @@ def test_garbage_from_the_registry_is_counted_and_served_through_until_it_answer
 def test_a_bug_in_a_long_lived_task_is_logged_counted_and_retried():
     """The crash policy in-process: a task that raises is restarted after a growing delay, with its
     traceback in the log and ``rolloutd_task_errors_total{task}`` counted; cancelling still ends it."""
+    from rolloutd.metrics import Metrics
     from rolloutd.node.daemon import keep
-    from rolloutd.node.metrics import Metrics
 
     async def scenario():
         metrics, calls = Metrics(), []
@@ -277,8 +277,8 @@ def test_a_task_whose_cleanup_fails_as_the_daemon_stops_is_not_started_again():
     """A server's loop stops its server when cancelled; if that cleanup raises, the crash policy
     must not start the loop again (it would spawn a server while the daemon stops, and the stop
     would wait for it forever): the error is logged and counted, the cancellation goes on."""
+    from rolloutd.metrics import Metrics
     from rolloutd.node.daemon import keep
-    from rolloutd.node.metrics import Metrics
 
     async def scenario():
         metrics, calls = Metrics(), []

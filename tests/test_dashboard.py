@@ -15,7 +15,7 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from rolloutd.node import metrics as node_metrics
+from rolloutd import metrics as node_metrics
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS
 from rolloutd.registry.server.service import Metrics as RegistryMetrics

@@ -55,7 +55,7 @@ def test_every_admin_route_is_documented():
 
 
 def test_every_metric_and_state_is_documented():
-    from rolloutd.node.metrics import Metrics
+    from rolloutd.metrics import Metrics
     from rolloutd.wire.states import ServerState
     names = {m.name.removeprefix("rolloutd_") for m in Metrics().registry.collect()}
     names = {n + "_total" if n in ("pull_bytes", "pulls", "update_failures", "updates", "server_restarts",

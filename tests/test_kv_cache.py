@@ -23,7 +23,7 @@ import pytest
 
 from rolloutd.config import Update
 from rolloutd.demo import tinymodel
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.rollout.apply import Applier, UpdateRecord
 from rolloutd.rollout.updater import Target
 from rolloutd.supervise.plugin_path import install_plugin

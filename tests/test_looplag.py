@@ -10,8 +10,8 @@ import httpx
 import pytest
 
 from rolloutd.demo import tinymodel
+from rolloutd.metrics import Metrics
 from rolloutd.node.looplag import LoopLag
-from rolloutd.node.metrics import Metrics
 
 from .test_metrics import samples
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rolloutd.node.metrics import FAILURE_KINDS, PULL_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
+from rolloutd.metrics import FAILURE_KINDS, PULL_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
 from rolloutd.wire.states import ServerState
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.config import Config
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.rollout import mirror as mirror_mod
 from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror, MirrorFull
 from rolloutd.rollout.updater import Updater

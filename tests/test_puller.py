@@ -365,8 +365,8 @@ async def test_a_failed_pull_leaves_its_task_not_cancelled_and_a_later_crash_is_
     """Python 3.11's task groups left the task of a pull that failed reading as cancelled. The
     daemon's crash policy (``keep``) then took a later crash of the updater for a stop and ended
     it for good: a node that never updated again."""
+    from rolloutd.metrics import Metrics
     from rolloutd.node.daemon import keep
-    from rolloutd.node.metrics import Metrics
 
     manifest, _ = publish(registry, 1)
     proxy.flip(manifest.files[0].name, 0, times=None)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.updater import Target
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups

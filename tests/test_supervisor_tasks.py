@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from rolloutd.config import Config
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.supervisor import Supervisor

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import PullError, PullResult
 from rolloutd.rollout.updater import Target, Updater

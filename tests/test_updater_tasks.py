@@ -15,7 +15,7 @@ import pytest
 
 from rolloutd.config import Config
 from rolloutd.demo import tinymodel
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.registry import EmbeddedRegistry
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout import mirror as mirror_module

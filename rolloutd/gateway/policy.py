@@ -31,7 +31,7 @@ import asyncio
 import time
 
 from rolloutd.config import Gateway as GatewaySettings
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.wire import version_contract
 from rolloutd.wire.auth import bearer_ok
 from rolloutd.wire.states import ServerState

@@ -43,7 +43,7 @@ import httptools
 
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.gateway.policy import Policy, Unavailable
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.wire import version_contract
 from rolloutd.wire.states import ServerState
 

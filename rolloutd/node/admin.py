@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rolloutd.config import Config, read_token
 from rolloutd.httpserver import QuietServer, bind, server_config
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.rollout.puller import PullState
 from rolloutd.wire.auth import bearer_ok
 from rolloutd.wire.states import ServerState

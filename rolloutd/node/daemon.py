@@ -56,9 +56,9 @@ from pathlib import Path
 from rolloutd import __version__
 from rolloutd.config import Config, ConfigError, load_config, read_token
 from rolloutd.gateway.relay import Gateway, GatewayError
+from rolloutd.metrics import Metrics
 from rolloutd.node.admin import AdminServer, action_token, create_app
 from rolloutd.node.looplag import LoopLag
-from rolloutd.node.metrics import Metrics
 from rolloutd.node.notify import Notifier
 from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.registry.client import RegistryClient, Timeouts

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 
 # Every wake-up of an idle loop costs CPU and the probe is most of an idle daemon's wake-ups: this
 # interval keeps it well inside the idle budget (bench/README.md, "The daemon's own footprint",

@@ -34,7 +34,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from rolloutd.config import Update
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.rollout.gate import GateFailed, GateResult, read_canary, run_gate
 from rolloutd.rollout.updater import Target
 from rolloutd.supervise.vllm_http import VllmClient, VllmError

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rolloutd.config import Config
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullResult, PullState

@@ -50,7 +50,7 @@ from typing import NoReturn, TypeVar
 from rolloutd.config import Config
 from rolloutd.config import Server as ServerConfig
 from rolloutd.gateway.relay import Gateway
-from rolloutd.node.metrics import Metrics
+from rolloutd.metrics import Metrics
 from rolloutd.rollout.apply import Applier, ApplyFailed, UpdateRecord
 from rolloutd.rollout.gate import GateFailed, run_gate
 from rolloutd.rollout.refusals import Refusals
