@@ -2,7 +2,7 @@
 logic tests on the fake clock (tests/fake_time.py):
 
 - :class:`FakeVllm`: one server as the supervisor reaches it, the client of its routes
-  (:class:`rolloutd.supervise.vllm_http.VllmClient`'s interface) and the maker of its processes;
+  (:class:`rolloutd.rollout.vllm_http.VllmClient`'s interface) and the maker of its processes;
 - :class:`FakeChild`: one of those processes (:class:`rolloutd.supervise.child.Child`'s interface);
 - :class:`FakeUpdater`: the node's target (:class:`rolloutd.rollout.updater.Updater`'s interface);
 - :class:`Arrows`: every state change, with the fake clock's time, that a test can wait for.
@@ -20,8 +20,8 @@ from pathlib import Path
 
 from rolloutd.config import Config
 from rolloutd.rollout.updater import Target
+from rolloutd.rollout.vllm_http import VllmError
 from rolloutd.supervise.child import ChildError, describe_exit
-from rolloutd.supervise.vllm_http import VllmError
 from rolloutd.wire.manifest import Canary, Manifest, build_manifest
 from rolloutd.wire.states import ServerState
 

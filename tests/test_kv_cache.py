@@ -26,8 +26,8 @@ from rolloutd.demo import tinymodel
 from rolloutd.metrics import Metrics
 from rolloutd.rollout.apply import Applier, UpdateRecord
 from rolloutd.rollout.updater import Target
+from rolloutd.rollout.vllm_http import VllmClient
 from rolloutd.supervise.plugin_path import install_plugin
-from rolloutd.supervise.vllm_http import VllmClient
 from rolloutd.wire.manifest import build_manifest
 
 from .vllm_server import VllmServer

@@ -31,8 +31,6 @@ KNOWN_UPWARD: set[tuple[str, str]] = {
     ("rolloutd.demo.rl", "rolloutd.cli"),
     ("rolloutd.demo.serve", "rolloutd.cli"),
     ("rolloutd.registry.fleetctl", "rolloutd.node.adminctl"),
-    ("rolloutd.rollout.apply", "rolloutd.supervise.vllm_http"),
-    ("rolloutd.rollout.gate", "rolloutd.supervise.vllm_http"),
     ("rolloutd.rollout.heartbeat", "rolloutd.supervise.supervisor"),
 }
 # Circles not yet broken (the modules of each). This list only shrinks.

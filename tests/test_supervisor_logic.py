@@ -22,9 +22,9 @@ import pytest
 from rolloutd.metrics import Metrics
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.updater import Target
+from rolloutd.rollout.vllm_http import VllmError
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
 from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv
-from rolloutd.supervise.vllm_http import VllmError
 from rolloutd.wire.states import ARROWS, ServerState
 
 from .fake_time import run

@@ -37,7 +37,7 @@ from rolloutd.config import Update
 from rolloutd.metrics import Metrics
 from rolloutd.rollout.gate import GateFailed, GateResult, read_canary, run_gate
 from rolloutd.rollout.updater import Target
-from rolloutd.supervise.vllm_http import VllmClient, VllmError
+from rolloutd.rollout.vllm_http import VllmClient, VllmError
 
 log = logging.getLogger("rolloutd.rollout.apply")
 

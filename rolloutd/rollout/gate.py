@@ -29,7 +29,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from rolloutd.supervise.vllm_http import VllmClient, VllmError
+from rolloutd.rollout.vllm_http import VllmClient, VllmError
 from rolloutd.wire.manifest import MAX_CANARY_TOLERANCE, Canary, Manifest
 
 # Small ids: in the vocabulary of every real tokenizer (the daemon does not know the vocabulary).

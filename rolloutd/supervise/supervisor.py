@@ -56,11 +56,11 @@ from rolloutd.rollout.gate import GateFailed, run_gate
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.updater import Target, Updater
+from rolloutd.rollout.vllm_http import VllmClient
 from rolloutd.supervise.child import Child, ChildError
 from rolloutd.supervise.containment import Containment
 from rolloutd.supervise.plugin_path import child_env
 from rolloutd.supervise.sockets import SocketDirError, remove_stale
-from rolloutd.supervise.vllm_http import VllmClient
 from rolloutd.wire.states import Lifecycle, ServerState
 
 log = logging.getLogger("rolloutd.server")
