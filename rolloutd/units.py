@@ -1,4 +1,4 @@
-"""Byte counts and shares for people: ``1.8 MiB``, ``512 B``, ``2.1%``."""
+"""Byte counts, shares, ages and versions for people: ``1.8 MiB``, ``512 B``, ``2.1%``, ``3m05s``, ``v7``."""
 
 from __future__ import annotations
 
@@ -18,3 +18,20 @@ def percent(ratio: float) -> str:
     if 0 < p < 0.005:
         return "<0.01%"
     return f"{p:.0f}%" if p >= 10 or p == 0 else f"{p:.1f}%" if p >= 0.1 else f"{p:.2f}%"
+
+
+def age(seconds: float) -> str:
+    s = int(seconds)
+    if seconds < 10:
+        return f"{seconds:.1f}s"
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def version_label(version: int | None) -> str:
+    return "-" if version is None else f"v{version}"

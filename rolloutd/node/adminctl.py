@@ -22,7 +22,7 @@ from urllib.parse import quote
 
 import httpx
 
-from rolloutd.units import percent, size
+from rolloutd.units import age, percent, size, version_label
 
 DEFAULT_URL = "http://127.0.0.1:9100"
 ERROR_WIDTH = 60  # the ERROR column is cut here; `--json` has the whole message
@@ -237,25 +237,25 @@ def _reload_lines(r: dict | None) -> list[str]:
 def _node_line(st: dict) -> str:
     ready = "ready" if st["ready"] else "not ready"
     return (f"node {st['node']}: rolloutd {st['rolloutd_version']}, pid {st['pid']}, "
-            f"up {_age(st['uptime_s'])}, {ready}")
+            f"up {age(st['uptime_s'])}, {ready}")
 
 
 def _registry_line(r: dict) -> str:
     parts = [f"registry {r['url']}: {'reachable' if r['reachable'] else 'UNREACHABLE'}"]
     if r["instance"]:
         parts.append(f"instance {r['instance']}")
-    parts.append(f"latest {_v(r['latest'])}")
+    parts.append(f"latest {version_label(r['latest'])}")
     if r["demand"] is not None:
-        parts.append(f"demand {_v(r['demand'])}")
+        parts.append(f"demand {version_label(r['demand'])}")
     if r["last_contact_age_s"] is not None:
-        parts.append(f"answered {_age(r['last_contact_age_s'])} ago")
+        parts.append(f"answered {age(r['last_contact_age_s'])} ago")
     if r["last_error"]:
         parts.append(f"error: {r['last_error']}")
     return ", ".join(parts)
 
 
 def _target_line(t: dict | None) -> str:
-    return f"target {_v(t['version'])} (digest {t['digest']})" if t else "target: none yet"
+    return f"target {version_label(t['version'])} (digest {t['digest']})" if t else "target: none yet"
 
 
 def _delta_part(p: dict) -> str:
@@ -263,20 +263,20 @@ def _delta_part(p: dict) -> str:
     if p.get("kind") == "delta":
         share = f" ({percent(p['bytes_fetched'] / p['version_bytes'])})" if p.get("version_bytes") else ""
         rebuilt = f", rebuilt in {p['reconstruct_s']:.2f} s" if p.get("reconstruct_s") is not None else ""
-        return f"; a delta on {_v(p['base'])}: fetched {size(p['bytes_fetched'])} of {size(p['version_bytes'])}" \
-            f"{share}{rebuilt}"
+        return f"; a delta on {version_label(p['base'])}: fetched {size(p['bytes_fetched'])} " \
+            f"of {size(p['version_bytes'])}{share}{rebuilt}"
     return "; whole, its delta failed" if p.get("delta_error") else ""
 
 
 def _pull_line(p: dict | None) -> str:
     if p is None:
         return "pull: none yet"
-    name = _v(p["version"]) if p["version"] is not None else str(p["target"])
+    name = version_label(p["version"]) if p["version"] is not None else str(p["target"])
     state, done, total = p["state"], p["bytes_done"], p["bytes_total"]
     line = f"pull {name}: {state}, {size(done)} of {size(total)}"
     if state == "pulling":
         pct = 100 * done / total if total else 0
-        eta = f"ETA {_age(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown"
+        eta = f"ETA {age(p['eta_s'])}" if p["eta_s"] is not None else "ETA unknown"
         line += f" ({pct:.0f}%), {size(p['rate_bytes_per_s'])}/s, {eta}"
         if p.get("workers"):
             line += f", {len(p['workers'])} workers"
@@ -297,7 +297,7 @@ def _pull_line(p: dict | None) -> str:
 
 
 def _mirror_line(m: dict) -> str:
-    versions = ", ".join(_v(v) for v in m["versions"]) or "none"
+    versions = ", ".join(version_label(v) for v in m["versions"]) or "none"
     spare = f" ({size(m['spare_bytes'])} spare, for the next pull)" if m.get("spare_bytes") else ""
     return f"mirror {m['dir']}: {size(m['usage_bytes'])} of {size(m['max_bytes'])}{spare}, versions {versions}"
 
@@ -307,32 +307,15 @@ def _server_row(s: dict, now_unix: float) -> tuple[str, ...]:
     if upd is None:
         updated = "-"
     else:
-        updated = f"{_age(max(0.0, now_unix - upd['at_unix']))} ago" + ("" if upd["ok"] else " (failed)")
-    beat = "-" if s["heartbeat_age_s"] is None else f"{_age(s['heartbeat_age_s'])} ago"
+        updated = f"{age(max(0.0, now_unix - upd['at_unix']))} ago" + ("" if upd["ok"] else " (failed)")
+    beat = "-" if s["heartbeat_age_s"] is None else f"{age(s['heartbeat_age_s'])} ago"
     error = " ".join((s["last_error"] or "-").split())
     if len(error) > ERROR_WIDTH:
         error = error[:ERROR_WIDTH - 1] + "…"
-    return (s["name"], f"{s['state']} {_age(s['state_age_s'])}", _dash(s["pid"]), str(s["public_port"]),
-            ",".join(map(str, s["gpus"])) or "-", _v(s["version"]) if s["version"] is not None else "base",
-            _v(s["target"]), str(s["restarts"]), updated, beat, error)
+    return (s["name"], f"{s['state']} {age(s['state_age_s'])}", _dash(s["pid"]), str(s["public_port"]),
+            ",".join(map(str, s["gpus"])) or "-", version_label(s["version"]) if s["version"] is not None else "base",
+            version_label(s["target"]), str(s["restarts"]), updated, beat, error)
 
 
 def _dash(x) -> str:
     return "-" if x is None else str(x)
-
-
-def _v(version: int | None) -> str:
-    return "-" if version is None else f"v{version}"
-
-
-def _age(seconds: float) -> str:
-    s = int(seconds)
-    if seconds < 10:
-        return f"{seconds:.1f}s"
-    if s < 60:
-        return f"{s}s"
-    if s < 3600:
-        return f"{s // 60}m{s % 60:02d}s"
-    if s < 86400:
-        return f"{s // 3600}h{s % 3600 // 60:02d}m"
-    return f"{s // 86400}d{s % 86400 // 3600:02d}h"

@@ -14,9 +14,8 @@ import argparse
 import json
 from pathlib import Path
 
-from rolloutd.node.adminctl import _age as age
-from rolloutd.node.adminctl import _v as ver
-from rolloutd.units import percent, size
+from rolloutd.units import age, percent, size
+from rolloutd.units import version_label as ver
 
 PAGE_NODES = 1000  # nodes asked per request; the command asks until it has every page
 ERROR_WIDTH = 60
