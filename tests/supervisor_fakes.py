@@ -114,6 +114,9 @@ class FakeChild:
     def describe_exit(self) -> str:
         return describe_exit(self.returncode, sent=self._sent)
 
+    async def note_shm(self) -> None:
+        pass  # no processes, so no shared memory to learn of
+
     def kill_group(self, sig: int) -> None:
         self._sent.add(sig)
         if sig == signal.SIGKILL:

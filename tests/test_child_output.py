@@ -286,13 +286,91 @@ async def test_segments_left_by_a_killed_group_are_removed_and_no_other(children
         os.killpg(child.pgid, signal.SIGKILL)  # no resource tracker survives to unlink it
         await child.wait()
         assert sorted(p.name for p in shm.iterdir()) == ["not_vllm", "psm_before", "psm_theirs", "sem.mp-theirs"]
-        assert "clean vllm[" in caplog.text and "psm_closed, psm_ours, sem.mp-ours" in caplog.text
+        removals = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"clean vllm[{child.pid}]")]
+        assert removals == [f"clean vllm[{child.pid}]: removed {shm / 'psm_closed'} (1 bytes)",
+                            f"clean vllm[{child.pid}]: removed {shm / 'psm_ours'} (1.0 MiB)",
+                            f"clean vllm[{child.pid}]: removed {shm / 'sem.mp-ours'} (32 bytes)"]
     finally:
         other.kill()
         other.wait(10)
         other.stdout.close()
     assert leftovers.remove_shm_leftovers(set()) == ["psm_before", "psm_theirs", "sem.mp-theirs"]  # unused now
     assert lines_of(caplog, "vllm")[0].endswith(": ready")
+
+
+# A server whose segments no pattern knows (vLLM's CPU tensor-parallel ``vllm_dist_*-cpushm_*``):
+# it creates and maps each name given, also one in a directory of /dev/shm (as the mirror's files
+# are), and opens one that was there before it.
+HOLDS_NAMED = textwrap.dedent("""
+    import mmap, os, sys, time
+    maps = []
+    for name in sys.argv[2:]:
+        fd = os.open(os.path.join(sys.argv[1], name), os.O_CREAT | os.O_RDWR, 0o600)
+        if not (size := os.fstat(fd).st_size):
+            os.ftruncate(fd, size := 4 << 20)
+        maps.append(mmap.mmap(fd, size))
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def _held_decoy(shm: Path, name: str) -> subprocess.Popen:
+    """Another program's segment, made and held by a process outside every server's group."""
+    decoy = subprocess.Popen([sys.executable, "-c", HOLDS_NAMED, str(shm), name], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    assert decoy.stdout.readline().strip() == "ready"
+    return decoy
+
+
+@pytest.mark.parametrize("end", ["crash", "stop"])
+async def test_segments_the_group_held_are_removed_at_its_end_whatever_their_names(children, caplog, shm, end):
+    """Learnt once healthy (a crash then leaves them) or at the stop, before its SIGTERM; removed
+    once the group is gone: only names its processes held, created after its spawn, used by no one."""
+    (shm / "mirror").mkdir()
+    (shm / "there_before").write_bytes(b"x")  # another program's, opened by the server too
+    decoys = [_held_decoy(shm, "vllm_dist_theirs-cpushm_0")]
+    ours = ["vllm_dist_ours-cpushm_0", "vllm_dist_ours-cpushm_1"]
+    try:
+        child = await spawned_ready(children, caplog, "vllm", [sys.executable, "-c", HOLDS_NAMED, str(shm), *ours,
+                                                               "shared", "mirror/v1.safetensors", "there_before"])
+        (shm / "unheld").write_bytes(b"x")  # created meanwhile by someone, never held by the group
+        decoys.append(_held_decoy(shm, "shared"))  # the group's, but another process maps it too and lives on
+        if end == "crash":
+            await child.note_shm()
+            os.killpg(child.pgid, signal.SIGKILL)
+            await child.wait()
+        else:
+            await child.stop(grace_s=10)
+        assert sorted(p.name for p in shm.iterdir()) == ["mirror", "shared", "there_before", "unheld",
+                                                          "vllm_dist_theirs-cpushm_0"]
+        assert (shm / "mirror" / "v1.safetensors").exists()
+        removals = [r.getMessage() for r in caplog.records if r.getMessage().startswith(f"clean vllm[{child.pid}]")]
+        assert removals == [f"clean vllm[{child.pid}]: removed {shm / n} (4.0 MiB)" for n in ours]
+    finally:
+        for decoy in decoys:
+            decoy.kill()
+            decoy.wait(10)
+            decoy.stdout.close()
+        (shm / "mirror" / "v1.safetensors").unlink(missing_ok=True)
+        (shm / "mirror").rmdir()
+
+
+def test_held_names_come_from_the_maps_and_descriptors_of_the_given_processes_only(shm):
+    (shm / "sub").mkdir()
+    held = subprocess.Popen([sys.executable, "-c", HOLDS_NAMED, str(shm), "a", "sub/b"], stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    other = _held_decoy(shm, "c")
+    try:
+        assert held.stdout.readline().strip() == "ready"
+        assert leftovers.shm_held_by([held.pid]) == {"a", "sub/b"}
+        assert leftovers.shm_held_by([held.pid, other.pid, 1 << 30]) == {"a", "sub/b", "c"}  # a pid gone: nothing
+    finally:
+        for proc in (held, other):
+            proc.kill()
+            proc.wait(10)
+            proc.stdout.close()
+        (shm / "sub" / "b").unlink(missing_ok=True)
+        (shm / "sub").rmdir()
 
 
 def test_segments_of_servers_killed_with_their_daemon_are_removed_at_the_next_start(shm, tmp_path):

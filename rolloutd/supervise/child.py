@@ -25,7 +25,8 @@ leftovers.py); ``/dev/shm`` segments are leftovers.py.
   every caller awaits that one (a second stop never runs beside the first). Lines start with
   ``stop``. Once its processes are gone, its record (if any) is forgotten, its cgroup (if any)
   removed, and the shared-memory segments they left are removed
-  (:func:`rolloutd.supervise.leftovers.remove_shm_leftovers`).
+  (:func:`rolloutd.supervise.leftovers.remove_shm_leftovers`): vLLM's by their names, and those
+  :meth:`Child.note_shm` saw its processes hold (once healthy, and before a stop signals them).
 - :func:`describe_exit` turns an exit status into words for logs and status.
 """
 
@@ -42,7 +43,7 @@ from collections.abc import Awaitable, Iterable
 from typing import TypeVar
 
 from rolloutd.supervise.containment import Containment, Scope
-from rolloutd.supervise.leftovers import ProcessGroups, remove_shm_leftovers, shm_names
+from rolloutd.supervise.leftovers import ProcessGroups, remove_shm_leftovers, shm_held_by, shm_names
 
 log = logging.getLogger("rolloutd.supervise.child")
 
@@ -233,6 +234,7 @@ class Child:
         self._hurry = asyncio.Event()                 # a stopper was cancelled: skip the grace period
         self._gone = False                            # the group is gone and its traces removed
         self._shm_before: set[str] = set()            # /dev/shm names that existed before the spawn
+        self._shm_held: set[str] = set()              # /dev/shm names its processes were seen holding
 
     def __repr__(self) -> str:
         return f"{self.name}[{self.pid or '-'}]"
@@ -390,11 +392,16 @@ class Child:
         await self._drain()
         if self._gone:
             return
-        removed = await asyncio.to_thread(remove_shm_leftovers, self._shm_before)
+        await asyncio.to_thread(remove_shm_leftovers, self._shm_before, self._shm_held, owner=str(self))
         self._gone = True
-        if removed:
-            log.info("clean %s: removed %d shared-memory segment(s) the group left: %s", self, len(removed),
-                     ", ".join(removed))
+
+    async def note_shm(self) -> None:
+        """Learn which ``/dev/shm`` entries the group's processes map or hold open now, to remove
+        those they leave (:meth:`_reaped`): segments that no resource tracker unlinks, under names
+        no pattern knows. Once healthy (everything is set up by then) and before a stop signals
+        the group; a scan of /proc, so in a thread."""
+        if self.scope is not None and not self._gone:
+            self._shm_held |= await asyncio.to_thread(lambda: shm_held_by(self.scope.pids()))
 
     def group_pids(self) -> list[int]:
         """Live processes of the child's scope (the leader, and what it forked that stayed in it)."""
@@ -444,6 +451,7 @@ class Child:
         pids = self.group_pids()
         if not pids:
             return
+        await self.note_shm()
         log.info("stop %s: SIGTERM to %s (%d processes), grace %.1f s", self, self.scope, len(pids), grace_s)
         self.kill_group(signal.SIGTERM)
         if await self.scope.wait_empty(grace_s, hurry=self._hurry):

@@ -11,7 +11,9 @@ hand or by a test), and what a server leaves behind in either way.
   (:meth:`ChildRecords.reap_leftovers`; lines start with ``clean``). A recorded group is only
   signalled while it provably is the one recorded: a recycled pid is never signalled.
 - Once a server's processes are gone, the shared-memory segments they left in ``/dev/shm``
-  (vLLM's ``psm_*`` and ``sem.mp-*``: its resource tracker dies with them) are removed
+  (vLLM's ``psm_*`` and ``sem.mp-*``: its resource tracker dies with them; and whatever its
+  processes were seen holding while they ran, :func:`shm_held_by`, such as the CPU
+  tensor-parallel ``vllm_dist_*-cpushm_*`` that no tracker unlinks) are removed
   (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways,
   and after a daemon that ended without its ordered stop (:class:`ShmBaseline`).
 
@@ -27,6 +29,7 @@ import json
 import logging
 import os
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -158,14 +161,20 @@ def shm_names() -> set[str]:
 def shm_in_use() -> set[str]:
     """Names under ``/dev/shm`` that a live process has open or mapped, as far as ``/proc`` shows
     (a process it hides is covered by the lease in :func:`remove_shm_leftovers`)."""
+    return shm_held_by(int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
+
+
+def shm_held_by(pids: Iterable[int], proc: Path = Path("/proc")) -> set[str]:
+    """Names under ``/dev/shm`` that the processes ``pids`` map or hold open now (``/proc/<pid>/maps``
+    and ``fd``); a process gone meanwhile, or hidden from us, holds nothing. A name with a ``/``
+    is a file in a directory there (the mirror's), never a segment of theirs; it is kept, and
+    :func:`remove_shm_leftovers` takes only entries directly in ``/dev/shm``."""
     prefix, used = f"{SHM_DIR}/", set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
+    for pid in pids:
         with contextlib.suppress(OSError):  # gone meanwhile, or hidden from us
-            with open(f"{entry.path}/maps", errors="replace") as maps:
+            with open(proc / str(pid) / "maps", errors="replace") as maps:
                 used.update(_shm_name(line[line.index(prefix):], prefix) for line in maps if prefix in line)
-            for fd in os.scandir(f"{entry.path}/fd"):
+            for fd in os.scandir(proc / str(pid) / "fd"):
                 with contextlib.suppress(OSError):
                     if (target := os.readlink(fd.path)).startswith(prefix):
                         used.add(_shm_name(target, prefix))
@@ -181,22 +190,32 @@ def _unlink_if_unused(path: Path) -> bool:
     return under_write_lease(path, path.unlink)
 
 
-def remove_shm_leftovers(before: set[str]) -> list[str]:
-    """Remove the segments a stopped group left: in ``/dev/shm``, named as vLLM names them, owned by
-    the daemon's user, not there before the group was spawned (``before``), open or mapped by no
-    live process (``/proc``, then a write lease): one another live process uses is never removed."""
-    me, found = os.geteuid(), []
+def remove_shm_leftovers(before: set[str], held: Iterable[str] = (), *, owner: str = "") -> list[str]:
+    """Remove the segments a stopped group left: in ``/dev/shm``, not there before the group was
+    spawned (``before``), named as vLLM names them or ``held`` by a process of the group while it
+    ran (whatever their name: vLLM's CPU tensor-parallel ``vllm_dist_*-cpushm_*``), owned by the
+    daemon's user, open or mapped by no live process (``/proc``, then a write lease): one another
+    live process uses is never removed. One INFO line per removal, with its size, for ``owner``."""
+    me, found, held = os.geteuid(), {}, set(held)
     for name in sorted(shm_names() - before):
-        path = SHM_DIR / name
+        if not (name in held or any(fnmatch.fnmatchcase(name, p) for p in SHM_PATTERNS)):
+            continue
         with contextlib.suppress(OSError):
-            st = path.lstat()
-            if st.st_uid == me and stat.S_ISREG(st.st_mode) and any(fnmatch.fnmatchcase(name, p)
-                                                                    for p in SHM_PATTERNS):
-                found.append(name)
+            st = (SHM_DIR / name).lstat()
+            if st.st_uid == me and stat.S_ISREG(st.st_mode):
+                found[name] = st.st_size
     if not found:
         return []
-    used = shm_in_use()
-    return [name for name in found if name not in used and _unlink_if_unused(SHM_DIR / name)]
+    used, removed = shm_in_use(), []
+    for name, size in found.items():
+        if name not in used and _unlink_if_unused(SHM_DIR / name):
+            removed.append(name)
+            log.info("clean %s: removed %s (%s)", owner or "shared memory", SHM_DIR / name, _size_text(size))
+    return removed
+
+
+def _size_text(size: int) -> str:
+    return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size} bytes"
 
 
 class ShmBaseline:

@@ -251,6 +251,7 @@ class Supervisor:
             if await self.vllm.healthy(cfg.health.timeout_s):
                 up_s = self._clock() - self.child.started_at
                 log.info("healthy %s[%d] after %.1f s", self.name, self.child.pid, up_s)
+                await self.child.note_shm()  # its segments are set up: whatever it leaves of them goes at its end
                 return
             await asyncio.sleep(min(0.5, cfg.health.interval_s))
         raise ServerFailed(f"not healthy within restart.start_timeout_s={cfg.restart.start_timeout_s:g}")
