@@ -273,8 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_admin(sub)
     from rolloutd.registry.fleetctl import add_parser as add_fleet
     add_fleet(sub)
+    from rolloutd.demo.rl import add_parser as add_rl
     from rolloutd.demo.serve import add_parser as add_demo
-    add_demo(sub)
+    add_rl(add_demo(sub))  # `rolloutd demo rl` under `rolloutd demo`
     return parser
 
 

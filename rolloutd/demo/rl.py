@@ -456,8 +456,3 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the policy, the prompts and the samples")
     p.add_argument("--start-timeout-s", type=float, default=900, help="longest wait for the servers to serve")
     p.set_defaults(func=run_rl)
-
-
-if __name__ == "__main__":
-    from rolloutd.cli import main
-    sys.exit(main(["demo", "rl", *sys.argv[1:]]))

@@ -20,7 +20,6 @@ import asyncio
 import json
 import shutil
 import socket
-import sys
 import tempfile
 from pathlib import Path
 
@@ -216,18 +215,12 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(work, ignore_errors=True)
 
 
-def add_parser(sub) -> None:
+def add_parser(sub) -> argparse._SubParsersAction:
+    """``rolloutd demo``; returns its subcommands, where the CLI adds ``rolloutd demo rl``."""
     p = sub.add_parser("demo", help="run the whole job on this machine: registry, daemon, a CPU vLLM server")
     p.add_argument("--vllm", default=default_vllm(), help="the vllm command (default: %(default)s)")
     p.add_argument("--workdir", help="keep the models, mirror and state here (default: a temporary directory)")
     p.add_argument("--timeout-s", type=float, default=300, help="longest wait for each version")
     p.set_defaults(func=run_demo)
     # `rolloutd demo rl`: the trainer's side, learning through the fleet (rolloutd/demo/rl.py)
-    demos = p.add_subparsers(dest="demo", metavar="[rl]", required=False)
-    from rolloutd.demo.rl import add_parser as add_rl
-    add_rl(demos)
-
-
-if __name__ == "__main__":
-    from rolloutd.cli import main
-    sys.exit(main(["demo", *sys.argv[1:]]))
+    return p.add_subparsers(dest="demo", metavar="[rl]", required=False)
