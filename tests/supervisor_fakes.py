@@ -78,6 +78,7 @@ class FakeChild:
         self.started_at: float | None = None
         self.returncode: int | None = None
         self.grace: float | None = None  # the grace period of its one stop (as Child: the first asked)
+        self.shm_noted: list[float] = []  # when the supervisor had it learn its /dev/shm segments
         self._sent: set[int] = set()
         self._exited = asyncio.Event()
         self._exit_timer: asyncio.TimerHandle | None = None
@@ -115,7 +116,7 @@ class FakeChild:
         return describe_exit(self.returncode, sent=self._sent)
 
     async def note_shm(self) -> None:
-        pass  # no processes, so no shared memory to learn of
+        self.shm_noted.append(now())
 
     def kill_group(self, sig: int) -> None:
         self._sent.add(sig)

@@ -246,6 +246,7 @@ def test_a_server_serves_once_healthy_and_on_the_target_then_updates_and_stops(t
     assert rig.updater.collected == 2, "the mirror is collected after each load"
     child = rig.vllm.children[0]
     assert len(rig.vllm.children) == 1 and child.grace == 20.0, "stopped with shutdown.server_grace_s"
+    assert child.shm_noted == [2.0], "its /dev/shm segments learnt once healthy, to remove what it leaves"
     assert rig.sup.snapshot()["pid"] is None and rig.vllm.closed == 1
     assert "healthy s0[1001] after 2.0 s" in caplog.text
     assert "state s0: SERVING -> UPDATING (version 1 -> 2)" in caplog.text
