@@ -252,8 +252,8 @@ def test_demand_in_heartbeat_replies(registry, http):
     assert http.put("/v1/replicas/n1.s0", json=HB).json()["demand"] == {"min_version": None}
 
 
-@pytest.mark.parametrize("body", [{**HB, "state": ""}, {**HB, "extra": 1}, {**HB, "version": 0},
-                                  {"node": "n1"}, "not json"])
+@pytest.mark.parametrize("body", [{**HB, "state": ""}, {**HB, "state": "RUNNING"}, {**HB, "extra": 1},
+                                  {**HB, "version": 0}, {"node": "n1"}, "not json"])
 def test_bad_heartbeats_are_422(http, body):
     r = http.put("/v1/replicas/n1.s0", **({"content": body} if isinstance(body, str) else {"json": body}))
     assert r.status_code == 422 and code(r) == "invalid_request"

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-SERVING = "SERVING"
+from rolloutd.wire.states import ServerState
 
 
 @dataclass
@@ -53,7 +53,8 @@ class Replica:
         return max(known) if known else None
 
     def usable(self, now: float, max_age_s: float) -> bool:
-        return self.listed and self.state == SERVING and self.age_s <= max_age_s and now >= self.avoid_until
+        return (self.listed and self.state == ServerState.SERVING and self.age_s <= max_age_s
+                and now >= self.avoid_until)
 
     def meets(self, min_version: int | None) -> bool:
         if min_version is None:

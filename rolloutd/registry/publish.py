@@ -65,6 +65,7 @@ from rolloutd.wire.manifest import (
     build_manifest,
     safetensors_files,
 )
+from rolloutd.wire.states import ServerState
 
 log = logging.getLogger("rolloutd.publish")
 
@@ -178,7 +179,8 @@ class RegistryHTTP:
         return self._call("GET", "/v1/replica-counts", params=params)["counts"]
 
     def wait_for_replicas(self, n: int, min_version: int, timeout_s: float = 600.0, *,
-                          poll_s: float = 0.5, state: str = "SERVING", max_age_s: float = 30.0) -> list[dict]:
+                          poll_s: float = 0.5, state: str = ServerState.SERVING,
+                          max_age_s: float = 30.0) -> list[dict]:
         """Block until ``n`` replicas heard from within ``max_age_s`` report ``state`` at
         ``min_version`` or newer; returns them. Polls the counts, not the whole directory,
         so a large fleet costs the registry next to nothing while the trainer waits.

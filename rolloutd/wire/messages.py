@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler
 
 from rolloutd.wire.chunkmap import HEX_RE, MAX_HEX_CHARS
 from rolloutd.wire.manifest import Count, ManifestDigest, VersionNumber
+from rolloutd.wire.states import ServerState
 
 MAX_ERROR_CHARS = 512
 # Heartbeat fields added after the first registries: left out of the body when unset, and left
@@ -76,7 +77,7 @@ class Heartbeat(BaseModel):
     node: str = Field(min_length=1, max_length=253)
     server: str = Field(min_length=1, max_length=128)
     endpoint: str | None = Field(None, max_length=512, description="where generation requests go")
-    state: str = Field(min_length=1, max_length=32)
+    state: ServerState = Field(strict=False, description="the server's state (lax: its name on the wire)")
     version: VersionNumber | None = Field(None, description="version loaded now")
     target: VersionNumber | None = Field(None, description="version it is moving to")
     incarnation: Count = Field(0, description="how many times the server was (re)started")

@@ -11,6 +11,10 @@ A server is SERVING only once ``/health`` passed **and** it holds the node's tar
 the first sync after every (re)start happens in SYNCING, before it is reported as serving.
 ``Lifecycle.set`` is the one place a state changes: it refuses an arrow not in the table,
 logs ``old -> new``, and tells the listeners (status line, metrics).
+
+The states are words both ends speak: a heartbeat carries one (:class:`rolloutd.wire.messages.Heartbeat`),
+the registry and the fleet client read it. So they sit at the bottom and import nothing of rolloutd;
+each is a string equal to its name (``ServerState.SERVING == "SERVING"``), as it is on the wire.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import time
 from collections.abc import Callable
 
 
-class ServerState(enum.Enum):
+class ServerState(enum.StrEnum):
     STOPPED = "STOPPED"      # no process (initial, and after a stop)
     STARTING = "STARTING"    # spawned; waiting for /health
     SYNCING = "SYNCING"      # healthy; loading the node's target version before serving

@@ -29,8 +29,9 @@ from typing import NamedTuple
 from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
 from rolloutd.registry.server.store import Replica, Store
 from rolloutd.wire.messages import PullReport
+from rolloutd.wire.states import ServerState
 
-FAILING_STATES = frozenset({"BACKOFF", "FATAL"})  # the daemon's ServerState names for a failed server
+FAILING_STATES = frozenset({ServerState.BACKOFF, ServerState.FATAL})  # a failed server
 CACHE_S = 1.0
 MAX_PER_PAGE = 1000  # nodes per page
 SLICE = 500  # replicas per step of a pass: about a millisecond, then the loop takes its turn
@@ -215,7 +216,7 @@ def _scan(replicas: list[tuple[str, Replica]], now: float, stale_s: float,
     groups = _grouped(entries)
     yield None
     yield _Scan(entries, groups, summary, Counter(e.version for e in entries),
-                Counter(e.version for e in entries if e.state == "SERVING"))
+                Counter(e.version for e in entries if e.state is ServerState.SERVING))
 
 
 def _grouped(entries) -> list[tuple[str, list[_Entry]]]:

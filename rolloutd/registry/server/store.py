@@ -28,6 +28,7 @@ from rolloutd.registry.server.rollouts import RolloutLog
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest
 from rolloutd.wire.messages import REPLICA_ID_RE, Heartbeat
+from rolloutd.wire.states import ServerState
 
 log = logging.getLogger("rolloutd.registry")
 
@@ -307,7 +308,7 @@ class Store:
             if hb.state != rep.heartbeat.state:
                 rep.state_since = now
             rep.heartbeat, rep.last_seen = hb, now
-        if hb.state == "SERVING" and hb.version is not None and hb.version > rep.reached:
+        if hb.state is ServerState.SERVING and hb.version is not None and hb.version > rep.reached:
             rep.reached = hb.version
             self.rollouts.serving(hb.version, rep.first_seen, now)
         return self.heartbeat_reply()
