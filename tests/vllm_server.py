@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 
-from rolloutd.supervise.leftovers import remove_shm_leftovers, shm_names
+from rolloutd.supervise.leftovers import remove_shm_leftovers, shm_held_by, shm_names
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -101,6 +101,7 @@ class VllmServer:
     def stop(self, grace_s: float = 15.0) -> None:
         """TERM the group, KILL it after ``grace_s``, and check that no process of it is left."""
         pgid = self.proc.pid
+        held = shm_held_by(group_pids(pgid))  # as the daemon learns them: what no name gives away goes too
         for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
             try:
                 os.killpg(pgid, sig)
@@ -118,7 +119,7 @@ class VllmServer:
         self._log.close()
         if left := group_pids(pgid):
             raise RuntimeError(f"processes {left} of vllm serve's group outlived SIGKILL")
-        remove_shm_leftovers(self._shm_before)  # a SIGKILLed group's resource tracker unlinked nothing
+        remove_shm_leftovers(self._shm_before, held)  # a SIGKILLed group's resource tracker unlinked nothing
 
 
 def client(url: str | Path, **kw) -> httpx.Client:
