@@ -31,15 +31,11 @@ import os
 import stat
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 
 from rolloutd.filelease import under_write_lease
-from rolloutd.supervise.containment import Containment, Scope, stop_leftover
-
-if TYPE_CHECKING:
-    from rolloutd.supervise.child import Child
+from rolloutd.supervise.containment import Containment, Scope, Spawned, stop_leftover
 
 log = logging.getLogger("rolloutd.supervise.leftovers")
 
@@ -127,7 +123,7 @@ class ProcessGroups(Containment):
     async def start(self, grace_s: float, kill_wait_s: float) -> list[str]:
         return await self.records.reap_leftovers(grace_s, kill_wait_s) if self.records is not None else []
 
-    def record(self, child: Child) -> None:
+    def record(self, child: Spawned) -> None:
         if self.records is None:
             return
         try:
@@ -135,7 +131,7 @@ class ProcessGroups(Containment):
         except OSError as e:  # the record is a safety net for after a crash; the child runs on
             log.warning("spawn %s: cannot write its record: %s", child, e)
 
-    def forget(self, child: Child) -> None:
+    def forget(self, child: Spawned) -> None:
         if self.records is not None:
             self.records.remove(child.name, pid=child.pid)  # never the record of a newer child of that name
 
@@ -164,7 +160,7 @@ def shm_in_use() -> set[str]:
     return shm_held_by(int(e.name) for e in os.scandir("/proc") if e.name.isdigit())
 
 
-def shm_held_by(pids: Iterable[int], proc: Path = Path("/proc")) -> set[str]:
+def shm_held_by(pids: Iterable[int]) -> set[str]:
     """Names under ``/dev/shm`` that the processes ``pids`` map or hold open now (``/proc/<pid>/maps``
     and ``fd``); a process gone meanwhile, or hidden from us, holds nothing. A name with a ``/``
     is a file in a directory there (the mirror's), never a segment of theirs; it is kept, and
@@ -172,9 +168,9 @@ def shm_held_by(pids: Iterable[int], proc: Path = Path("/proc")) -> set[str]:
     prefix, used = f"{SHM_DIR}/", set()
     for pid in pids:
         with contextlib.suppress(OSError):  # gone meanwhile, or hidden from us
-            with open(proc / str(pid) / "maps", errors="replace") as maps:
+            with open(f"/proc/{pid}/maps", errors="replace") as maps:
                 used.update(_shm_name(line[line.index(prefix):], prefix) for line in maps if prefix in line)
-            for fd in os.scandir(proc / str(pid) / "fd"):
+            for fd in os.scandir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
                     if (target := os.readlink(fd.path)).startswith(prefix):
                         used.add(_shm_name(target, prefix))
@@ -287,7 +283,7 @@ class ChildRecords:
             raise ValueError(f"{name!r} cannot name a child record")
         return self.dir / f"{name}.json"
 
-    def add(self, child: Child) -> None:
+    def add(self, child: Spawned) -> None:
         path = self._path(child.name)
         record = {"name": child.name, "pid": child.pid, "pgid": child.pgid, "start_time": started_s(child.pid),
                   "argv": child.argv}
