@@ -30,11 +30,6 @@ LAYERS: list[set[str]] = [
 KNOWN_UPWARD: set[tuple[str, str]] = {
     ("rolloutd.rollout.heartbeat", "rolloutd.supervise.supervisor"),
 }
-# Circles not yet broken (the modules of each). This list only shrinks.
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"rolloutd.supervise.child", "rolloutd.supervise.containment"}),
-    frozenset({"rolloutd.supervise.child", "rolloutd.supervise.leftovers"}),
-}
 
 
 def module_name(path: Path) -> str:
@@ -114,11 +109,10 @@ def test_imports_run_downward():
 
 
 def test_no_import_circles():
-    assert [" -> ".join(c) for c in circles() if frozenset(c) not in KNOWN_CIRCLES] == []
+    assert [" -> ".join(c) for c in circles()] == []
 
 
 def test_known_exceptions_are_still_needed():
-    """An exception that no longer happens leaves its list."""
+    """An exception that no longer happens leaves the list."""
     edges = {(mod, name) for mod, e in graph().items() for _, _, name in e}
     assert KNOWN_UPWARD - edges == set()
-    assert KNOWN_CIRCLES - {frozenset(c) for c in circles()} == set()

@@ -33,15 +33,11 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import psutil
 
-from rolloutd.supervise.containment import Containment, Scope, stop_leftover
+from rolloutd.supervise.containment import Containment, Scope, Spawned, stop_leftover
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
-
-if TYPE_CHECKING:
-    from rolloutd.supervise.child import Child
 
 log = logging.getLogger("rolloutd.supervise.cgroups")
 
@@ -193,10 +189,10 @@ class DelegatedCgroups(Containment):
         self._daemon = self.leaf
         return list(lines)
 
-    def record(self, child: Child) -> None:
+    def record(self, child: Spawned) -> None:
         pass  # the cgroup is the record: a daemon started after a crash finds it populated
 
-    def forget(self, child: Child) -> None:
+    def forget(self, child: Spawned) -> None:
         pass
 
     async def _stop_leftover(self, path: Path, grace_s: float, kill_wait_s: float) -> str:

@@ -23,10 +23,7 @@ import logging
 import signal
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from rolloutd.supervise.child import Child
+from typing import Protocol
 
 log = logging.getLogger("rolloutd.supervise.leftovers")
 
@@ -101,12 +98,22 @@ class Containment(ABC):
         daemon's own place. One line per leftover stopped."""
 
     @abstractmethod
-    def record(self, child: Child) -> None:
+    def record(self, child: Spawned) -> None:
         """``child`` was spawned: remember it for a daemon that starts after a crash of this one."""
 
     @abstractmethod
-    def forget(self, child: Child) -> None:
+    def forget(self, child: Spawned) -> None:
         """``child``'s processes are all gone."""
+
+
+class Spawned(Protocol):
+    """What a containment reads of a spawned child (:class:`rolloutd.supervise.child.Child`): the
+    child uses its containment, so the containment names only these, not the child's module."""
+
+    name: str
+    argv: list[str]
+    pid: int | None
+    pgid: int | None
 
 
 async def stop_leftover(scope: Scope, head: str, grace_s: float, kill_wait_s: float) -> str:
