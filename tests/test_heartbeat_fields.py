@@ -15,9 +15,9 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError, create_model
 
+from rolloutd.node.heartbeat import Heartbeater
 from rolloutd.registry import EmbeddedRegistry, VersionRefused
 from rolloutd.registry.client import RegistryClient
-from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.puller import PullProgress, PullState
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.updater import Target

@@ -26,11 +26,6 @@ LAYERS: list[set[str]] = [
     {"cli"},
 ]
 
-# Upward imports not yet removed, each with why. This list only shrinks.
-KNOWN_UPWARD: set[tuple[str, str]] = {
-    ("rolloutd.rollout.heartbeat", "rolloutd.supervise.supervisor"),
-}
-
 
 def module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
@@ -72,7 +67,7 @@ def graph() -> dict[str, list[tuple[str, int, str]]]:
 def upward() -> list[str]:
     return [f"{file}:{line}: {mod} imports {name}" for mod, edges in graph().items()
             for file, line, name in edges
-            if layer(name) > layer(mod) and (mod, name) not in KNOWN_UPWARD]
+            if layer(name) > layer(mod)]
 
 
 def circles() -> list[list[str]]:
@@ -110,9 +105,3 @@ def test_imports_run_downward():
 
 def test_no_import_circles():
     assert [" -> ".join(c) for c in circles()] == []
-
-
-def test_known_exceptions_are_still_needed():
-    """An exception that no longer happens leaves the list."""
-    edges = {(mod, name) for mod, e in graph().items() for _, _, name in e}
-    assert KNOWN_UPWARD - edges == set()

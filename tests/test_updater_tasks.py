@@ -158,7 +158,7 @@ async def test_a_delta_pull_is_counted_by_kind_and_said_in_the_heartbeat(tmp_pat
     """Real pulls from a registry that publishes version 2 as a delta on version 1: the pull
     bytes metric by kind, the rebuild's histogram and the heartbeat's report say how each version
     came and what it fetched against its size."""
-    from rolloutd.rollout.heartbeat import pull_report
+    from rolloutd.node.heartbeat import pull_report
 
     sd = tinymodel.state_dict(tinymodel.TINY, 1)
     with EmbeddedRegistry(port=0) as reg:

@@ -58,11 +58,11 @@ from rolloutd.config import Config, ConfigError, load_config, read_token
 from rolloutd.gateway.relay import Gateway, GatewayError
 from rolloutd.metrics import Metrics
 from rolloutd.node.admin import AdminServer, action_token, create_app
+from rolloutd.node.heartbeat import Heartbeater
 from rolloutd.node.looplag import LoopLag
 from rolloutd.node.notify import Notifier
 from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.registry.client import RegistryClient, Timeouts
-from rolloutd.rollout.heartbeat import Heartbeater
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.refusals import Refusals

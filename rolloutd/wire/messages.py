@@ -15,7 +15,7 @@ from rolloutd.wire.states import ServerState
 
 MAX_ERROR_CHARS = 512
 # Heartbeat fields added after the first registries: left out of the body when unset, and left
-# out by a node whose registry refuses them (rollout/heartbeat.py).
+# out by a node whose registry refuses them (node/heartbeat.py).
 OPTIONAL_HEARTBEAT_FIELDS = ("gate", "last_error", "refused", "last_pull")
 MAX_REFUSED = 16  # versions a node keeps refused (the oldest refusal goes first)
 
