@@ -1,2 +1,2 @@
-"""The node daemon's wiring: start-up, the main loop, reloads, shutdown, the admin API, systemd
-notification and the daemon's metrics."""
+"""The node daemon's wiring: start-up, the main loop, reloads, shutdown, the heartbeats to the
+registry, the admin API and systemd notification."""

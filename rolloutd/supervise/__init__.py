@@ -1,2 +1,2 @@
-"""One ``vllm serve`` child's life: its states, the supervisor, the child process and what a
-crashed run left behind, the client for vLLM's routes, and the plugin's import path."""
+"""One ``vllm serve`` child's life: the supervisor (its states are ``rolloutd.wire.states``), the
+child process and what a crashed run left behind, and the plugin's import path."""
