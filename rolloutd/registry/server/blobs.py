@@ -420,11 +420,7 @@ class _DiskStaged:
     def finish(self) -> None:
         os.fsync(self._fd)  # a committed version must survive a crash of the host
         self._close()
-        try:
-            os.replace(self._part, self._final)
-        except FileNotFoundError:
-            raise StagingDropped(f"the staged files of version {self._final.parent.name} were dropped "
-                                 "meanwhile") from None
+        _put_in_place(self._part, self._final)
 
     def abort(self) -> None:
         self._close()
@@ -670,6 +666,14 @@ class _MemoryOutput:
         self.file.close()
 
 
+def _put_in_place(part: Path, final: Path) -> None:
+    """A synced staged file under its name; the version's staging dropped meanwhile says so."""
+    try:
+        os.replace(part, final)
+    except FileNotFoundError:
+        raise StagingDropped(f"the staged files of version {final.parent.name} were dropped meanwhile") from None
+
+
 class _DiskOutput:
     def __init__(self, final: Path):
         self._final, self._part = final, _part_path(final)
@@ -679,11 +683,7 @@ class _DiskOutput:
         self.file.flush()
         os.fsync(self.file.fileno())  # part of a committed version: it must survive a crash of the host
         self.file.close()
-        try:
-            os.replace(self._part, self._final)
-        except FileNotFoundError:
-            raise StagingDropped(f"the staged files of version {self._final.parent.name} were dropped "
-                                 "meanwhile") from None
+        _put_in_place(self._part, self._final)
 
     def abort(self) -> None:
         self.file.close()
