@@ -110,7 +110,9 @@ def test_large_tensors_are_cut_in_segments_and_applied_in_parallel(tmp_path, mon
     assert rebuilt == save(target)
 
 
-def test_a_target_chunk_that_differs_is_named(tmp_path):
+def _staged(tmp_path: Path) -> bytes:
+    """A base, a step's delta on it and an empty target file in ``tmp_path`` (base, d, out); the
+    target's bytes."""
     base_bytes = save(_checkpoint())
     target_bytes = save(_step(_checkpoint(), 0.02))
     buf = io.BytesIO()
@@ -118,6 +120,11 @@ def test_a_target_chunk_that_differs_is_named(tmp_path):
     (tmp_path / "base").write_bytes(base_bytes)
     (tmp_path / "d").write_bytes(buf.getvalue())
     (tmp_path / "out").write_bytes(b"")
+    return target_bytes
+
+
+def test_a_target_chunk_that_differs_is_named(tmp_path):
+    target_bytes = _staged(tmp_path)
     digests = hash_chunks(target_bytes, CHUNK, "xxh3-128")
     digests[1] = "0" * 32
     with pytest.raises(delta.TargetMismatch, match="rebuilt chunk 1 ") as e:
@@ -255,13 +262,7 @@ def test_the_manifest_accepts_exactly_the_codec_s_encodings():
 
 
 def test_a_delta_rebuilding_another_size_is_refused_before_the_file_grows(tmp_path):
-    base_bytes = save(_checkpoint())
-    target_bytes = save(_step(_checkpoint(), 0.02))
-    buf = io.BytesIO()
-    delta.encode_file({"m.safetensors": base_bytes}, target_bytes, buf)
-    (tmp_path / "base").write_bytes(base_bytes)
-    (tmp_path / "d").write_bytes(buf.getvalue())
-    (tmp_path / "out").write_bytes(b"")
+    _staged(tmp_path)
     with pytest.raises(delta.TargetMismatch, match="the manifest lists 1"):
         delta.apply_and_verify({"m.safetensors": tmp_path / "base"}, tmp_path / "d", tmp_path / "out",
                                hash_name="xxh3-128", chunk_bytes=CHUNK, digests=["0" * 32])

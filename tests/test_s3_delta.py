@@ -27,6 +27,7 @@ from rolloutd.rollout.mirror import Mirror
 from rolloutd.wire.manifest import Delta, DeltaFile, Manifest, hash_chunks
 
 from .test_objstore import in_bucket, pull, served, version_dirs
+from .test_registry_delta import step
 
 CHUNK = 64 << 10
 
@@ -38,18 +39,6 @@ def settings(s3) -> ObjectStoreSettings:
 def weights(seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {f"model.layers.{i}.mlp.weight": rng.standard_normal((256, 256)).astype(np.float32) for i in range(8)}
-
-
-def step(sd: dict[str, np.ndarray], seed: int, fraction: float = 0.01) -> dict[str, np.ndarray]:
-    """A copy of ``sd`` with about ``fraction`` of its elements nudged, as an optimizer step does."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, t in sd.items():
-        t = t.copy()
-        flat = t.reshape(-1)
-        flat[rng.choice(flat.size, int(flat.size * fraction), replace=False)] += np.float32(1e-3)
-        out[name] = t
-    return out
 
 
 def checkpoint(tmp_path, name: str, sd: dict[str, np.ndarray]):
