@@ -259,6 +259,40 @@ async def test_a_worker_that_beats_but_never_ends_a_peer_chunk_is_replaced_past_
         await until(lambda: gone(pid) and pool.restarts == 1 and len(pool.pids) == 1, 10, "a new worker")
 
 
+BUSY_THEN_STUCK_WORKER = """
+import sys, threading, time
+sys.stdin.readline()
+print('{"ready": 1}', flush=True)
+def beat():
+    while True:
+        time.sleep(0.2)
+        print('{"beat": 1}', flush=True)
+threading.Thread(target=beat, daemon=True).start()
+def spin():  # wants a CPU until past the chunk's limit, then stuck for good
+    end = time.monotonic() + 3.0
+    while time.monotonic() < end:
+        pass
+for line in sys.stdin:
+    threading.Thread(target=spin, daemon=True).start()
+"""
+
+
+async def test_a_worker_runnable_at_the_chunks_limit_and_stuck_after_it_is_still_replaced(
+        tmp_path, monkeypatch):
+    """A FAKE worker that wants a CPU when the chunk's limit (2 s) passes, and is stuck from 3 s
+    on: one look at the limit would wait on it for ever; the pool looks again until it is not
+    runnable."""
+    fake_python(tmp_path, monkeypatch, BUSY_THEN_STUCK_WORKER)
+    async with FetchPool(workers=1, streams=1, beat_s=0.2, silence_s=1.5, restart_initial_s=0.01) as pool:
+        [pid] = pool.pids
+        job = a_chunk(tmp_path, SourceSpec("peer", "http://127.0.0.1:9", node="n"), timeout_s=0.5)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerCrashed, match=f"pull worker {pid} did not end a chunk 2 s after it began"):
+            await asyncio.wait_for(pool.fetch(job, lambda n: None), 20)
+        assert 2.9 < time.monotonic() - t0 < 6
+        await until(lambda: gone(pid) and pool.restarts == 1, 10, "a new worker")
+
+
 async def test_a_stopped_worker_is_noticed_its_chunk_fails_and_a_new_worker_fetches_it(registry, tmp_path):
     """SIGSTOP: the worker neither dies nor answers. Within ``silence_s`` (plus a beat) its
     chunk fails, it is killed, and the worker started in its place fetches the chunk."""

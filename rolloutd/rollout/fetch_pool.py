@@ -395,9 +395,15 @@ class FetchPool:
         own deadline is stuck where that deadline does not reach (a write in the kernel)."""
         if job.timeout_s:
             limit = job.timeout_s + self._silence_s
-            done, _ = await asyncio.wait({pending.future}, timeout=limit)  # the future is left as it is
-            if not done and not _runnable(w.proc.pid):  # runnable: starved, and its own deadline ends the chunk
-                self._hung(w, f"did not end a chunk {limit:g} s after it began")
+            wait_s = limit
+            # Runnable at a glance may be its beat thread waking, not a starved worker: look again
+            # often (a starved worker stays runnable), and call it stuck the first time no thread
+            # of it wants a CPU.
+            while not (await asyncio.wait({pending.future}, timeout=wait_s))[0]:  # the future is left as it is
+                if not _runnable(w.proc.pid):
+                    self._hung(w, f"did not end a chunk {limit:g} s after it began")
+                    break
+                wait_s = _RECHECK_S
         await pending.future
 
     def _pick(self) -> _Worker | None:
@@ -448,6 +454,9 @@ async def _kill(proc: asyncio.subprocess.Process) -> int | None:
     except TimeoutError:
         log.error("leave pull worker %d: not gone %g s after SIGKILL (stuck in the kernel?)", proc.pid, KILL_WAIT_S)
         return None
+
+
+_RECHECK_S = 0.05  # between looks at a worker past a chunk's deadline: /proc reads, cheap
 
 
 def _runnable(pid: int) -> bool:
