@@ -27,6 +27,7 @@ import re
 import shlex
 import socket
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin
 from urllib.parse import urlsplit
@@ -160,6 +161,70 @@ Args = Annotated[list[Word], _checked(_args_problems)]
 Env = Annotated[dict[str, Word], _checked(_env_problems)]
 Gpus = Annotated[list[Annotated[int, Field(ge=0)]], _checked(_listed_twice("GPU"))]
 Cpus = Annotated[list[Annotated[int, Field(ge=0)]], _checked(_listed_twice("CPU"))]
+
+
+# -- a server's parallel shape ---------------------------------------------------------------------
+
+# vLLM's flags of a server's parallel shape and their short forms; its parser takes `_` for `-` in
+# long flags, `--flag=value`, and the last of several.
+_SHAPE_FLAGS = {"--tensor-parallel-size": "tensor", "-tp": "tensor", "--pipeline-parallel-size": "pipeline",
+                "-pp": "pipeline", "--data-parallel-size": "data", "-dp": "data"}
+OMP_BIND = "VLLM_CPU_OMP_THREADS_BIND"  # the CPU build's core lists, one per worker: "0,1|2,3"
+_OMP_BIND_WORDS = ("auto", "nobind")    # its values that are no core lists
+
+
+@dataclass(frozen=True)
+class ParallelShape:
+    """How many processes a server's model runs in: one worker per tensor x pipeline rank, per
+    data-parallel engine."""
+
+    tensor: int = 1
+    pipeline: int = 1
+    data: int = 1
+
+    @property
+    def workers(self) -> int:
+        return self.tensor * self.pipeline * self.data
+
+    def __str__(self) -> str:
+        sizes = [f"{k}={n}" for k, n in (("tensor", self.tensor), ("pipeline", self.pipeline), ("data", self.data))
+                 if n > 1]
+        return f"{' x '.join(sizes)} parallel, {self.workers} workers" if sizes else "one worker"
+
+
+def parallel_shape(args: list[str]) -> ParallelShape:
+    """The shape vLLM reads from ``args``; ValueError naming the flag for a size that is no
+    positive integer (vLLM would fail at start)."""
+    sizes: dict[str, int] = {}
+    for i, arg in enumerate(args):
+        flag, eq, value = arg.partition("=")
+        flag = flag.replace("_", "-") if flag.startswith("--") else flag
+        if flag not in _SHAPE_FLAGS:
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{flag} takes a positive integer, got {value!r}")
+        sizes[_SHAPE_FLAGS[flag]] = int(value)
+    return ParallelShape(**sizes)
+
+
+def omp_threads_bind(cpus: list[int], workers: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` giving each worker its own cores of ``cpus``: ``workers``
+    contiguous groups in ascending order, the first ones one core larger when they do not divide
+    evenly (``[0, 1, 2], 2 -> "0,1|2"``). Without it the CPU build binds every worker by NUMA
+    node, all of them to the same cores on a one-node machine."""
+    cores, groups, start = sorted(cpus), [], 0
+    for rank in range(workers):
+        size = len(cores) // workers + (rank < len(cores) % workers)
+        groups.append(",".join(map(str, cores[start:start + size])))
+        start += size
+    return "|".join(groups)
+
+
+def omp_bind_lists(value: str) -> int | None:
+    """How many worker core lists a ``VLLM_CPU_OMP_THREADS_BIND`` value gives; None for vLLM's words."""
+    return None if value in _OMP_BIND_WORDS else len(value.split("|"))
 
 
 class _Section(BaseModel):
@@ -494,12 +559,15 @@ class Server(_Section):
                              "on the UNIX socket <state_dir>/sockets/<name>.sock, which only rolloutd's user "
                              "can reach")
     gpus: Gpus = Field([], description="GPU indices the server uses (its "
-                                                   "CUDA_VISIBLE_DEVICES); no GPU in two servers; []: the "
-                                                   "variable is left as rolloutd found it")
+                                                   "CUDA_VISIBLE_DEVICES), at least one per worker of its parallel "
+                                                   "shape (--tensor-parallel-size x --pipeline-parallel-size "
+                                                   "x --data-parallel-size in its vLLM args); no GPU in two "
+                                                   "servers; []: the variable is left as rolloutd found it")
     cpus: Cpus = Field([], description="CPU cores all of the server's processes run on (its API server, engine "
                        "core and workers): a busy server then leaves the other cores to the daemon, its gateway "
-                       "and other servers; [] (default): wherever rolloutd runs. With vLLM's CPU build, give its "
-                       "workers VLLM_CPU_OMP_THREADS_BIND in env too")
+                       "and other servers; at least one per worker of its parallel shape; [] (default): wherever "
+                       "rolloutd runs. rolloutd splits them between the workers in VLLM_CPU_OMP_THREADS_BIND "
+                       "(vLLM's CPU build binds each worker's threads to its own cores), unless env sets it")
     args: Args = Field([], description="extra arguments for this server, after vllm.args")
     env: Env = Field({}, description="extra environment variables for this server, over "
                                  "vllm.env")
@@ -560,9 +628,41 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_servers(self) -> Config:
-        if problems := list(self._server_conflicts()) + self._replica_id_problems() + self._peers_port_problems():
+        if problems := (list(self._server_conflicts()) + self._replica_id_problems() + self._peers_port_problems()
+                        + list(self._parallel_problems())):
             raise _problems(problems)
         return self
+
+    def _parallel_problems(self) -> Iterator[tuple[Loc, str]]:
+        for i, s in enumerate(self.servers):
+            try:
+                shape = self.shape(s)
+            except ValueError as e:
+                yield ("servers", i, "args"), str(e)
+                continue
+            if s.gpus and len(s.gpus) < shape.workers:  # vLLM would fail at start, after loading for a while
+                yield ("servers", i, "gpus"), (f"lists {len(s.gpus)} GPU(s) for a server of {shape}: "
+                                               f"list at least {shape.workers}, one per worker")
+            if s.cpus and len(s.cpus) < shape.workers:
+                yield ("servers", i, "cpus"), (f"lists {len(s.cpus)} core(s) for a server of {shape}: list at "
+                                               "least one per worker, whose threads are bound to their own cores")
+            where = ("servers", i, "env", OMP_BIND) if OMP_BIND in s.env else ("vllm", "env", OMP_BIND)
+            given = {**self.vllm.env, **s.env}.get(OMP_BIND)
+            if given is not None and (lists := omp_bind_lists(given)) not in (None, shape.workers):
+                yield where, (f"gives {lists} core list(s) ('|' between them) for servers[{i}] ({s.name}), a "
+                              f"server of {shape}: give one per worker, or leave it out and list the cores in "
+                              "cpus (rolloutd then splits them between the workers)")
+
+    def shape(self, server: Server) -> ParallelShape:
+        """The parallel shape of ``server``, from vllm.args and its own args."""
+        return parallel_shape([*self.vllm.args, *server.args])
+
+    def omp_threads_bind(self, server: Server) -> str | None:
+        """``VLLM_CPU_OMP_THREADS_BIND`` rolloutd gives ``server``: its cores split between its
+        workers; None when it has no cpus or the config sets the variable itself."""
+        if not server.cpus or OMP_BIND in {**self.vllm.env, **server.env}:
+            return None
+        return omp_threads_bind(list(server.cpus), self.shape(server).workers)
 
     def _peers_port_problems(self) -> list[tuple[Loc, str]]:
         if not self.peers.enabled:

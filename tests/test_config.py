@@ -144,6 +144,74 @@ def test_cpus_may_be_shared_between_servers():
     assert (cfg.server("gpu0").cpus, cfg.server("gpu1").cpus) == ([0, 1], [1])
 
 
+# -- a server's parallel shape --------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, shape", [
+    ([], (1, 1, 1)),
+    (["--tensor-parallel-size", "2"], (2, 1, 1)),
+    (["-tp", "4", "-pp=2", "--data_parallel_size=3"], (4, 2, 3)),
+    (["--tensor-parallel-size", "2", "--max-model-len", "8", "-tp", "8"], (8, 1, 1)),  # the last one wins
+])
+def test_the_parallel_shape_is_read_from_vllm_args(args, shape):
+    got = config_mod.parallel_shape(args)
+    assert (got.tensor, got.pipeline, got.data) == shape
+    assert got.workers == shape[0] * shape[1] * shape[2]
+
+
+def test_the_shape_counts_vllm_args_and_the_servers_own():
+    cfg = parse_config(edit("gpus: [0]", "gpus: [0, 2]\n    args: [-tp, 2]")
+                       + "vllm:\n  args: [--data-parallel-size, 1]\n  env: {}\n")
+    assert str(cfg.shape(cfg.server("gpu0"))) == "tensor=2 parallel, 2 workers"
+    bad = parse_config(BASE).model_dump()
+    bad["vllm"]["args"] = ["--tensor-parallel-size", "2"]
+    with pytest.raises(ValidationError, match="lists 1 GPU\\(s\\) for a server of tensor=2 parallel, 2 workers"):
+        Config(**bad)
+
+
+def test_gpus_and_cpus_must_fit_the_parallel_shape():
+    text = edit("gpus: [0]", "gpus: [0]\n    args: [--tensor-parallel-size, 2]").replace(
+        "gpus: [1]", "gpus: [1, 2]\n    cpus: [0, 1]\n    args: [-dp, 2, -tp, 2]")
+    assert problems(text) == [
+        "c.yaml:9: servers[0].gpus: lists 1 GPU(s) for a server of tensor=2 parallel, 2 workers: list at least 2, "
+        "one per worker",
+        "c.yaml:14: servers[1].gpus: lists 2 GPU(s) for a server of tensor=2 x data=2 parallel, 4 workers: list at "
+        "least 4, one per worker",
+        "c.yaml:15: servers[1].cpus: lists 2 core(s) for a server of tensor=2 x data=2 parallel, 4 workers: list at "
+        "least one per worker, whose threads are bound to their own cores"]
+    assert problems(edit("gpus: [0]", "args: [-tp, two]")) == [
+        "c.yaml:9: servers[0].args: -tp takes a positive integer, got 'two'"]
+    assert problems(edit("gpus: [0]", "args: [--tensor-parallel-size=0]")) == [
+        "c.yaml:9: servers[0].args: --tensor-parallel-size takes a positive integer, got '0'"]
+
+
+@pytest.mark.parametrize("cpus, workers, bind", [
+    ([0], 1, "0"), ([1, 0], 2, "0|1"), ([0, 1, 2], 2, "0,1|2"), ([4, 5, 6, 7], 2, "4,5|6,7"),
+    ([0, 1, 2, 3, 4], 4, "0,1|2|3|4")])
+def test_each_worker_is_bound_to_its_own_cores(cpus, workers, bind):
+    assert config_mod.omp_threads_bind(cpus, workers) == bind
+
+
+def test_the_daemon_binds_the_workers_unless_env_does():
+    text = edit("gpus: [0]", "cpus: [0, 1]\n    args: [-tp, 2]").replace("gpus: [1]", "cpus: [1]")
+    cfg = parse_config(text)
+    assert (cfg.omp_threads_bind(cfg.server("gpu0")), cfg.omp_threads_bind(cfg.server("gpu1"))) == ("0|1", "1")
+    own = parse_config(text.replace("args: [-tp, 2]", "args: [-tp, 2]\n    env: {VLLM_CPU_OMP_THREADS_BIND: '1|0'}"))
+    assert own.omp_threads_bind(own.server("gpu0")) is None
+    assert parse_config(BASE).omp_threads_bind(parse_config(BASE).server("gpu0")) is None  # no cpus: vLLM's own
+
+
+def test_a_bind_of_another_shape_is_refused():
+    text = edit("gpus: [0]", "args: [-tp, 2]\n    env: {VLLM_CPU_OMP_THREADS_BIND: 0-1}").replace("gpus: [1]", "")
+    assert problems(text) == [
+        "c.yaml:10: servers[0].env.VLLM_CPU_OMP_THREADS_BIND: gives 1 core list(s) ('|' between them) for "
+        "servers[0] (gpu0), a server of tensor=2 parallel, 2 workers: give one per worker, or leave it out and "
+        "list the cores in cpus (rolloutd then splits them between the workers)"]
+    assert len(problems(BASE.replace("    gpus: [0]\n", "    args: [-tp, 2]\n").replace("    gpus: [1]\n", "")
+                        + "vllm:\n  env: {VLLM_CPU_OMP_THREADS_BIND: '0|1|2'}\n")) == 2  # for each server
+    for word in ("auto", "nobind", "0|1"):
+        parse_config(text.replace("0-1}", f"'{word}'}}"))
+
+
 def test_command_string_is_split_like_a_shell():
     cfg = parse_config(BASE + "vllm:\n  command: \"/opt/venv/bin/python -m vllm.entrypoints.cli.main 'serve'\"\n")
     assert cfg.vllm.command == ["/opt/venv/bin/python", "-m", "vllm.entrypoints.cli.main", "serve"]

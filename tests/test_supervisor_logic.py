@@ -24,7 +24,7 @@ from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.updater import Target
 from rolloutd.rollout.vllm_http import VllmError
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
-from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv
+from rolloutd.supervise.supervisor import QUIET_ROUTES, Supervisor, child_argv, child_environ
 from rolloutd.wire.states import ARROWS, ServerState
 
 from .fake_time import run
@@ -945,3 +945,18 @@ def test_vllm_logs_no_line_per_request_unless_asked_and_the_operators_own_flags_
     servers = [{"name": "s0", "model": "m", "public_port": 9001, "args": ["--disable-access-log-for-endpoints=/x"]}]
     assert argv(servers=servers).count("--disable-access-log-for-endpoints=/x") == 1
     assert "--disable-access-log-for-endpoints" not in argv(servers=servers)
+
+
+def test_each_worker_of_a_server_gets_its_own_cores():
+    """With cpus, every worker's threads are bound to their own share of them (vLLM's CPU build
+    binds all of a server's workers to the same cores by default); an operator's own binding in
+    env wins, and so does its absence without cpus."""
+    servers = [{"name": "s0", "model": "m", "public_port": 9001, "cpus": [2, 3], "args": ["-tp", "2"]},
+               {"name": "s1", "model": "m", "public_port": 9002, "cpus": [0, 1]},
+               {"name": "s2", "model": "m", "public_port": 9003, "args": ["-tp", "2"]},
+               {"name": "s3", "model": "m", "public_port": 9004, "cpus": [0, 1], "args": ["-tp", "2"],
+                "env": {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}}]
+    cfg = config(servers=servers)
+    binds = [child_environ(cfg, s, Path("/p"), base={"VLLM_CPU_OMP_THREADS_BIND": "daemon's"}).get(
+        "VLLM_CPU_OMP_THREADS_BIND") for s in cfg.servers]
+    assert binds == ["2|3", "0,1", "daemon's", "nobind"]

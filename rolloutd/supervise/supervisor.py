@@ -47,7 +47,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import NoReturn, TypeVar
 
-from rolloutd.config import Config
+from rolloutd.config import OMP_BIND, Config
 from rolloutd.config import Server as ServerConfig
 from rolloutd.gateway.relay import Gateway
 from rolloutd.metrics import Metrics
@@ -101,6 +101,8 @@ def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dic
     env.update(server.env)
     if server.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = server.cuda_visible_devices
+    if (bind := cfg.omp_threads_bind(server)) is not None:  # else every worker binds to the same cores
+        env[OMP_BIND] = bind
     env["VLLM_SERVER_DEV_MODE"] = "1"  # the pause and weight routes; only rolloutd's user reaches the socket
     return child_env(env, plugin_dir)
 
