@@ -3,9 +3,10 @@ no group of modules imports itself round in a circle.
 
 The layers, from the bottom up: the words both ends speak (``wire``); the small shared pieces
 (units, config, the HTTP server, leases, metrics); the registry's side and the trainer's library
-with the fleet client; the node's parts (the gateway, the rollout of a version); the supervisor
-that composes them per server; the node that wires everything; then the commands. Every import
-counts, at the top of a module, inside a function or under ``TYPE_CHECKING``.
+with the fleet client; its integrations into trainer libraries; the node's parts (the gateway,
+the rollout of a version); the supervisor that composes them per server; the node that wires
+everything; then the commands. Every import counts, at the top of a module, inside a function or
+under ``TYPE_CHECKING``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ LAYERS: list[set[str]] = [
     {"wire"},
     {"rolloutd", "units", "config", "httpserver", "filelease", "metrics"},
     {"objstore", "registry", "fleet"},
+    {"integrations"},
     {"gateway", "rollout"},
     {"supervise"},
     {"node"},
