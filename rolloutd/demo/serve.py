@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import shutil
 import socket
 import tempfile
@@ -183,6 +184,9 @@ async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> lis
 
 
 async def _run(args: argparse.Namespace, work: Path) -> int:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # the terminal tells the story; bars of saving 1 MiB add nothing
     say(f"building a small {FAMILY} model with tied embeddings in {work}")
     model = await asyncio.to_thread(families.build, work / "start-model", FAMILY, 0)
     with EmbeddedRegistry(port=0) as reg:
@@ -208,11 +212,30 @@ async def _run(args: argparse.Namespace, work: Path) -> int:
 def run_demo(args: argparse.Namespace) -> int:
     from rolloutd.httpserver import run
     work = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="rolloutd-demo-"))
+    # The log outlives a temporary work directory: next to it, not in it.
+    log_path = work / "demo.log" if args.workdir else work.with_name(work.name + ".log")
+    if not args.live_logs:
+        _log_to(log_path)
+    say(f"the daemon's and vLLM's logs: {log_path}" + ("" if args.live_logs else " (--verbose shows them here)"))
     try:
         return run(_run(args, work))
+    except (Exception, KeyboardInterrupt) as e:
+        say(f"FAILED: {type(e).__name__}: {e} (the daemon's and vLLM's logs: {log_path})")
+        raise
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
+
+
+def _log_to(path: Path) -> None:
+    """Every log line (the daemon's, and vLLM's as the daemon relays them) to ``path``: the
+    terminal keeps the story."""
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    for h in root.handlers[:]:
+        root.removeHandler(h)
+    root.addHandler(handler)
 
 
 def add_parser(sub) -> argparse._SubParsersAction:
@@ -221,6 +244,8 @@ def add_parser(sub) -> argparse._SubParsersAction:
     p.add_argument("--vllm", default=default_vllm(), help="the vllm command (default: %(default)s)")
     p.add_argument("--workdir", help="keep the models, mirror and state here (default: a temporary directory)")
     p.add_argument("--timeout-s", type=float, default=300, help="longest wait for each version")
+    p.add_argument("--verbose", dest="live_logs", action="store_true",
+                   help="show the daemon's and vLLM's logs here as they come (default: in a file it names)")
     p.set_defaults(func=run_demo)
     # `rolloutd demo rl`: the trainer's side, learning through the fleet (rolloutd/demo/rl.py)
     return p.add_subparsers(dest="demo", metavar="[rl]", required=False)
