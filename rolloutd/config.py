@@ -62,10 +62,15 @@ OWNED_FLAGS = {
     "--weight-transfer-config": "is set by rolloutd: rolloutd selects its own weight-transfer plugin",
     "--enable-scale-out": "is set by rolloutd: rolloutd enables it itself",
 }
+# state_dir/<SCRATCH>/<server>.<random>/: one running server's TMPDIR (tmp/) and the /dev/shm names its
+# processes were seen holding (shm-held.json), removed once it stopped, or at the next start after a crash.
+SCRATCH = "scratch"
 # The longest path a UNIX socket can have (sun_path is 108 bytes with its terminating NUL).
 SOCKET_PATH_MAX = 107
 OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "use the server's `gpus` instead",
+    "TMPDIR": "each server gets its own under state_dir/scratch, removed once the server stopped (vLLM leaves "
+              "files there at every start)",
     "VLLM_SERVER_DEV_MODE": "rolloutd sets it to reach the pause and weight routes",
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -537,7 +542,7 @@ class Vllm(_Section):
     args: Args = Field([], description="extra arguments for every server (not --host, --port, "
                              "--weight-transfer-config, --enable-scale-out: rolloutd sets those)")
     env: Env = Field({}, description="extra environment variables for every server (not "
-                                 "CUDA_VISIBLE_DEVICES, VLLM_SERVER_DEV_MODE)")
+                                 "CUDA_VISIBLE_DEVICES, VLLM_SERVER_DEV_MODE, TMPDIR)")
     log_every_request: bool = Field(False, description="vLLM's access-log line for every request it answers "
                                     "(generation, health probes, metrics); false: only the other routes, such "
                                     "as the pause and weight routes rolloutd calls, are logged. At a fleet's "
@@ -603,8 +608,9 @@ class Config(_Section):
                              "server from other hosts, an allow-list of generation routes")
     state_dir: LaxPath = Field(Path("/var/lib/rolloutd"), description="the daemon's own state: records of "
                                "running servers and of /dev/shm at its start (to clean after a crash), the "
-                               "plugin copy servers import, and sockets/ (mode 0700), where each server's "
-                               "vLLM listens")
+                               "plugin copy servers import, sockets/ (mode 0700), where each server's "
+                               "vLLM listens, and scratch/: a directory per running server (its TMPDIR, the "
+                               "/dev/shm segments it holds), removed once it stopped")
     mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
     pull: Pull = Field(default_factory=Pull, description="how a version is pulled into the mirror")
     peers: Peers = Field(default_factory=Peers, description="the chunk swarm: chunks from and to other nodes")
@@ -712,6 +718,11 @@ class Config(_Section):
         if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
             yield ("state_dir",), (f"makes a server's socket path ({longest}) longer than a UNIX socket's may be "
                                    f"({SOCKET_PATH_MAX} bytes): shorten state_dir")
+
+    @property
+    def scratch_dir(self) -> Path:
+        """Where each running server gets a directory of its own (:data:`SCRATCH`)."""
+        return self.state_dir / SCRATCH
 
     @property
     def socket_dir(self) -> Path:

@@ -27,6 +27,7 @@ from rolloutd.supervise.child import OutputLevels, is_stop_noise, vllm_header
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups, ShmBaseline
 
 from .test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
+from .waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 I, W, E, D = logging.INFO, logging.WARNING, logging.ERROR, logging.DEBUG  # noqa: E741 - a table's columns
@@ -471,3 +472,65 @@ async def until_healthy(client: httpx.AsyncClient, child, timeout_s: float = 300
                 return
         await asyncio.sleep(0.5)
     raise AssertionError(f"vllm serve not healthy within {timeout_s} s")
+
+
+# A server that leaves a file in its temporary directory at every start, as vLLM does
+# (torch.distributed's rendezvous store, /tmp/vllm_dist_<uuid>, never removed), then holds a segment.
+LEAVES_TMP = textwrap.dedent("""
+    import mmap, os, sys, tempfile, time
+    open(os.path.join(tempfile.gettempdir(), "vllm_dist_0123"), "w").write("store")
+    fd = os.open(os.path.join(sys.argv[1], sys.argv[2]), os.O_CREAT | os.O_RDWR, 0o600)
+    os.ftruncate(fd, 4 << 20)
+    m = mmap.mmap(fd, 4 << 20)
+    print("tmp", tempfile.gettempdir(), flush=True)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+@pytest.mark.parametrize("end", ["crash", "stop"])
+async def test_a_server_has_a_tmpdir_of_its_own_removed_once_it_is_gone(children, caplog, shm, tmp_path, end):
+    """Its TMPDIR is a directory of its own under the scratch directory, with the record of the
+    segments it was seen holding; both go once its processes are gone, however it ended."""
+    scratch = tmp_path / "scratch"
+    child = await spawned_ready(children, caplog, "vllm", [sys.executable, "-c", LEAVES_TMP, str(shm), "held_seg"],
+                                scratch=scratch)
+    [own] = scratch.iterdir()
+    assert own.name.startswith("vllm.") and (own.stat().st_mode & 0o777) == 0o700
+    assert f"vllm[{child.pid}]: tmp {own / 'tmp'}" in lines_of(caplog, "vllm")
+    assert (own / "tmp" / "vllm_dist_0123").read_text() == "store"
+    await child.note_shm()
+    assert json.loads((own / "shm-held.json").read_text()) == ["held_seg"]
+    if end == "crash":
+        os.killpg(child.pgid, signal.SIGKILL)
+        await child.wait()
+    else:
+        await child.stop(grace_s=10)
+    assert list(scratch.iterdir()) == [] and not (shm / "held_seg").exists()
+
+
+async def test_what_servers_killed_with_their_daemon_held_is_removed_at_the_next_start(children, shm, tmp_path):
+    """Segments no pattern knows, only known because the server was seen holding them, and the
+    server's scratch directory: a daemon that ended without stopping its servers left both; the
+    next start removes them, and a segment another program holds stays."""
+    record, scratch = tmp_path / "state" / "shm-at-start.json", tmp_path / "state" / "scratch"
+    assert ShmBaseline(record).clean_and_record() == []  # the earlier daemon's start
+    child = children("vllm", [sys.executable, "-c", HOLDS_NAMED, str(shm), "vllm_dist_a-cpushm_0", "shared"],
+                     scratch=scratch)
+    await child.spawn()
+    await until(lambda: "shared" in leftovers.shm_held_by(child.group_pids()), what="its segments")
+    await child.note_shm()
+    decoy = _held_decoy(shm, "shared")
+    try:
+        os.killpg(child.pgid, signal.SIGKILL)  # with its daemon, which never reaps it
+        await until(lambda: not alive_in_group(child.pgid), what="the group gone")
+        [left] = scratch.iterdir()
+        lines = ShmBaseline(record).clean_and_record()  # the next daemon's start
+        assert lines == ["shared memory: removed 1 segment(s) the servers of an earlier run left: "
+                         "vllm_dist_a-cpushm_0", "scratch: removed 1 server directory(ies) an earlier run left: "
+                         f"{left.name}"]
+        assert sorted(p.name for p in shm.iterdir()) == ["shared"] and list(scratch.iterdir()) == []
+    finally:
+        decoy.kill()
+        decoy.wait(10)
+        decoy.stdout.close()

@@ -27,6 +27,9 @@ leftovers.py); ``/dev/shm`` segments are leftovers.py.
   removed, and the shared-memory segments they left are removed
   (:func:`rolloutd.supervise.leftovers.remove_shm_leftovers`): vLLM's by their names, and those
   :meth:`Child.note_shm` saw its processes hold (once healthy, and before a stop signals them).
+  With ``scratch``, each spawn gets a directory of its own there
+  (:class:`rolloutd.supervise.leftovers.Scratch`): its ``TMPDIR``, and the record of the names it
+  holds, for a daemon started after this one crashed; removed after the segments.
 - :func:`describe_exit` turns an exit status into words for logs and status.
 """
 
@@ -40,10 +43,11 @@ import re
 import signal
 import time
 from collections.abc import Awaitable, Iterable
+from pathlib import Path
 from typing import TypeVar
 
 from rolloutd.supervise.containment import Containment, Scope
-from rolloutd.supervise.leftovers import ProcessGroups, remove_shm_leftovers, shm_held_by, shm_names
+from rolloutd.supervise.leftovers import ProcessGroups, Scratch, remove_shm_leftovers, shm_held_by, shm_names
 
 log = logging.getLogger("rolloutd.supervise.child")
 
@@ -214,8 +218,9 @@ class Child:
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str], *,
                  containment: Containment | None = None, cpus: Iterable[int] = (),
-                 log: logging.Logger | None = None):
+                 log: logging.Logger | None = None, scratch: Path | None = None):
         self.name, self.argv, self.env = name, list(argv), dict(env)
+        self.scratch = scratch                  # where its own directory goes (Scratch); None: none made
         self.cpus = frozenset(cpus)             # the cores it may run on; empty: the daemon's
         self.containment = containment or ProcessGroups()
         self.log = log or logging.getLogger(f"rolloutd.server.{name}")
@@ -235,6 +240,7 @@ class Child:
         self._gone = False                            # the group is gone and its traces removed
         self._shm_before: set[str] = set()            # /dev/shm names that existed before the spawn
         self._shm_held: set[str] = set()              # /dev/shm names its processes were seen holding
+        self._own: Scratch | None = None              # its TMPDIR and the record of _shm_held; set at spawn
 
     def __repr__(self) -> str:
         return f"{self.name}[{self.pid or '-'}]"
@@ -255,18 +261,28 @@ class Child:
         # Our own pipe, not asyncio's: asyncio's wait() would also wait for the pipe to close,
         # which a grandchild holding it open delays past the leader's exit.
         self._shm_before = shm_names()
+        env = self.env
+        if self.scratch is not None:
+            try:
+                self._own = Scratch.make(self.scratch, self.name)
+            except OSError as e:
+                raise ChildError(f"cannot start {self.name}: cannot make its directory in {self.scratch}: "
+                                 f"{e.strerror or e}") from None
+            env = {**env, "TMPDIR": str(self._own.tmp)}
         try:
             scope = self.containment.scope(self.name)
         except OSError as e:
+            self._remove_own()
             raise ChildError(f"cannot start {self.name}: no scope for its processes: {e}") from None
         r, w = os.pipe()
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *self.argv, env=self.env, stdin=asyncio.subprocess.DEVNULL, stdout=w,
+                *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=w,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
         except OSError as e:
             os.close(r)
             scope.release()
+            self._remove_own()
             raise ChildError(f"cannot start {self.name}: {self.argv[0]}: {e.strerror or e}") from None
         finally:
             os.close(w)
@@ -285,6 +301,7 @@ class Child:
             await self._proc.wait()
             os.close(r)
             scope.release()
+            self._remove_own()
             raise ChildError(f"cannot start {self.name}: cannot place it {where}: {e.strerror or e}") from None
         self.scope = scope
         stream = asyncio.StreamReader(limit=2 * _READ_BYTES)
@@ -393,7 +410,12 @@ class Child:
         if self._gone:
             return
         await asyncio.to_thread(remove_shm_leftovers, self._shm_before, self._shm_held, owner=str(self))
+        await asyncio.to_thread(self._remove_own)  # after the segments: a crash in between finds them there
         self._gone = True
+
+    def _remove_own(self) -> None:
+        if self._own is not None:
+            self._own.remove()
 
     async def note_shm(self) -> None:
         """Learn which ``/dev/shm`` entries the group's processes map or hold open now, to remove
@@ -402,6 +424,8 @@ class Child:
         the group; a scan of /proc, so in a thread."""
         if self.scope is not None and not self._gone:
             self._shm_held |= await asyncio.to_thread(lambda: shm_held_by(self.scope.pids()))
+            if self._own is not None:  # for the next daemon, should this one end without stopping it
+                await asyncio.to_thread(self._own.record_held, self._shm_held)
 
     def group_pids(self) -> list[int]:
         """Live processes of the child's scope (the leader, and what it forked that stayed in it)."""

@@ -15,7 +15,8 @@ hand or by a test), and what a server leaves behind in either way.
   processes were seen holding while they ran, :func:`shm_held_by`, such as the CPU
   tensor-parallel ``vllm_dist_*-cpushm_*`` that no tracker unlinks) are removed
   (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways,
-  and after a daemon that ended without its ordered stop (:class:`ShmBaseline`).
+  and after a daemon that ended without its ordered stop (:class:`ShmBaseline`, which reads the
+  names each server was seen holding from its :class:`Scratch` directory: also its ``TMPDIR``).
 
 One child process (spawn, output, stop, reap) is child.py.
 """
@@ -28,12 +29,15 @@ import fnmatch
 import json
 import logging
 import os
+import shutil
 import stat
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
 import psutil
 
+from rolloutd.config import SCRATCH
 from rolloutd.filelease import under_write_lease
 from rolloutd.supervise.containment import Containment, Scope, Spawned, stop_leftover
 
@@ -214,6 +218,60 @@ def _size_text(size: int) -> str:
     return f"{size / (1 << 20):.1f} MiB" if size >= 1 << 20 else f"{size} bytes"
 
 
+class Scratch:
+    """One running server's own directory, ``<scratch dir>/<name>.<random>/`` (mode 0700):
+
+    - ``tmp/``, its ``TMPDIR``: vLLM leaves a file there at every start (``vllm_dist_<uuid>``,
+      torch.distributed's rendezvous store, also with one worker) and removes none of them;
+    - ``shm-held.json``: the ``/dev/shm`` names its processes were seen holding
+      (:func:`shm_held_by`), for a daemon started after this one ended without stopping it
+      (:meth:`ShmBaseline.clean_and_record`).
+
+    Removed, whole, once the server's processes are gone."""
+
+    HELD = "shm-held.json"
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    @classmethod
+    def make(cls, parent: Path, name: str) -> Scratch:
+        parent = Path(parent)
+        parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        own = cls(Path(tempfile.mkdtemp(prefix=f"{name}.", dir=parent)))  # mode 0700; a new one per start
+        own.tmp.mkdir()
+        return own
+
+    @property
+    def tmp(self) -> Path:
+        return self.path / "tmp"
+
+    def record_held(self, names: set[str]) -> None:
+        try:
+            _write_json(self.path / self.HELD, sorted(names))
+        except OSError as e:  # a safety net for after a crash; the server runs on
+            log.warning("record %s: cannot write the /dev/shm names its server holds: %s", self.path, e)
+
+    def held(self) -> set[str]:
+        """The names recorded; none for a missing or unreadable record (what is not known is kept)."""
+        try:
+            names = json.loads((self.path / self.HELD).read_text())
+        except (OSError, ValueError):
+            return set()
+        return {n for n in names if isinstance(n, str) and "/" not in n} if isinstance(names, list) else set()
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)  # never follows a link out of it
+
+
+def scratch_left(parent: Path) -> list[Scratch]:
+    """Every server directory under ``parent`` (an earlier run's, once its processes are gone)."""
+    try:
+        return [Scratch(p) for p in sorted(Path(parent).iterdir()) if p.is_dir() and not p.is_symlink()]
+    except OSError:
+        return []
+
+
 class ShmBaseline:
     """The names in ``/dev/shm`` when the daemon started, kept in ``path`` (JSON) until it stops
     cleanly. A daemon that finds the file knows the last one ended without its ordered stop
@@ -224,21 +282,30 @@ class ShmBaseline:
     names, the daemon's user, used by no live process). Call it once the earlier run's processes
     are gone (:meth:`Containment.start`)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, scratch: Path | None = None):
         self.path = Path(path)
+        self.scratch = Path(scratch) if scratch is not None else self.path.parent / SCRATCH  # Config.scratch_dir
 
     def clean_and_record(self) -> list[str]:
-        """Remove what an earlier run's servers left, then record this start's names. One line
-        per thing done, for the log."""
+        """Remove what an earlier run's servers left (segments, also those only known because a
+        server was seen holding them, and their :class:`Scratch` directories), then record this
+        start's names. One line per thing done, for the log."""
         lines = []
+        left = scratch_left(self.scratch)
+        held = set().union(*(s.held() for s in left))
         try:
             before = self._read()
         except ValueError as e:
             lines.append(f"shared memory: {e}; nothing removed")
         else:
-            if before is not None and (removed := remove_shm_leftovers(before)):
+            if before is not None and (removed := remove_shm_leftovers(before, held)):
                 lines.append(f"shared memory: removed {len(removed)} segment(s) the servers of an earlier run "
                              "left: " + ", ".join(removed))
+        for s in left:
+            s.remove()
+        if left:
+            lines.append(f"scratch: removed {len(left)} server directory(ies) an earlier run left: "
+                         + ", ".join(s.path.name for s in left))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         _write_json(self.path, sorted(shm_names()))
         return lines

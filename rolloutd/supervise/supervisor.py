@@ -237,7 +237,8 @@ class Supervisor:
             raise ServerFailed(str(e)) from None
         self.child = self._make_child(self.name, child_argv(cfg, self.spec),
                                       child_environ(cfg, self.spec, self._plugin_dir), containment=self._containment,
-                                      cpus=self.spec.cpus, log=logging.getLogger(f"rolloutd.server.{self.name}"))
+                                      cpus=self.spec.cpus, log=logging.getLogger(f"rolloutd.server.{self.name}"),
+                                      scratch=cfg.scratch_dir)
         await self.child.spawn()
         log.info("spawn %s[%d]: socket %s, gpus %s, cpus %s, incarnation %d, in %s", self.name, self.child.pid,
                  self.socket, self.spec.cuda_visible_devices or "-", ",".join(map(str, self.spec.cpus)) or "-",
