@@ -143,7 +143,9 @@ def prompts_dataset(n: int, seed: int = 0):
 
 
 def task_reward(prompts, completions, completion_ids, first, **_):
-    return [sum(t == f for t in ids) / max(len(ids), 1) for ids, f in zip(completion_ids, first, strict=True)]
+    """Dense, so that every group has spread and every step changes the weights: the share of low
+    token ids (``first`` is there only for the demo's task)."""
+    return [sum(t < 32 for t in ids) / max(len(ids), 1) for ids in completion_ids]
 
 
 def trl_args(kind: str, out: Path, steps: int, **kw):
@@ -308,3 +310,13 @@ def test_grpo_trains_on_the_fleet_a_version_per_step_served_exactly(two_servers,
 def test_rloo_trains_on_the_fleet_within_the_staleness_bound(two_servers, tmp_path):
     trainer, served, logs = run_trainer("rloo", two_servers, tmp_path, steps=2, k=1)
     print("rloo", [(e["rolloutd/version"], e["rolloutd/oldest_version"]) for e in logs])
+
+
+def test_the_daemon_and_the_cli_import_no_trainer_library():
+    import subprocess
+    import sys
+    code = ("import sys\nimport rolloutd.cli, rolloutd.node.daemon, rolloutd.fleet, rolloutd.registry\n"
+            "print(sorted(m for m in ('trl', 'torch', 'vllm', 'accelerate', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"

@@ -83,6 +83,8 @@ class FleetConfig:
     these ids to every version (every server scores it before it serves the version).
     ``seed``: of the per-request seeds (default: the trainer's ``args.seed``). ``fleet_options``:
     :class:`rolloutd.fleet.Fleet`'s keyword arguments (``wait_s``, ``refresh_s``, ...).
+    ``publish=False`` holds the fleet on the version it serves (an ablation: the trainer trains,
+    nothing reaches the servers).
     """
 
     registry: Any = None
@@ -95,6 +97,7 @@ class FleetConfig:
     canary_new_tokens: int = 8
     seed: int | None = None
     fleet_options: dict[str, Any] = field(default_factory=lambda: {"wait_s": 600.0})
+    publish: bool = True
 
     def __post_init__(self) -> None:
         if self.max_staleness < 0:
@@ -230,7 +233,9 @@ class FleetGeneration(VLLMGeneration):
     # -- weights --------------------------------------------------------------------------------
     def sync_weights(self) -> None:
         """Publish the policy as the next version (the main process; every process gathers)."""
-        keep = self._dist.is_zero3 or self._dist.is_fsdp or is_peft_model(self.model)
+        if not self.config.publish:
+            return
+        keep = bool(self._dist.is_zero3 or self._dist.is_fsdp or is_peft_model(self.model))
         main = self.accelerator.is_main_process
         tensors = {}
         for name, tensor in self._iter_named_params():
