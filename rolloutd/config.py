@@ -62,15 +62,17 @@ OWNED_FLAGS = {
     "--weight-transfer-config": "is set by rolloutd: rolloutd selects its own weight-transfer plugin",
     "--enable-scale-out": "is set by rolloutd: rolloutd enables it itself",
 }
-# state_dir/<SCRATCH>/<server>.<random>/: one running server's TMPDIR (tmp/) and the /dev/shm names its
-# processes were seen holding (shm-held.json), removed once it stopped, or at the next start after a crash.
+# state_dir/<SCRATCH>/<random>/: one running server's TMPDIR, with the /dev/shm names its processes were
+# seen holding, removed once it stopped, or at the next start after a crash. vLLM makes its ZMQ sockets
+# there, <TMPDIR>/<uuid4>: such a path must fit a UNIX socket's.
 SCRATCH = "scratch"
+SCRATCH_SOCKET_TAIL = len("/12345678/") + 36  # the directory's random name, then a uuid4
 # The longest path a UNIX socket can have (sun_path is 108 bytes with its terminating NUL).
 SOCKET_PATH_MAX = 107
 OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "use the server's `gpus` instead",
     "TMPDIR": "each server gets its own under state_dir/scratch, removed once the server stopped (vLLM leaves "
-              "files there at every start)",
+              "files and sockets there)",
     "VLLM_SERVER_DEV_MODE": "rolloutd sets it to reach the pause and weight routes",
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -609,8 +611,8 @@ class Config(_Section):
     state_dir: LaxPath = Field(Path("/var/lib/rolloutd"), description="the daemon's own state: records of "
                                "running servers and of /dev/shm at its start (to clean after a crash), the "
                                "plugin copy servers import, sockets/ (mode 0700), where each server's "
-                               "vLLM listens, and scratch/: a directory per running server (its TMPDIR, the "
-                               "/dev/shm segments it holds), removed once it stopped")
+                               "vLLM listens, and scratch/: a directory per running server (its TMPDIR, with "
+                               "the names of the /dev/shm segments it holds), removed once it stopped")
     mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
     pull: Pull = Field(default_factory=Pull, description="how a version is pulled into the mirror")
     peers: Peers = Field(default_factory=Peers, description="the chunk swarm: chunks from and to other nodes")
@@ -718,6 +720,10 @@ class Config(_Section):
         if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
             yield ("state_dir",), (f"makes a server's socket path ({longest}) longer than a UNIX socket's may be "
                                    f"({SOCKET_PATH_MAX} bytes): shorten state_dir")
+        elif (n := len(os.fsencode(self.scratch_dir)) + SCRATCH_SOCKET_TAIL) > SOCKET_PATH_MAX:
+            yield ("state_dir",), (f"makes the paths of the sockets vLLM makes in a server's TMPDIR "
+                                   f"({self.scratch_dir}/<8 characters>/<uuid>) {n} bytes long, more than a UNIX "
+                                   f"socket's may be ({SOCKET_PATH_MAX}): shorten state_dir")
 
     @property
     def scratch_dir(self) -> Path:

@@ -496,11 +496,11 @@ async def test_a_server_has_a_tmpdir_of_its_own_removed_once_it_is_gone(children
     child = await spawned_ready(children, caplog, "vllm", [sys.executable, "-c", LEAVES_TMP, str(shm), "held_seg"],
                                 scratch=scratch)
     [own] = scratch.iterdir()
-    assert own.name.startswith("vllm.") and (own.stat().st_mode & 0o777) == 0o700
-    assert f"vllm[{child.pid}]: tmp {own / 'tmp'}" in lines_of(caplog, "vllm")
-    assert (own / "tmp" / "vllm_dist_0123").read_text() == "store"
+    assert len(own.name) == 8 and (own.stat().st_mode & 0o777) == 0o700
+    assert f"vllm[{child.pid}]: tmp {own}" in lines_of(caplog, "vllm")
+    assert (own / "vllm_dist_0123").read_text() == "store"
     await child.note_shm()
-    assert json.loads((own / "shm-held.json").read_text()) == ["held_seg"]
+    assert json.loads((own / ".rolloutd-shm-held.json").read_text()) == ["held_seg"]
     if end == "crash":
         os.killpg(child.pgid, signal.SIGKILL)
         await child.wait()

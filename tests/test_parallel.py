@@ -1,14 +1,19 @@
-"""Servers of several processes through the daemon: a real CPU ``vllm serve --tensor-parallel-size 2``
-with the plugin, beside a one-worker server of the same model (docs/parallel.md).
+"""Servers of several processes through the daemon: a real CPU ``vllm serve`` with the plugin,
+tensor-parallel (``--tensor-parallel-size 2``) beside a one-worker server of the same model, then
+data-parallel (``--data-parallel-size 2``: two engines, two API server processes on one UNIX
+socket); docs/parallel.md.
 
-One daemon runs for the module, its two servers shared by the tests, which run in file order: the
-tied family updated A -> B -> C, each version's greedy outputs through both gateways equal to
-transformers'; then one TP worker killed in the middle of an update.
+One daemon at a time, shared by the tests of its shape, which run in file order: the tied
+family updated A -> B -> C, each version's greedy outputs through every gateway equal to
+transformers'; for TP, one worker then killed in the middle of an update; for DP, the prompts
+sent until each engine answered several of them (vLLM counts the requests of each engine in
+``/metrics``), so an engine left on old weights cannot hide.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,7 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixture
 
 FAMILY = "qwen2"  # tied embeddings: the output head must follow the embedding on every worker
 SEED = {1: 11, 2: 12, 3: 13}  # version -> weights seed; the servers start on seed 0 (A)
-TP, ONE = "tp2", "tp1"
+TP, ONE, DP = "tp2", "tp1", "dp2"
+ROUNDS = 3  # the DP server's prompts are sent this many times: each engine answers some of them
 
 
 @dataclass
@@ -37,52 +43,77 @@ class Node:
     reg: EmbeddedRegistry
     daemon: DaemonProcess
     gateways: dict[str, str]
-    paused_s: dict[str, dict[int, float]] = field(default_factory=lambda: {TP: {}, ONE: {}})
+    paused_s: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def close(self) -> None:
+        try:
+            self.daemon.stop(90)
+        finally:
+            self.daemon.kill_everything()
+            self.reg.stop()
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory):
-    require_vllm()
-    tmp = tmp_path_factory.mktemp("parallel")
+def start_node(tmp: Path, servers: list[dict]) -> Node:
     start = families.build(tmp / "A", FAMILY, seed=0)
     reg = EmbeddedRegistry(port=0).start()
-    # The TP server's two workers on one core each (the daemon splits its cpus between them); the
-    # one-worker server shares core 1.
-    servers = [vllm_server(TP, start, "0-1", args=["--tensor-parallel-size", "2"], env={}),
-               vllm_server(ONE, start, "1")]
+    servers = [{**s, "model": str(start)} for s in servers]
     d = DaemonProcess(config(tmp, reg.url, servers, restart={"start_timeout_s": 400, "failed_grace_s": 2,
                                                              "backoff_initial_s": 0.5, "backoff_max_s": 2,
                                                              "max_retries": 3}), tmp)
     t0 = time.monotonic()
     d.start()
     try:
-        st = d.wait(lambda s: all(x["state"] == "SERVING" for x in s["servers"]), 500, "both servers SERVING")
-        print(f"both servers SERVING {time.monotonic() - t0:.1f} s after the daemon's start")
-        yield Node(tmp, reg, d, {x["name"]: f"http://127.0.0.1:{x['public_port']}" for x in st["servers"]})
-    finally:
-        try:
-            d.stop(90)
-        finally:
-            d.kill_everything()
-            reg.stop()
+        st = d.wait(lambda s: all(x["state"] == "SERVING" for x in s["servers"]), 600, "every server SERVING")
+    except BaseException:
+        d.kill_everything()
+        reg.stop()
+        raise
+    print(f"{', '.join(s['name'] for s in servers)} SERVING {time.monotonic() - t0:.1f} s after the daemon's start")
+    return Node(tmp, reg, d, {x["name"]: f"http://127.0.0.1:{x['public_port']}" for x in st["servers"]},
+                {s["name"]: {} for s in servers})
 
 
-def served_exactly(node: Node, version: int, want: list[list[int]]) -> None:
-    st = node.daemon.wait_versions({TP: version, ONE: version}, 300)
+class Nodes:
+    """One node at a time: two would only take each other's cores."""
+
+    def __init__(self, tmp_factory):
+        self.tmp_factory, self.open, self.kind = tmp_factory, None, None
+
+    def get(self, kind: str) -> Node:
+        if self.kind != kind and self.open is not None:
+            self.open.close()
+            self.open = None
+        if self.open is None:
+            tmp = self.tmp_factory.mktemp(kind)
+            # Each server lists its cores; the daemon splits them between its workers.
+            servers = {"tp": [vllm_server(TP, Path(), "0-1", args=["--tensor-parallel-size", "2"], env={}),
+                              vllm_server(ONE, Path(), "1")],  # shares core 1 with the second TP worker
+                       "dp": [vllm_server(DP, Path(), "0-1", args=["--data-parallel-size", "2"], env={})]}[kind]
+            self.open, self.kind = start_node(tmp, servers), kind
+        return self.open
+
+
+@pytest.fixture(scope="module")
+def nodes(tmp_path_factory):
+    require_vllm()
+    n = Nodes(tmp_path_factory)
+    yield n
+    if n.open is not None:
+        n.open.close()
+
+
+def served_exactly(node: Node, version: int, want: list[list[int]], rounds: int = 1) -> None:
+    st = node.daemon.wait_versions({name: version for name in node.gateways}, 300)
     for name, url in node.gateways.items():
-        got, labels = generate(url, families.PROMPTS)
-        assert labels == {str(version)}, (name, labels)
-        assert got == want, f"{name} on version {version}: served {got}, transformers {want}"
+        for _ in range(rounds):
+            got, labels = generate(url, families.PROMPTS)
+            assert labels == {str(version)}, (name, labels)
+            assert got == want, f"{name} on version {version}: served {got}, transformers {want}"
         node.paused_s[name][version] = node.daemon.server(name, st)["last_update"]["phases_s"]["paused"]
 
 
-def test_a_tensor_parallel_server_is_updated_a_b_c_exactly(node):
-    """Both workers load every version: a worker left on old weights (or an output head left on
-    the old embedding) changes the greedy tokens."""
-    with node.daemon.vllm(TP) as c:
-        assert c.get("/get_world_size").json()["world_size"] == 2
-    log = node.daemon.log_text()
-    assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in log and "local_rank=1, core ids=[1]" in log, log[-3000:]
+def a_to_c(node: Node, check=lambda version: None, rounds: int = 1) -> None:
+    """A, then B and C published: each served exactly by every server of ``node``."""
     a = families.greedy(families.hf_model(FAMILY, 0), families.PROMPTS, NEW_TOKENS)
     for name, url in node.gateways.items():
         assert generate(url, families.PROMPTS)[0] == a, f"{name}: the start model differs from transformers'"
@@ -91,9 +122,22 @@ def test_a_tensor_parallel_server_is_updated_a_b_c_exactly(node):
         want = families.greedy(model, families.PROMPTS, NEW_TOKENS)
         assert all(x != y for x, y in zip(a, want, strict=True)), "every output must change"
         node.reg.publish(version, model)
-        served_exactly(node, version, want)
+        check(version)
+        served_exactly(node, version, want, rounds)
+        check(version)
     print("pause window (s) per version:", {k: {v: round(s, 3) for v, s in d.items()} for k, d in
                                               node.paused_s.items()})
+
+
+def test_a_tensor_parallel_server_is_updated_a_b_c_exactly(nodes):
+    """Both workers load every version: a worker left on old weights (or an output head left on
+    the old embedding) changes the greedy tokens."""
+    node = nodes.get("tp")
+    with node.daemon.vllm(TP) as c:
+        assert c.get("/get_world_size").json()["world_size"] == 2
+    log = node.daemon.log_text()
+    assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in log and "local_rank=1, core ids=[1]" in log, log[-3000:]
+    a_to_c(node)
 
 
 def _worker(pgid: int, rank: int) -> int:
@@ -106,11 +150,12 @@ def _worker(pgid: int, rank: int) -> int:
     raise AssertionError(f"no Worker_TP{rank} in group {pgid}")
 
 
-def test_a_tp_worker_killed_mid_update_is_in_backoff_within_seconds(node):
+def test_a_tp_worker_killed_mid_update_is_in_backoff_within_seconds(nodes):
     """Worker TP1 is stopped before an update (the update's first route that needs every worker
     then waits), then killed once the daemon is UPDATING: the server is in BACKOFF within
     seconds, then SERVING the new version exactly; nothing of the old group is left, processes
     or /dev/shm segments."""
+    node = nodes.get("tp")
     d = node.daemon
     st = d.server(TP)
     pid = st["pid"]
@@ -137,3 +182,31 @@ def test_a_tp_worker_killed_mid_update_is_in_backoff_within_seconds(node):
           f"segments of the old group: {sorted(segments)}")
     assert to_backoff < 10, to_backoff
     assert d.server(TP)["incarnation"] == 2
+
+
+def engine_answers(node: Node) -> dict[str, float]:
+    """Requests each engine of the DP server finished, by vLLM's own count: engine -> count."""
+    with node.daemon.vllm(DP) as c:
+        text = c.get("/metrics").text
+    counts: dict[str, float] = {}
+    for engine, n in re.findall(r'^vllm:request_success_total\{engine="(\d+)"[^}]*\} ([\d.e+]+)$', text, re.M):
+        counts[engine] = counts.get(engine, 0.0) + float(n)
+    return counts
+
+
+def test_a_data_parallel_server_is_updated_a_b_c_exactly_on_every_engine(nodes):
+    """Two engines behind two API server processes on the server's one UNIX socket: every
+    version's outputs equal transformers', and each engine answered some of them."""
+    node = nodes.get("dp")
+    log = node.daemon.log_text()
+    assert "Started 2 API server processes" in log, log[-3000:]
+    with node.daemon.vllm(DP) as c:
+        assert c.get("/get_world_size").json()["world_size"] == 2  # the engines' workers together
+    seen: list[dict[str, float]] = [engine_answers(node)]
+
+    def each_engine_answered(version: int) -> None:
+        seen.append(engine_answers(node))
+    a_to_c(node, each_engine_answered, rounds=ROUNDS)
+    for before, after in zip(seen[1::2], seen[2::2], strict=True):  # around each version's outputs
+        answered = {e: after.get(e, 0) - before.get(e, 0) for e in ("0", "1")}
+        assert all(n >= 2 for n in answered.values()), f"an engine answered too few to show its weights: {answered}"

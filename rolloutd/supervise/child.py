@@ -28,8 +28,8 @@ leftovers.py); ``/dev/shm`` segments are leftovers.py.
   (:func:`rolloutd.supervise.leftovers.remove_shm_leftovers`): vLLM's by their names, and those
   :meth:`Child.note_shm` saw its processes hold (once healthy, and before a stop signals them).
   With ``scratch``, each spawn gets a directory of its own there
-  (:class:`rolloutd.supervise.leftovers.Scratch`): its ``TMPDIR``, and the record of the names it
-  holds, for a daemon started after this one crashed; removed after the segments.
+  (:class:`rolloutd.supervise.leftovers.Scratch`): its ``TMPDIR``, with the record of the names
+  it holds, for a daemon started after this one crashed; removed after the segments.
 - :func:`describe_exit` turns an exit status into words for logs and status.
 """
 
@@ -264,11 +264,11 @@ class Child:
         env = self.env
         if self.scratch is not None:
             try:
-                self._own = Scratch.make(self.scratch, self.name)
+                self._own = Scratch.make(self.scratch)
             except OSError as e:
                 raise ChildError(f"cannot start {self.name}: cannot make its directory in {self.scratch}: "
                                  f"{e.strerror or e}") from None
-            env = {**env, "TMPDIR": str(self._own.tmp)}
+            env = {**env, "TMPDIR": str(self._own.path)}
         try:
             scope = self.containment.scope(self.name)
         except OSError as e:

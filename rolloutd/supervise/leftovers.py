@@ -16,7 +16,7 @@ hand or by a test), and what a server leaves behind in either way.
   tensor-parallel ``vllm_dist_*-cpushm_*`` that no tracker unlinks) are removed
   (:func:`remove_shm_leftovers`), never one another live process uses. This holds in both ways,
   and after a daemon that ended without its ordered stop (:class:`ShmBaseline`, which reads the
-  names each server was seen holding from its :class:`Scratch` directory: also its ``TMPDIR``).
+  names each server was seen holding from its :class:`Scratch` directory, its ``TMPDIR``).
 
 One child process (spawn, output, stop, reap) is child.py.
 """
@@ -219,32 +219,25 @@ def _size_text(size: int) -> str:
 
 
 class Scratch:
-    """One running server's own directory, ``<scratch dir>/<name>.<random>/`` (mode 0700):
+    """One running server's own directory, ``<scratch dir>/<random>/`` (mode 0700), its ``TMPDIR``:
+    vLLM leaves files there that nothing removes after a kill, some at every start
+    (``vllm_dist_<uuid>``, torch.distributed's rendezvous store, also with one worker; its ZMQ
+    sockets, ``<uuid>``). It also holds :attr:`HELD`, the ``/dev/shm`` names the server's processes
+    were seen holding (:func:`shm_held_by`), for a daemon started after this one ended without
+    stopping it (:meth:`ShmBaseline.clean_and_record`). Removed, whole, once the server's processes
+    are gone. The name is short: vLLM's socket paths in it must fit a UNIX socket's
+    (Config's check of state_dir)."""
 
-    - ``tmp/``, its ``TMPDIR``: vLLM leaves a file there at every start (``vllm_dist_<uuid>``,
-      torch.distributed's rendezvous store, also with one worker) and removes none of them;
-    - ``shm-held.json``: the ``/dev/shm`` names its processes were seen holding
-      (:func:`shm_held_by`), for a daemon started after this one ended without stopping it
-      (:meth:`ShmBaseline.clean_and_record`).
-
-    Removed, whole, once the server's processes are gone."""
-
-    HELD = "shm-held.json"
+    HELD = ".rolloutd-shm-held.json"
 
     def __init__(self, path: Path):
         self.path = Path(path)
 
     @classmethod
-    def make(cls, parent: Path, name: str) -> Scratch:
+    def make(cls, parent: Path) -> Scratch:
         parent = Path(parent)
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        own = cls(Path(tempfile.mkdtemp(prefix=f"{name}.", dir=parent)))  # mode 0700; a new one per start
-        own.tmp.mkdir()
-        return own
-
-    @property
-    def tmp(self) -> Path:
-        return self.path / "tmp"
+        return cls(Path(tempfile.mkdtemp(prefix="", dir=parent)))  # 8 characters, mode 0700; new per start
 
     def record_held(self, names: set[str]) -> None:
         try:
