@@ -206,6 +206,68 @@ def test_delta_files_staged_in_a_partial_count_and_never_reach_the_version(mirro
     assert sorted(os.listdir(mirror.dir)) == ["2"]
 
 
+DELTAS = {"model-00001-of-00002.safetensors.delta": b"d" * 3000, "model-00002-of-00002.safetensors.delta": b"e" * 100}
+
+
+def put_from_delta(mirror: Mirror, version: int, *, keep_delta: bool = True) -> Manifest:
+    """A version committed as a delta pull does: the delta files staged, the version written, commit."""
+    files = payload(version)
+    manifest = make_manifest(version, files)
+    partial = mirror.begin(manifest)
+    staged = mirror.stage(partial, make_manifest(version, DELTAS))
+    for name, data in {**files, **DELTAS}.items():
+        write(partial if name in files else staged, name, data)
+    mirror.commit(partial, keep_delta=keep_delta)
+    return manifest
+
+
+def test_delta_files_kept_for_peers_sit_beside_the_version_until_another_version_is_committed(mirror, caplog):
+    put(mirror, 1)
+    manifest = put_from_delta(mirror, 2)
+    assert sorted(os.listdir(mirror.dir)) == [".2.delta", "1", "2"]
+    assert mirror.delta_dir(2) == mirror.dir / ".2.delta"
+    assert {p.name: p.read_bytes() for p in mirror.delta_dir(2).iterdir()} == DELTAS  # moved, not rewritten
+    assert sorted(os.listdir(mirror.path(2))) == sorted([*payload(2), MANIFEST_NAME, mirror_mod.RECORD_NAME])
+    assert mirror.manifest(2) == manifest and mirror.versions() == [1, 2]
+    assert mirror.kept_delta_bytes() == 3100
+    assert mirror.usage_bytes() == sum(mirror_mod._tree_bytes(mirror.path(v)) for v in (1, 2)) + 3100
+    assert mirror.gc(set()) == [1] and mirror.delta_dir(2).is_dir()  # gc keeps the newest, and them
+    with caplog.at_level(logging.INFO, logger="rolloutd.rollout.mirror"):
+        put(mirror, 3)  # any next commit drops them
+    assert sorted(os.listdir(mirror.dir)) == ["2", "3"]
+    assert "drop the delta files of version 2 kept for peers (version 3 is committed)" in caplog.messages
+    put_from_delta(mirror, 4)
+    put_from_delta(mirror, 5)  # at most one version's delta files
+    assert sorted(os.listdir(mirror.dir)) == [".5.delta", "2", "3", "4", "5"]
+    put_from_delta(mirror, 6, keep_delta=False)  # a delta pull without peers: staged files removed
+    assert sorted(os.listdir(mirror.dir)) == ["2", "3", "4", "5", "6"]
+
+
+def test_kept_delta_files_go_with_their_version_and_at_a_restart(mirror):
+    put_from_delta(mirror, 2)
+    assert mirror.remove(2, "refused") and sorted(os.listdir(mirror.dir)) == [".spare"]  # its files, recycled
+    put_from_delta(mirror, 3)
+    (mirror.dir / ".7.delta").mkdir()  # what a crash between the two renames of a commit leaves
+    (mirror.dir / ".7.partial").mkdir()
+    removed = Mirror(mirror.dir, max_bytes=1 << 20).clean_partials()  # the daemon's next start
+    assert sorted(p.name for p in removed) == [".3.delta", ".7.delta", ".7.partial"]
+    assert sorted(os.listdir(mirror.dir)) == ["3"]
+
+
+def test_ensure_room_drops_kept_delta_files_before_any_version(tmp_path):
+    mirror = Mirror(tmp_path / "m", max_bytes=50_000, recycle=False)
+    put(mirror, 1)
+    put_from_delta(mirror, 2)  # about 15 kB each, and 3,100 bytes of delta files
+    room = mirror.max_bytes - mirror.usage_bytes()
+    assert mirror.ensure_room(room, in_use=set()) == [] and mirror.delta_dir(2).is_dir()  # fits as it is
+    assert mirror.ensure_room(room + 3000, in_use=set()) == [] and mirror.versions() == [1, 2]
+    assert sorted(os.listdir(mirror.dir)) == ["1", "2"]  # the delta files made the room
+    put_from_delta(mirror, 3)
+    # Short by more than they hold: they go, then the versions gc may remove.
+    assert mirror.ensure_room(mirror.max_bytes - mirror.usage_bytes() + 10_000, in_use=set()) == [1, 2]
+    assert sorted(os.listdir(mirror.dir)) == ["3"]
+
+
 def test_delta_files_that_do_not_fit_fail_the_stage_with_the_figures(mirror, monkeypatch):
     partial = mirror.begin(make_manifest(2, payload(2)))
     monkeypatch.setattr(mirror_mod, "_free_bytes", lambda path: 1000)

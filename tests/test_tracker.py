@@ -192,6 +192,44 @@ def test_a_node_that_committed_its_rebuild_leaves_the_delta_swarm_and_reclaim_fo
     assert tracker.summary() == {}
 
 
+def announce_kept(tracker: Tracker, node: str, delta: str = DELTA_VERSION.delta.digest) -> dict:
+    """``node`` holds version 4 complete and keeps the delta files it rebuilt it from."""
+    held = HeldVersion(digest=DELTA_VERSION.digest, delta=delta)
+    return tracker.announce(node, Announce(url=f"http://{node}:9300", versions={"4": held}), manifest_of)
+
+
+def test_a_node_keeping_the_delta_files_after_its_commit_holds_the_delta_swarm_complete():
+    """A node that rebuilt version 4 and keeps its delta files: delta pullers are sent to it for
+    every chunk, none from the origin; full pullers to it as well; once it no longer names
+    them (it committed another version) it leaves the delta swarm, and a puller alone takes
+    the delta from the origin."""
+    tracker = Tracker(clock=FakeClock(), rng=random.Random(9))
+    assert announce_kept(tracker, "kept") == {}  # nothing to pull: no view
+    assert tracker.summary() == {"4": {"holders": 1, "complete": 1, "pulling": 0, "given": 0},
+                                 "4.delta": {"holders": 1, "complete": 1, "pulling": 0, "given": 0}}
+    view = announce_delta(tracker, "late", 0)["4"]
+    assert [p["node"] for p in view["peers"]] == ["kept"]
+    assert from_hex(view["peers"][0]["chunks"], DELTA_CHUNKS) == full(DELTA_CHUNKS)
+    assert from_hex(view["origin"], DELTA_CHUNKS) == 0
+    view = announce_target(tracker, "full-puller", 0)["4"]
+    assert [p["node"] for p in view["peers"]] == ["kept"]
+    announce_target(tracker, "kept", None, pulling=False)  # the delta files dropped
+    assert tracker.summary()["4.delta"]["complete"] == 0 and tracker.summary()["4"]["complete"] == 1
+    view = announce_delta(tracker, "late", 0)["4"]
+    assert view["peers"] == [] and from_hex(view["origin"], DELTA_CHUNKS) != 0
+
+
+def test_kept_delta_files_count_only_beside_the_whole_version_and_with_the_sections_digest():
+    tracker = Tracker(clock=FakeClock())
+    announce_kept(tracker, "a", delta=DELTA_VERSION.digest)  # the target's digest named as the delta's
+    announce_kept(tracker, "b", delta="0" * 64)
+    held = HeldVersion(digest=DELTA_VERSION.digest, chunks=to_hex(1), pulling=True, delta=DELTA_VERSION.delta.digest)
+    tracker.announce("c", Announce(url="http://c:9300", versions={"4": held}), manifest_of)  # not whole
+    assert "4.delta" not in tracker.summary()
+    # the field is left out of an announcement without it: the body registries before it accept
+    assert "delta" not in HeldVersion(digest=DELTA_VERSION.digest).model_dump_json()
+
+
 def test_a_digest_that_is_neither_the_target_nor_the_delta_is_ignored():
     tracker = Tracker(clock=FakeClock())
     body = Announce(url="http://x:1", versions={"4": HeldVersion(digest=DELTA_VERSION.delta.base_digest)})

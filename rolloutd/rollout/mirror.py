@@ -6,7 +6,8 @@ Layout (contract; docs/plugin.md, "The mirror")::
     <dir>/<version>/manifest.json    the sealed manifest (``Manifest.model_dump_json()``)
     <dir>/<version>/.registry.json   where this copy came from: the registry instance, an id of the copy
     <dir>/.<version>.partial/        a pull in progress: files at full size (allocated as they are written)
-    <dir>/.<version>.partial/.delta/ a delta pull's delta files, removed before the commit
+    <dir>/.<version>.partial/.delta/ a delta pull's delta files while it runs
+    <dir>/.<version>.delta/          the delta files a version was rebuilt from, kept for peers (below)
     <dir>/.<version>.<rand>.trash/   a version being removed (renamed away first)
     <dir>/.spare/                    files of removed versions, kept for the next pull to overwrite
 
@@ -48,6 +49,14 @@ under a write lease, no other open file or mapping of it anywhere (a server stil
 removed version keeps its bytes: that file is deleted as before). Spares not taken by the next
 ``begin`` are deleted then, and count as free room meanwhile.
 
+Delta files kept for peers: a delta pull whose delta files peers may take from this node
+commits with ``keep_delta`` (:meth:`Mirror.commit`): its staged delta files move to
+``.<version>.delta`` instead of being removed, so that nodes pulling the same delta after this
+one committed still take it from here (docs/peers.md). They are dropped when the mirror commits
+any other version, when their version is removed, when room is short (before any version:
+:meth:`Mirror.ensure_room`), and at start (:meth:`Mirror.clean_partials`). So at most one
+version's delta files are kept, and they count in the mirror's usage like any file under it.
+
 The mirror does no I/O over the network and never imports torch.
 """
 
@@ -83,6 +92,7 @@ RECORD_NAME = ".registry.json"  # hidden: no manifest can name a file so (FILE_N
 _VERSION_RE = re.compile(r"^[1-9][0-9]{0,15}$")
 _PARTIAL_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.partial$")
 _TRASH_RE = re.compile(r"^\.[1-9][0-9]{0,15}\.[0-9a-f]+\.trash$")
+_KEPT_DELTA_RE = re.compile(r"^\.([1-9][0-9]{0,15})\.delta$")
 SPARE_NAME = ".spare"
 STAGE_NAME = ".delta"  # inside a partial directory: no manifest can name a file so (FILE_NAME_RE)
 
@@ -230,7 +240,8 @@ class Mirror:
         return problems
 
     def usage_bytes(self) -> int:
-        """Apparent size of everything under the mirror (partials, spares and leftovers included)."""
+        """Apparent size of everything under the mirror (partials, spares, delta files kept for
+        peers and leftovers included)."""
         return _tree_bytes(self.dir)
 
     def spare_bytes(self) -> int:
@@ -282,10 +293,14 @@ class Mirror:
         return partial
 
     @_mutation
-    def commit(self, partial: Partial) -> Path:
-        """Make the partial version complete: fsync, write the manifest, rename into place."""
+    def commit(self, partial: Partial, *, keep_delta: bool = False) -> Path:
+        """Make the partial version complete: fsync, write the manifest, rename into place. The
+        delta files staged in it are removed, or with ``keep_delta`` moved to
+        :meth:`delta_dir` for peers; every other version's kept delta files are dropped."""
         version = partial.manifest.version
-        _remove_tree(partial.dir / STAGE_NAME)  # a delta pull's files: never part of the version
+        staged = partial.dir / STAGE_NAME
+        if not keep_delta:
+            _remove_tree(staged)  # a delta pull's files: never part of the version
         for entry in partial.manifest.files:
             _fsync_file(partial.path(entry.name))
         _write_synced(partial.dir / MANIFEST_NAME, partial.manifest.model_dump_json().encode())
@@ -297,6 +312,11 @@ class Mirror:
             # Only a broken directory can be in the way (the puller returns early for a
             # complete one): move it away so the rename below stays one atomic step.
             self.remove(version, "replaced by a fresh pull")
+        self._drop_deltas(f"version {version} is committed")
+        if keep_delta and staged.is_dir():
+            # Before the version's own rename: a crash between the two leaves only hidden
+            # leftovers, which the next start removes.
+            os.rename(staged, self.delta_dir(version))
         os.rename(partial.dir, final)
         _fsync_dir(self.dir)
         self._commits += 1
@@ -346,6 +366,32 @@ class Mirror:
                 os.close(fd)
         return Partial(files, sdir, instance=partial.instance)
 
+    def delta_dir(self, version: int) -> Path:
+        """Where the delta files ``version`` was rebuilt from are kept for peers after its commit."""
+        return self.dir / f".{version}.delta"
+
+    def kept_delta_bytes(self) -> int:
+        """Bytes of the delta files kept for peers."""
+        return sum(_tree_bytes(path) for path in self._kept_deltas().values())
+
+    def _kept_deltas(self) -> dict[int, Path]:
+        found = {}
+        for entry in os.scandir(self.dir):
+            if (m := _KEPT_DELTA_RE.match(entry.name)) and entry.is_dir(follow_symlinks=False):
+                found[int(m.group(1))] = Path(entry.path)
+        return found
+
+    @_mutation
+    def _drop_deltas(self, why: str, version: int | None = None) -> int:
+        """Remove the kept delta files (of ``version`` only, if given); the bytes freed."""
+        freed = 0
+        for v, path in self._kept_deltas().items():
+            if version is None or v == version:
+                freed += _tree_bytes(path)
+                _remove_tree(path)
+                log.info("drop the delta files of version %d kept for peers (%s)", v, why)
+        return freed
+
     @_mutation
     def unstage(self, partial: Partial) -> None:
         """Remove the delta files staged in ``partial`` (nothing if there are none)."""
@@ -370,12 +416,14 @@ class Mirror:
 
     @_mutation
     def clean_partials(self) -> list[Path]:
-        """Remove what a crashed run left: ``.*.partial``, ``.*.trash`` and ``.spare``
-        directories (a spare file is recycled only straight after the check that nothing else
-        sees it). Call at start, before any pull."""
+        """Remove what a crashed run left: ``.*.partial``, ``.*.trash``, ``.spare`` and kept
+        ``.*.delta`` directories (a spare file is recycled only straight after the check that
+        nothing else sees it; the ledger that served kept delta files to peers is gone). Call at
+        start, before any pull."""
         removed = []
         for entry in os.scandir(self.dir):
-            if _PARTIAL_RE.match(entry.name) or _TRASH_RE.match(entry.name) or entry.name == SPARE_NAME:
+            if (_PARTIAL_RE.match(entry.name) or _TRASH_RE.match(entry.name) or _KEPT_DELTA_RE.match(entry.name)
+                    or entry.name == SPARE_NAME):
                 _remove_tree(Path(entry.path))
                 removed.append(Path(entry.path))
                 log.info("remove leftover %s", entry.path)
@@ -432,6 +480,10 @@ class Mirror:
         usage = self.usage_bytes() - self.spare_bytes()  # the next begin takes or frees them
         if usage + needed_bytes <= self.max_bytes:
             return []
+        # Delta files kept for peers go first: a saving for other nodes, never worth a version here.
+        if (freed := self._drop_deltas(f"room for {size(needed_bytes)} more")) and (
+                usage := usage - freed) + needed_bytes <= self.max_bytes:
+            return []
         keep = set(in_use) | ({self.newest()} - {None}) | set(self._pinned)
         sizes = {v: _tree_bytes(self.path(v)) for v in self._named_versions()}
         after = usage - sum(b for v, b in sizes.items() if v not in keep)  # once gc has run
@@ -480,6 +532,7 @@ class Mirror:
             os.rename(self.path(version), trash)
         except FileNotFoundError:
             return False
+        self._drop_deltas(f"version {version} is removed", version)
         _fsync_dir(self.dir)
         kept = self._keep_spares(trash) if complete else 0
         _remove_tree(trash)  # under the lock: ensure_room counts the bytes as free once it returns

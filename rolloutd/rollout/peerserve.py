@@ -4,7 +4,9 @@
 (``rolloutd.wire.ranges``) and error bodies (``{"error": {"code", "message"}}``): a complete
 version in the mirror whole; the pull in progress only inside chunks already checked (a range
 that touches another chunk is ``416``): a version's files, or, while it is pulled from its delta,
-its delta files (:meth:`Swarm.plan_delta`), from where the pull staged them. ``GET /healthz``
+its delta files (:meth:`Swarm.plan_delta`), from where the pull staged them; and, once a version
+pulled from its delta is committed, its delta files whole from where the mirror keeps them for
+peers (:meth:`Ledger.kept_delta`), until it drops them. ``GET /healthz``
 needs no token. Nothing else is served: no vLLM route, no admin action, no directory listing.
 
 It runs on its own thread with its own event loop (aiohttp, ``sendfile``): serving peers is pull
@@ -138,7 +140,7 @@ class PeerServer:
             return _error(err)
         version, name = int(request.match_info["version"]), request.match_info["name"]
         try:
-            path, size, allowed = self._locate(version, name)
+            paths, size, allowed = self._locate(version, name)
             span = parse_range(request.headers.get("range"), size)
             start, end = span or (0, size)
             if not allowed(start, end):
@@ -151,22 +153,26 @@ class PeerServer:
             headers["content-range"] = f"bytes {start}-{end - 1}/{size}"
         if request.method == "HEAD":
             return web.Response(status=status, headers=headers)
-        # The pull in progress may commit meanwhile: its partial file is then the complete one.
-        response = _Slice([path, self.mirror.path(version) / name], start, end, status, headers)
+        response = _Slice(paths, start, end, status, headers)
         self.served_bytes += end - start
         return response
 
     def _locate(self, version: int, name: str):
-        """(path, size, allowed(start, end)) of a file this node may serve, or a RegistryError."""
+        """(paths, size, allowed(start, end)) of a file this node may serve (the first of the
+        paths that opens is sent), or a RegistryError."""
         if not valid_file_name(name):
             raise errors.FileUnknown(f"no file {name[:200]!r}")
         manifest = self.ledger.complete(version)
         if manifest is not None:
-            entry = manifest.file(name)
-            if entry is None:
-                raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
-            return self.mirror.path(version) / name, entry.size, lambda a, b: True
+            if (entry := manifest.file(name)) is not None:
+                return [self.mirror.path(version) / name], entry.size, lambda a, b: True
+            kept = self.ledger.kept_delta(version)  # a delta file's name is never a version file's
+            if kept is not None and (entry := kept.files.file(name)) is not None:
+                return [kept.dir / name], entry.size, lambda a, b: True
+            # Or committed while its delta pull's view is still up: that view decides below.
         partial = self.ledger.partial(version)
+        if partial is None and manifest is not None:
+            raise errors.FileUnknown(f"version {version} has no file {name[:200]!r}")
         if partial is None:
             raise errors.VersionUnknown(f"version {version} is not held here")
         entry = partial.manifest.file(name)
@@ -180,13 +186,18 @@ class PeerServer:
             if bits is None or bits.digest != partial.digest:
                 # Committed meanwhile (or abandoned, or another pull of the version began: a delta
                 # pull that fell back to the whole version): the complete copy's file, if it has one
-                # (a delta file is never in it).
+                # (a delta file is never in it), or the delta files kept from this very pull.
                 done = self.ledger.complete(version)
-                return done is not None and done.file(name) is not None
+                kept = self.ledger.kept_delta(version)
+                return ((done is not None and done.file(name) is not None)
+                        or (kept is not None and kept.digest == partial.digest and kept.files.file(name) is not None))
             lo, hi = start // chunk_bytes, (end - 1) // chunk_bytes
             want = ((1 << (hi - lo + 1)) - 1) << (first_bit + lo)
             return bits.bits & want == want
-        return partial.dir / name, entry.size, checked
+        # The pull may commit meanwhile: its file is then the complete version's, or, for a delta
+        # file, where the mirror keeps it for peers (moved there by the commit, bytes unchanged).
+        return ([partial.dir / name, self.mirror.path(version) / name, self.mirror.delta_dir(version) / name],
+                entry.size, checked)
 
 
 class _Slice(web.StreamResponse):

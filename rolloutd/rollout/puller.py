@@ -23,8 +23,9 @@ Contract:
   into the partial directory (``Mirror.stage``), checked chunk by chunk as any file, then the
   pull workers rebuild every file of the version from the base and them
   (:func:`rolloutd.wire.delta.apply_and_verify`), each chunk checked against the version's
-  digests as it is written; the delta files are removed and the version committed with the
-  section dropped (``Manifest.target()``: the same digest), so the mirror holds an ordinary
+  digests as it is written; the delta files are removed (with peers on, kept for peers in
+  ``.<v>.delta`` until the mirror commits another version: docs/peers.md) and the version
+  committed with the section dropped (``Manifest.target()``: the same digest), so the mirror holds an ordinary
   full version. Any failure of that path (a delta chunk that fails ``max_chunk_retries`` + 1
   times, a delta that cannot be applied, a rebuilt chunk that differs, a damaged base, no room
   for the delta files) is logged at WARNING naming the version and file, kept in
@@ -478,7 +479,7 @@ class Puller:
     async def _pull_delta(self, manifest: Manifest, base: Manifest) -> PullResult:
         """Fetch the delta files into the partial directory, rebuild every target file from the
         base and them in the pull workers (each chunk checked against the target's digest as it
-        is written), drop the delta files and commit the target. PullError names the version
+        is written), drop the delta files (or keep them for peers) and commit the target. PullError names the version
         and file of a failure; the partial directory is discarded on every path but success."""
         target, files = manifest.target(), _delta_files(manifest)
         self.progress.start_delta(base.version, files.total_bytes)
@@ -487,6 +488,7 @@ class Puller:
         except MirrorFull as e:
             raise PullError(f"version {manifest.version}: no room for its delta files beside it: {e}") from None
         partial = await _settle(asyncio.to_thread(self.mirror.begin, target), self.mirror.discard)
+        plan: ChunkPlan | None = None
         try:
             try:
                 staged = await asyncio.to_thread(self.mirror.stage, partial, files)
@@ -496,13 +498,23 @@ class Puller:
             log.info("pull version %d from its delta on version %d: %d delta files, %d bytes for %d bytes of "
                      "version", manifest.version, base.version, len(files.files), files.total_bytes,
                      target.total_bytes)
-            await self._fetch_and_rebuild(manifest, base, partial, staged)
-            await asyncio.to_thread(self.mirror.unstage, partial)
+            plan = self.swarm.plan_delta(manifest, staged.manifest, staged.dir)
+            await self._fetch_and_rebuild(manifest, base, partial, staged, plan)
+            # Peers may still be fetching the delta: with peers on, its files stay served from
+            # beside the version until the mirror commits another one (docs/peers.md).
+            keep = plan.peers_on
+            if not keep:
+                await asyncio.to_thread(self.mirror.unstage, partial)
             self._set_state(PullState.COMMITTING)
-            await _settle(asyncio.to_thread(self.mirror.commit, partial))
+            await _settle(asyncio.to_thread(self.mirror.commit, partial, keep_delta=keep))
             partial = None
+            if keep and self.swarm.keep_delta(plan, manifest, self.mirror.delta_dir(manifest.version)):
+                log.info("keep the delta files of version %d (%d bytes) for peers until another version is "
+                         "committed", manifest.version, files.total_bytes)
             self._set_state(PullState.DONE)
         finally:
+            if plan is not None:  # served until here on every path; kept beyond only by keep_delta
+                self.swarm.finish(plan)
             if partial is not None:
                 await _settle(asyncio.to_thread(self.mirror.discard, partial))
         result = self._result(target)
@@ -512,11 +524,11 @@ class Puller:
                  result.reconstruct_s or 0.0, result.seconds, result.retries)
         return result
 
-    async def _fetch_and_rebuild(self, manifest: Manifest, base: Manifest, partial: Partial, staged: Partial) -> None:
-        """The delta files' chunks from the origin and, with peers on, from the nodes pulling the
-        same delta (``Swarm.plan_delta``: this node serves its checked delta chunks to them until
-        the rebuild ends), then one rebuild job per target file, on the same workers."""
-        plan = self.swarm.plan_delta(manifest, staged.manifest, staged.dir)
+    async def _fetch_and_rebuild(self, manifest: Manifest, base: Manifest, partial: Partial, staged: Partial,
+                                 plan: ChunkPlan) -> None:
+        """The delta files' chunks (``plan``: from the origin and, with peers on, from the nodes
+        that hold the same delta; this node serves its checked delta chunks meanwhile), then one
+        rebuild job per target file, on the same workers."""
         jobs = _rebuild_jobs(manifest, self.mirror.path(base.version), base, partial, staged)
         workers, streams = self._plan(max(plan.count, len(jobs)))
 
@@ -524,10 +536,7 @@ class Puller:
             if plan.count:
                 await self._chunks(plan, staged.manifest, staged, pool, min(streams, plan.count))
             await self._rebuild(jobs, pool, streams)
-        try:
-            await self._with_pool(manifest.version, workers, streams, work)
-        finally:
-            self.swarm.finish(plan)
+        await self._with_pool(manifest.version, workers, streams, work)
 
     async def _rebuild(self, jobs: list[ApplyJob], pool: FetchPool, streams: int) -> None:
         started, left = time.monotonic(), deque(jobs)

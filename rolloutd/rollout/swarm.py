@@ -25,11 +25,12 @@ target. While this node fetches the delta files and rebuilds the version from th
 (:meth:`Swarm.plan_delta`), it announces the version under the delta section's digest with a
 chunk map over the delta files (in the section's order) and serves the checked ones from where
 the pull staged them; the tracker hands pullers of the delta to holders of the delta. Once the
-version is committed the delta files are gone and the node announces the version itself, as
-any complete one. So a fleet that pulls a delta version together takes about one copy of the
-delta from the origin; a node that pulls it later, alone, takes the delta from the origin (the
-delta files are kept only while this node's own pull runs: no room in the mirror is spent on
-them beyond what the pull needs).
+version is committed the node announces the version itself, as any complete one, and keeps
+the delta files (the mirror moves them to ``.<v>.delta``, :meth:`Swarm.keep_delta`): it goes on
+serving them, and announcing itself a complete holder of the delta (``HeldVersion.delta``),
+until the mirror commits another version (or drops them for room, or the version is removed).
+So a fleet that pulls a delta version takes about one copy of the delta from the origin whether
+the nodes' pulls overlap or follow each other; room for one version's delta files is the cost.
 
 Without peers (``peers.enabled: false``) the plan hands out every chunk from the origin, in
 file order, and nothing is announced. The same for a version peers may not carry
@@ -114,6 +115,16 @@ class PartialView:
     digest: str = ""  # what is announced: the manifest's digest, or a delta section's for its delta files
 
 
+@dataclass(frozen=True)
+class KeptDelta:
+    """The delta files a complete version was rebuilt from, kept in ``dir`` for peers."""
+
+    version: int
+    files: Manifest  # the delta files alone (their names, sizes and chunks)
+    dir: Path
+    digest: str      # the delta section's digest: what is announced beside the version's
+
+
 def first_bits(manifest: Manifest) -> dict[str, int]:
     out, bit = {}, 0
     for f in manifest.files:
@@ -137,6 +148,7 @@ class Ledger:
         self.mirror = mirror
         self._lock = threading.Lock()
         self._partial: PartialView | None = None
+        self._kept: KeptDelta | None = None
         self._complete: dict[int, tuple[tuple[int, ...], Manifest | None]] = {}
         self._complete_lock = threading.Lock()  # the announcer's thread and the peer listener's share it
 
@@ -155,6 +167,22 @@ class Ledger:
     def end(self) -> None:
         with self._lock:
             self._partial = None
+
+    def keep_delta(self, kept: KeptDelta) -> None:
+        """Serve and announce ``kept`` (the delta files of a version just committed) while its
+        directory is there: the mirror removes it (the next commit, room, the version removed)."""
+        self._kept = kept
+
+    def kept_delta(self, version: int) -> KeptDelta | None:
+        """The delta files kept for ``version``, if the mirror still has them."""
+        k = self._kept  # one read: the view is immutable
+        if k is None or k.version != version:
+            return None
+        if not os.path.isdir(k.dir):  # dropped by the mirror: forget them
+            if self._kept is k:
+                self._kept = None
+            return None
+        return k
 
     def partial(self, version: int) -> PartialView | None:
         p = self._partial  # one read: the view is immutable
@@ -199,7 +227,8 @@ class Ledger:
         complete = [(v, m) for v in self.complete_versions() if (m := self.complete(v)) is not None
                     and peers_refused(m) is None]
         for version, manifest in complete[-self.MAX_HELD:]:
-            out[str(version)] = HeldVersion(digest=manifest.digest)
+            kept = self.kept_delta(version)
+            out[str(version)] = HeldVersion(digest=manifest.digest, delta=kept.digest if kept is not None else None)
         p = self._partial
         if p is not None and str(p.manifest.version) not in out:
             out[str(p.manifest.version)] = HeldVersion(digest=p.digest, chunks=to_hex(p.bits), pulling=True)
@@ -440,6 +469,17 @@ class Swarm:
         if self.settings.enabled:  # a plan without peers began no partial in the ledger: a no-op
             self.ledger.add(pick.bit)
             self._dirty.set()
+
+    def keep_delta(self, plan: ChunkPlan, manifest: Manifest, directory: Path) -> bool:
+        """The delta pull of ``plan`` ended with ``manifest``'s version committed and its delta
+        files moved to ``directory``: serve and announce them from there from now on (the
+        pull's staged view ends in the same step, so no peer request falls between). False, and
+        the pull simply finished, if its plan had no peers: nobody would take them."""
+        kept = plan.peers_on and self._plan is plan
+        if kept:
+            self.ledger.keep_delta(KeptDelta(manifest.version, plan.manifest, directory, manifest.delta.digest))
+        self.finish(plan)
+        return kept
 
     def finish(self, plan: ChunkPlan) -> None:
         if self._plan is plan:

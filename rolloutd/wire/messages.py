@@ -131,6 +131,16 @@ class HeldVersion(BaseModel):
     chunks: str | None = Field(None, pattern=HEX_RE.pattern, description="chunks held and checked, "
                                "bit i = chunk i of the version in manifest order, lowercase hex; null: all")
     pulling: bool = Field(False, description="a pull of it is in progress: the reply says where from")
+    delta: ManifestDigest | None = Field(None, description="the version held complete and also its delta files, "
+                                         "all of them: the delta section's digest (kept after the node rebuilt "
+                                         "the version from them, until it commits another version)")
+
+    @model_serializer(mode="wrap")
+    def _omit_unset(self, handler: SerializerFunctionWrapHandler):  # no return type: the schema stays the model's
+        data = handler(self)  # without it, the body is what registries before this field accept
+        if isinstance(data, dict) and data.get("delta", 0) is None:
+            del data["delta"]
+        return data
 
 
 class Announce(BaseModel):

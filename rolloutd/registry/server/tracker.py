@@ -26,7 +26,10 @@ A delta version's delta files are a swarm of their own, beside its target's: a n
 the version from its delta announces it under the delta section's digest (``Delta.digest``)
 with a chunk map over the delta files (in the section's order), and the reply for that version
 is about the delta files; a node holding the version complete announces the target's digest as
-ever. So the origin sends about one copy of the delta, however many nodes rebuild from it.
+ever, and, while it keeps the delta files it rebuilt the version from (until it commits another
+version), the delta section's digest beside it (``HeldVersion.delta``): a complete holder of the
+delta files too. So the origin sends about one copy of the delta, however many nodes rebuild
+from it, whether their pulls overlap or not.
 
 Cost per announcement: a few big-integer operations over the version's chunk maps (no loop
 over chunks nor over holders: the union of what holders have is kept as they announce, and
@@ -141,27 +144,19 @@ class Tracker:
                 continue  # unknown, reclaimed, or another registry's version of that number
             kind, count = which
             named.add((version, kind))
-            swarm = self._swarm((version, kind), count)
             try:
                 bits = full(count) if held.chunks is None else from_hex(held.chunks, count)
             except ValueError:
                 continue
-            before = swarm.holders.get(node)
-            if before is None:
-                swarm.names.append(node)
-            elif before.bits & ~bits:
-                swarm.stale = True  # it lost chunks (a damaged copy removed, pulled again): off the union
-            swarm.holders[node] = _Held(body.url, bits, held.pulling, now)
-            if node not in self._suspect:
-                swarm.union |= bits
-            if held.pulling and bits != full(count):
-                swarm.pulling.add(node)
-            else:
-                swarm.pulling.discard(node)
-            for chunk in ones(bits & swarm.given_bits):
-                swarm.take_back(chunk)  # delivered (by whoever was given it): it is held now
+            swarm = self._hold(node, body.url, (version, kind), count, bits, held.pulling, now)
             if held.pulling and bits != full(count):
                 views[key] = self._view(swarm, node, bits, now)
+            if held.delta is not None and kind == "" and bits == full(count) and (
+                    delta := _swarm_of(manifest, held.delta)) is not None and delta[0] == DELTA:
+                # The version complete, and the delta files it was rebuilt from kept: a holder
+                # of the delta swarm too, complete, for the nodes that pull the same delta later.
+                named.add((version, DELTA))
+                self._hold(node, body.url, (version, DELTA), delta[1], full(delta[1]), False, now)
         for gone in self._nodes.get(node, set()) - named:
             self._drop(gone, node)
         self._nodes[node] = named
@@ -213,6 +208,26 @@ class Tracker:
         swarm = self._swarms.get(key)
         if swarm is None:
             swarm = self._swarms[key] = _Swarm(count)
+        return swarm
+
+    def _hold(self, node: str, url: str, key: tuple[int, str], count: int, bits: int, pulling: bool,
+              now: float) -> _Swarm:
+        """Record that ``node`` holds chunks ``bits`` of swarm ``key``: its swarm."""
+        swarm = self._swarm(key, count)
+        before = swarm.holders.get(node)
+        if before is None:
+            swarm.names.append(node)
+        elif before.bits & ~bits:
+            swarm.stale = True  # it lost chunks (a damaged copy removed, pulled again): off the union
+        swarm.holders[node] = _Held(url, bits, pulling, now)
+        if node not in self._suspect:
+            swarm.union |= bits
+        if pulling and bits != full(count):
+            swarm.pulling.add(node)
+        else:
+            swarm.pulling.discard(node)
+        for chunk in ones(bits & swarm.given_bits):
+            swarm.take_back(chunk)  # delivered (by whoever was given it): it is held now
         return swarm
 
     def _drop(self, key: tuple[int, str], node: str) -> None:
