@@ -67,6 +67,12 @@ OWNED_FLAGS = {
 # there, <TMPDIR>/<uuid4>: such a path must fit a UNIX socket's.
 SCRATCH = "scratch"
 SCRATCH_SOCKET_TAIL = len("/12345678/") + 36  # the directory's random name, then a uuid4
+# vLLM's flags of a data-parallel server spread over several nodes (or of a node serving some of its
+# engines): the pause and the update would reach only this node's part of it.
+SPANNING_FLAGS = {"--nnodes", "-n", "--node-rank", "-r", "--headless", "--data-parallel-size-local", "-dpl",
+                  "--data-parallel-address", "-dpa", "--data-parallel-start-rank", "-dpr", "--data-parallel-rank",
+                  "--data-parallel-rpc-port", "-dpp", "--data-parallel-external-lb", "--data-parallel-hybrid-lb",
+                  "--data-parallel-multi-port-external-lb"}
 # The longest path a UNIX socket can have (sun_path is 108 bytes with its terminating NUL).
 SOCKET_PATH_MAX = 107
 OWNED_ENV = {
@@ -135,6 +141,9 @@ def _args_problems(args: list[str]) -> list[tuple[Loc, str]]:
         owned = flag.replace("_", "-") if flag.startswith("--") else flag
         if owned in OWNED_FLAGS:
             out.append(((i,), f"{flag} {OWNED_FLAGS[owned]}"))
+        elif owned in SPANNING_FLAGS:
+            out.append(((i,), f"{flag} is refused: a server whose engines span several nodes is not supported "
+                              "(rolloutd supervises, pauses and updates each server of its node whole)"))
     return out
 
 

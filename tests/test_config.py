@@ -184,6 +184,17 @@ def test_gpus_and_cpus_must_fit_the_parallel_shape():
         "c.yaml:9: servers[0].args: --tensor-parallel-size takes a positive integer, got '0'"]
 
 
+def test_a_server_spanning_several_nodes_is_refused():
+    text = edit("gpus: [0]", "args: [-dp, 4, --data-parallel-size-local=2, -dpa, 10.0.0.1]") + (
+        "vllm:\n  args: [--headless]\n")
+    assert [line.split(" is refused")[0] for line in problems(text)] == [
+        "c.yaml:9: servers[0].args[2]: --data-parallel-size-local", "c.yaml:9: servers[0].args[3]: -dpa",
+        "c.yaml:15: vllm.args[0]: --headless"]
+    assert problems(edit("gpus: [0]", "args: [--nnodes, 2]"))[0].endswith(
+        "a server whose engines span several nodes is not supported (rolloutd supervises, pauses and updates each "
+        "server of its node whole)")
+
+
 @pytest.mark.parametrize("cpus, workers, bind", [
     ([0], 1, "0"), ([1, 0], 2, "0|1"), ([0, 1, 2], 2, "0,1|2"), ([4, 5, 6, 7], 2, "4,5|6,7"),
     ([0, 1, 2, 3, 4], 4, "0,1|2|3|4")])
