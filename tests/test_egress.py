@@ -82,13 +82,12 @@ def test_a_delta_version_leaves_the_registry_once_and_every_node_rebuilds_it(tmp
     assert v2["kinds"] == ["delta"] and v2["bytes_fetched_per_node"] == [v2["delta_bytes"]] * NODES, out
     assert v2["delta_of_full"] < 0.05, out  # a small step: a small delta
     # Every delta byte a node fetched came from the registry or a peer, as /status pull_sources says,
-    # and peers never add to the registry's copies. How many copies peers save depends on how long
-    # the nodes' delta pulls overlap: a node serves its delta files only until its own rebuild ends
-    # (docs/deltas.md, "Not yet"); on a quiet machine a half-MiB delta's rebuild ends so fast that
-    # this run may take a copy per node from the registry.
+    # and the registry sent about one copy: a node that committed first goes on serving its delta
+    # files (until it commits another version), however fast its rebuild ended.
     copies = v2["registry_file_per_delta"] + v2["bytes_from_peers"] / v2["delta_bytes"]
     assert abs(copies - NODES) < 0.01, out
-    assert v2["registry_file_per_delta"] <= NODES + 0.01, out
-    # Every packet of the trainer's link: at most the delta's bytes once per node, and the manifests,
-    # long polls and announcements of a few seconds, which weigh on a delta of half a MiB.
-    assert v2["trainer_tx_per_delta"] < NODES + 1.5, out
+    assert v2["registry_file_per_delta"] <= 1.5, out  # NODES copies if peers did not carry the delta files
+    assert v2["bytes_from_peers"] >= (NODES - 1.5) * v2["delta_bytes"], out  # as /status pull_sources says
+    # Every packet of the trainer's link: the delta's bytes once, and the manifests, long polls and
+    # announcements of a few seconds, which weigh on a delta of half a MiB (not on a real one).
+    assert v2["trainer_tx_per_delta"] < NODES - 0.5, out
