@@ -275,7 +275,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_fleet(sub)
     from rolloutd.demo.rl import add_parser as add_rl
     from rolloutd.demo.serve import add_parser as add_demo
-    add_rl(add_demo(sub))  # `rolloutd demo rl` under `rolloutd demo`
+    from rolloutd.demo.trl import add_parser as add_trl
+    demos = add_demo(sub)
+    add_rl(demos)  # `rolloutd demo rl` under `rolloutd demo`
+    add_trl(demos)  # `rolloutd demo trl`
     return parser
 
 

@@ -247,5 +247,6 @@ def add_parser(sub) -> argparse._SubParsersAction:
     p.add_argument("--verbose", dest="live_logs", action="store_true",
                    help="show the daemon's and vLLM's logs here as they come (default: in a file it names)")
     p.set_defaults(func=run_demo)
-    # `rolloutd demo rl`: the trainer's side, learning through the fleet (rolloutd/demo/rl.py)
-    return p.add_subparsers(dest="demo", metavar="[rl]", required=False)
+    # `rolloutd demo rl` and `rolloutd demo trl`: the trainer's side, learning through the fleet
+    # (rolloutd/demo/rl.py, trl.py)
+    return p.add_subparsers(dest="demo", metavar="[rl|trl]", required=False)
