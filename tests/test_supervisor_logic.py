@@ -942,6 +942,8 @@ def test_vllm_logs_no_line_per_request_unless_asked_and_the_operators_own_flags_
     assert "--disable-access-log-for-endpoints" not in argv(vllm={"log_every_request": True})
     own = argv(vllm={"args": ["--disable-uvicorn-access-log"]})
     assert own[-1] == "--disable-uvicorn-access-log" and "--disable-access-log-for-endpoints" not in own
+    own = argv(vllm={"args": ["--log_config_file=/etc/vllm-log.json"]})  # vLLM's parser takes `_` for `-`
+    assert "--disable-access-log-for-endpoints" not in own
     servers = [{"name": "s0", "model": "m", "public_port": 9001, "args": ["--disable-access-log-for-endpoints=/x"]}]
     assert argv(servers=servers).count("--disable-access-log-for-endpoints=/x") == 1
     assert "--disable-access-log-for-endpoints" not in argv(servers=servers)

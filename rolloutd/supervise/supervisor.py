@@ -88,7 +88,9 @@ _ACCESS_LOG_FLAGS = ("--disable-uvicorn-access-log", "--disable-access-log-for-e
 
 def child_argv(cfg: Config, server: ServerConfig) -> list[str]:
     extra = [*cfg.vllm.args, *server.args]
-    quiet = [] if cfg.vllm.log_every_request or any(a.split("=", 1)[0] in _ACCESS_LOG_FLAGS for a in extra) else [
+    # vLLM's parser takes `_` for `-` in long flags: `--disable_uvicorn_access_log` is the operator's too.
+    quiet = [] if cfg.vllm.log_every_request or any(a.split("=", 1)[0].replace("_", "-") in _ACCESS_LOG_FLAGS
+                                                    for a in extra) else [
         "--disable-access-log-for-endpoints", ",".join(QUIET_ROUTES)]
     return [*cfg.vllm.command, server.model, "--uds", str(cfg.socket_path(server.name)),
             "--weight-transfer-config", json.dumps({"backend": "rolloutd"}), "--enable-scale-out",
