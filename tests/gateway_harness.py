@@ -71,16 +71,7 @@ class GatewayThread:
         """What the gateway holds for its client connections right now: requests read and not yet
         answered, request bytes held (heads and bodies), and bytes waiting to be written to clients."""
         async def measure() -> dict[str, int]:
-            out = {"connections": 0, "queued": 0, "request_bytes": 0, "write_bytes": 0}
-            for client in list(self.gateway._clients):
-                exchanges = list(client.queue) + ([client.reading] if client.reading is not None else [])
-                out["connections"] += 1
-                out["queued"] += len(client.queue)
-                out["request_bytes"] += sum(len(ex.target) + len(ex.body) + sum(len(n) + len(v) for n, v in ex.headers)
-                                            for ex in exchanges) + len(getattr(client, "stash", None) or b"")
-                if client.transport is not None and not client.transport.is_closing():
-                    out["write_bytes"] += client.transport.get_write_buffer_size()
-            return out
+            return self.gateway.buffered()
         return self._call(measure())
 
     def requests(self, route: str, code: int) -> float:

@@ -28,7 +28,6 @@ error ``{"error": {"code", "message"}}``.
 from __future__ import annotations
 
 import asyncio
-import time
 
 from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.metrics import Metrics
@@ -121,14 +120,15 @@ class Policy:
 
     # -- when it is forwarded -------------------------------------------------------------------
     async def ready(self, deadline: float) -> None:
-        """Return once the server serves; Unavailable when it will not within the policy."""
+        """Return once the server serves; Unavailable when it will not by ``deadline`` (the
+        event loop's clock)."""
         if self._serving.is_set():
             return
         if self.state is not ServerState.UPDATING or self.settings.while_paused == "reject":
             raise Unavailable(f"server {self.name} is {self.state.name}")
         self.metrics.gateway_held.labels(server=self.name).inc()
         try:
-            async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            async with asyncio.timeout(max(0.0, deadline - asyncio.get_running_loop().time())):
                 await self._serving.wait()
         except TimeoutError:
             raise Unavailable(f"server {self.name} still {self.state.name} after "
