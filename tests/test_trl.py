@@ -16,12 +16,12 @@ from pathlib import Path
 import pytest
 
 from rolloutd.fleet import Generation, Sampling, Span
-from rolloutd.integrations.trl import (
+from rolloutd.integrations.batches import (
     Batch,
-    FleetConfig,
-    FleetGeneration,
     StaleSample,
     UnsupportedSetting,
+    check_batch,
+    logprob_rows,
     request_seed,
     sampling_of,
 )
@@ -73,48 +73,30 @@ def test_request_seeds_differ_per_sample_call_and_process():
     assert request_seed(7, 0, 1, 2) == request_seed(7, 0, 1, 2)
 
 
-# -- one batch's checks, without a trainer ------------------------------------------------------------
-
-def bare_generation(version: int, k: int) -> tuple[FleetGeneration, dict]:
-    """A FleetGeneration without TRL's constructor (no model, no fleet): the pure parts only."""
-    recorded: dict[str, list[float]] = {}
-    g = FleetGeneration.__new__(FleetGeneration)
-    g.config, g.version, g.batches = FleetConfig(max_staleness=k), version, []
-    g.record = lambda name, value: recorded.setdefault(name, []).append(value)
-    return g, recorded
-
+# -- one batch's checks ----------------------------------------------------------------------------------
 
 def gen(tokens: list[int], spans: list[Span], top=None) -> Generation:
     return Generation([1], tokens, [-0.1 * (i + 1) for i in range(len(tokens))], top, "length", spans, ["n.cpu0"])
 
 
 def test_samples_within_the_bound_are_taken_and_their_staleness_logged():
-    g, recorded = bare_generation(version=5, k=1)
-    g._check_and_record([gen([3, 4], [Span(4, 0, 1), Span(5, 1, 2)]), gen([3], [Span(5, 0, 1)])], g.floor())
-    assert recorded["rolloutd/oldest_version"] == [4.0] and recorded["rolloutd/staleness"] == [1.0]
-    assert g.batches == [Batch(5, 4, [[4, 5], [5]], [["n.cpu0"], ["n.cpu0"]])]
+    batch, metrics = check_batch([gen([3, 4], [Span(4, 0, 1), Span(5, 1, 2)]), gen([3], [Span(5, 0, 1)])], 5, 1)
+    assert metrics == {"rolloutd/version": 5.0, "rolloutd/oldest_version": 4.0, "rolloutd/staleness": 1.0,
+                       "rolloutd/replicas": 1.0}
+    assert batch == Batch(5, 4, [[4, 5], [5]], [["n.cpu0"], ["n.cpu0"]], [[3, 4], [3]])
 
 
 @pytest.mark.parametrize("spans", [[Span(3, 0, 2)], [Span(5, 0, 1), Span(3, 1, 2)], [Span(None, 0, 2)]])
 def test_a_sample_older_than_the_bound_is_refused(spans):
-    g, recorded = bare_generation(version=5, k=1)
     with pytest.raises(StaleSample, match="below 4"):
-        g._check_and_record([gen([3, 4], spans)], g.floor())
-    assert recorded == {}
+        check_batch([gen([3, 4], [Span(5, 0, 2)]), gen([3, 4], spans)], 5, 1)
 
 
 def test_logprobs_put_the_sampled_token_first_then_the_top_k_others():
-    g, _ = bare_generation(version=1, k=0)
-    one = gen([7, 8], [Span(1, 0, 2)], top=[[(9, -0.05), (7, -0.1)], [(8, -0.2), (11, -1.0)]])
-    lps, ids = g._logprobs_of(one)
+    lps, ids = logprob_rows(gen([7, 8], [Span(1, 0, 2)], top=[[(9, -0.05), (7, -0.1)], [(8, -0.2), (11, -1.0)]]))
     assert ids == [[7, 9], [8, 11]] and lps == [[-0.1, -0.05], [-0.2, -1.0]]
-    lps, ids = g._logprobs_of(gen([7, 8], [Span(1, 0, 2)]))
+    lps, ids = logprob_rows(gen([7, 8], [Span(1, 0, 2)]))
     assert ids == [[7], [8]] and lps == [[-0.1], [-0.2]]  # TRL's shape with logprobs=0: one per position
-
-
-def test_staleness_bound_must_not_be_negative():
-    with pytest.raises(ValueError, match="max_staleness"):
-        FleetConfig(max_staleness=-1)
 
 
 # -- real TRL trainers ------------------------------------------------------------------------------------
@@ -156,10 +138,13 @@ def trl_args(kind: str, out: Path, steps: int, **kw):
                   save_strategy="no", seed=0, temperature=1.0, disable_tqdm=True, dataloader_num_workers=0, **kw)
 
 
+@pytest.mark.slow  # imports TRL (10 s or more) and builds a real trainer
 def test_a_setting_the_fleet_cannot_honour_fails_the_trainer_build(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rolloutd.integrations.trl import GRPOTrainer
+    from rolloutd.integrations.trl import FleetConfig, GRPOTrainer
+    with pytest.raises(ValueError, match="max_staleness"):
+        FleetConfig(max_staleness=-1)
     model_dir = policy(tmp_path / "policy")
     args = trl_args("grpo", tmp_path / "out", 1, generation_kwargs={"n": 4})
     with pytest.raises(UnsupportedSetting, match=r"generation_kwargs\['n'\]"):
@@ -219,7 +204,7 @@ class ServedExactly:
 
     PROBE = [1, 3, 5, 4, 6, 7]
 
-    def __init__(self, generation: FleetGeneration):
+    def __init__(self, generation):
         from transformers import TrainerCallback
 
         outer = self
@@ -264,6 +249,7 @@ def run_trainer(kind: str, fleet: Fleet, tmp_path: Path, steps: int, k: int):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rolloutd.integrations import trl as integration
+    from rolloutd.integrations.trl import FleetConfig
     torch.set_num_threads(1)  # the servers have the cores
     model = AutoModelForCausalLM.from_pretrained(fleet.model_dir, dtype=torch.float32, attn_implementation="eager")
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
@@ -286,6 +272,8 @@ def run_trainer(kind: str, fleet: Fleet, tmp_path: Path, steps: int, k: int):
     assert [b.version for b in batches] == gen.published  # one batch per step, each after its publish
     for b in batches:
         assert all(v is not None and b.version - k <= v <= b.version for s in b.versions for v in s), b
+    groups = [batches[0].completions[i:i + 4] for i in range(0, len(batches[0].completions), 4)]
+    assert all(len({tuple(c) for c in g}) > 1 for g in groups), groups  # seeded apart: a group is not copies
     replicas = {r for b in batches for s in b.replicas for r in s}
     assert len(replicas) == 2, replicas  # both servers generated
     logs = [e for e in trainer.state.log_history if "rolloutd/staleness" in e]

@@ -22,16 +22,15 @@ num_generations, profiler)``. :class:`FleetGeneration` is that object on a fleet
 
 :class:`GRPOTrainer` and :class:`RLOOTrainer` are TRL's, built with ``fleet=FleetConfig(...)``;
 :func:`equip` does the same to a trainer built with ``use_vllm=False``. TRL's generation settings
-map onto :class:`~rolloutd.fleet.Sampling` in :func:`sampling_of`; one that the fleet cannot
-honour raises :class:`UnsupportedSetting` when the trainer is built.
+map onto :class:`~rolloutd.fleet.Sampling` (:mod:`rolloutd.integrations.batches`); one that the
+fleet cannot honour raises :class:`UnsupportedSetting` when the trainer is built.
 """
 
 from __future__ import annotations
 
 import copy
-import hashlib
 import logging
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,34 +39,25 @@ import trl
 from accelerate.utils import broadcast_object_list, is_peft_model
 from trl.generation.vllm_generation import VLLMGeneration
 
-from rolloutd.fleet import FleetSync, Generation, Sampling
-from rolloutd.fleet.sampling import MAX_TOP_LOGPROBS
+from rolloutd.fleet import FleetSync
+from rolloutd.integrations.batches import (
+    Batch,
+    StaleSample,
+    UnsupportedSetting,
+    check_batch,
+    floor_of,
+    logprob_rows,
+    raw_logprobs_warning,
+    request_seed,
+    sampling_of,
+)
+
+__all__ = ["FleetConfig", "FleetGeneration", "GRPOTrainer", "RLOOTrainer", "equip", "Batch", "StaleSample",
+           "UnsupportedSetting"]
 
 log = logging.getLogger("rolloutd.integrations.trl")
-
 KEEP_BATCHES = 64  # the last generate calls kept for inspection (FleetGeneration.batches)
-# generation_kwargs that are vLLM sampling parameters the token-in/token-out route applies as given
-PASSED_THROUGH = frozenset({"presence_penalty", "frequency_penalty", "min_tokens", "allowed_token_ids"})
-# generation_kwargs that set a field of Sampling (TRL lets them override its own settings)
-FIELDS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-          "max_tokens": "max_tokens", "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos"}
-WHY_NOT = {
-    "n": "each sample is its own request (num_generations sets how many), so that a group spreads over servers",
-    "logprobs": "the trainer's logprobs setting decides it (the sampled token's logprob is always returned)",
-    "prompt_logprobs": "the fleet returns no prompt logprobs",
-    "structured_outputs": "structured outputs are not passed to the fleet",
-    "guided_decoding": "structured outputs are not passed to the fleet",
-    "stop": "stop strings need detokenising on the server; use stop_token_ids",
-    "detokenize": "the fleet generates token ids only",
-}
 
-
-class UnsupportedSetting(ValueError):
-    """A TRL generation setting that generating on the fleet cannot honour."""
-
-
-class StaleSample(RuntimeError):
-    """A sample came from weights older than the staleness bound allows (or from a start model)."""
 
 
 @dataclass
@@ -110,79 +100,7 @@ class FleetConfig:
         return url
 
 
-# -- settings ----------------------------------------------------------------------------------------
-
-def sampling_of(*, temperature: float = 1.0, top_p: float = 1.0, top_k: int | None = 0, min_p: float | None = 0.0,
-                repetition_penalty: float = 1.0, max_completion_length: int = 16, logprobs: int | None = 0,
-                generation_kwargs: dict | None = None,
-                structured_outputs_regex: str | None = None) -> tuple[Sampling, int | None]:
-    """TRL's generation settings (``VLLMGeneration``'s arguments) as one :class:`Sampling`, and
-    the seed ``generation_kwargs`` names (None: none). UnsupportedSetting for any that the fleet
-    cannot honour: nothing is dropped silently."""
-    if structured_outputs_regex is not None:
-        raise UnsupportedSetting("vllm_structured_outputs_regex: structured outputs are not passed to the fleet")
-    top = int(logprobs or 0)
-    if not 0 <= top <= MAX_TOP_LOGPROBS:
-        raise UnsupportedSetting(f"logprobs={logprobs}: the fleet returns at most {MAX_TOP_LOGPROBS} top logprobs")
-    fields: dict[str, Any] = {"temperature": float(temperature), "top_p": float(top_p), "top_k": int(top_k or 0),
-                              "min_p": float(min_p or 0.0), "max_tokens": int(max_completion_length)}
-    extra: dict[str, Any] = {}
-    if repetition_penalty != 1.0:
-        extra["repetition_penalty"] = float(repetition_penalty)
-    seed = None
-    for key, value in (generation_kwargs or {}).items():
-        if key == "seed":
-            seed = None if value is None else int(value)
-        elif key == "repetition_penalty":
-            extra.pop(key, None)
-            if value != 1.0:
-                extra[key] = float(value)
-        elif key in FIELDS:
-            fields[FIELDS[key]] = tuple(value) if key == "stop_token_ids" else value
-        elif key in PASSED_THROUGH:
-            extra[key] = value
-        elif key in WHY_NOT:
-            raise UnsupportedSetting(f"generation_kwargs[{key!r}]: {WHY_NOT[key]}")
-        else:
-            raise UnsupportedSetting(
-                f"generation_kwargs[{key!r}] is not one the fleet is known to honour; supported: "
-                f"{', '.join(sorted({'seed', 'repetition_penalty', *FIELDS, *PASSED_THROUGH}))}")
-    try:
-        return Sampling(**fields, logprobs=True, top_logprobs=top, extra=extra), seed
-    except ValueError as e:
-        raise UnsupportedSetting(str(e)) from None
-
-
-def request_seed(seed: int, process: int, call: int, index: int) -> int:
-    """A seed per request, below 2**31, different for every sample of every call on every process."""
-    digest = hashlib.blake2b(f"{seed}:{process}:{call}:{index}".encode(), digest_size=4).digest()
-    return int.from_bytes(digest, "big") >> 1
-
-
-def raw_logprobs_warning(sampling: Sampling) -> str | None:
-    """vLLM returns logprobs before temperature and truncation unless the server runs with
-    ``--logprobs-mode processed_logprobs``; TRL's importance-sampling correction wants them after."""
-    shaped = (sampling.temperature != 1.0 or sampling.top_p < 1.0 or sampling.top_k > 0 or sampling.min_p > 0
-              or "repetition_penalty" in sampling.extra)
-    if not shaped:
-        return None
-    return ("temperature/top_p/top_k/min_p/repetition_penalty change the sampling distribution: start every "
-            "`vllm serve` with `--logprobs-mode processed_logprobs` (vllm.args in rolloutd.yaml) so that the "
-            "logprobs TRL's importance-sampling correction uses are the ones sampled from")
-
-
 # -- the generation backend ----------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Batch:
-    """What one ``generate`` call got: the trainer's version then, the floor it asked for, and each
-    sample's versions (oldest first per span) and replicas."""
-
-    version: int
-    floor: int
-    versions: list[list[int | None]]
-    replicas: list[list[str]]
-
 
 class FleetGeneration(VLLMGeneration):
     """TRL's ``VLLMGeneration`` on a rolloutd fleet: publish to the registry, generate on the
@@ -228,7 +146,7 @@ class FleetGeneration(VLLMGeneration):
 
     def floor(self) -> int:
         """The oldest version a sample may come from now."""
-        return max(1, self.version - self.config.max_staleness)
+        return floor_of(self.version, self.config.max_staleness)
 
     # -- weights --------------------------------------------------------------------------------
     def sync_weights(self) -> None:
@@ -288,36 +206,13 @@ class FleetGeneration(VLLMGeneration):
         finally:
             for f in futures:
                 f.cancel()
-        self._check_and_record(gens, floor)
-        logprobs, token_ids = zip(*(self._logprobs_of(g) for g in gens), strict=True) if gens else ((), ())
+        batch, metrics = check_batch(gens, self.version, self.config.max_staleness)
+        self.batches.append(batch)
+        for name, value in metrics.items():
+            self.record(name, value)
+        logprobs, token_ids = zip(*(logprob_rows(g) for g in gens), strict=True) if gens else ((), ())
         return [list(p) for p in prompts], [g.token_ids for g in gens], list(logprobs), list(token_ids)
 
-    def _check_and_record(self, gens: list[Generation], floor: int) -> None:
-        for g in gens:
-            oldest = g.min_version
-            if g.token_ids and (oldest is None or oldest < floor):
-                raise StaleSample(f"a sample came from version {oldest} (weight_versions {g.weight_versions}), "
-                                  f"below {floor} = version {self.version} - k {self.config.max_staleness}")
-        oldest = min((g.min_version for g in gens if g.token_ids), default=self.version)
-        self.record("rolloutd/version", float(self.version))
-        self.record("rolloutd/oldest_version", float(oldest))
-        self.record("rolloutd/staleness", float(self.version - oldest))
-        replicas = Counter(r for g in gens for r in g.replicas)
-        self.record("rolloutd/replicas", float(len(replicas)))
-        self.batches.append(Batch(self.version, floor, [g.versions for g in gens], [g.replicas for g in gens]))
-
-    def _logprobs_of(self, g: Generation) -> tuple[list[list[float]], list[list[int]]]:
-        """Per position: the sampled token first, then the top-k others (when TRL asked for them)."""
-        lps, ids = [], []
-        for i, (tok, lp) in enumerate(zip(g.token_ids, g.logprobs or [], strict=True)):
-            row_lp, row_id = [lp], [tok]
-            for other, other_lp in (g.top_logprobs[i] if g.top_logprobs else []):
-                if other != tok:
-                    row_lp.append(other_lp)
-                    row_id.append(other)
-            lps.append(row_lp)
-            ids.append(row_id)
-        return lps, ids
 
 
 # -- the trainers ----------------------------------------------------------------------------------------
