@@ -16,10 +16,10 @@ from rolloutd.gateway.connection import (
     PIPELINE_MAX,
     Connection,
     Do,
-    Exchange,
     IllegalArrow,
     Reading,
 )
+from rolloutd.gateway.exchange import Exchange
 from rolloutd.gateway.policy import Policy
 from rolloutd.metrics import Metrics
 from rolloutd.wire.states import ServerState

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import collections
 import enum
-import http
-import json
 from typing import Any
 
 import httptools
 
 from rolloutd.config import Gateway as GatewaySettings
+from rolloutd.gateway.exchange import MIN_VERSION, Exchange, error_bytes
 from rolloutd.gateway.policy import Policy
 from rolloutd.wire import version_contract
 
@@ -40,12 +39,6 @@ MAX_HEADERS = 128  # header lines of one request (64 KiB of tiny ones would be t
 PIPELINE_MAX = 16  # requests of one connection read ahead of the one being answered
 FEED_BYTES = 4096  # what one read is parsed in pieces of, so that reading ahead stops near PIPELINE_MAX
 
-# Per-connection headers (RFC 9110 7.6.1), framing (set by the relay itself), the client's token,
-# and what must not pass: the relay answers ``Expect`` itself and names no server.
-HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization", b"proxy-connection",
-                 b"te", b"trailer", b"transfer-encoding", b"upgrade", b"content-length"})
-_MIN_VERSION = version_contract.MIN_VERSION_HEADER.lower().encode()
-_DROP_REQUEST = HOP | {b"host", b"authorization", b"expect", _MIN_VERSION}
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 _BAD_VERSION = -1
 
@@ -88,72 +81,6 @@ class Do(enum.Enum):
 
 
 Action = tuple[Do, Any]
-
-
-class Exchange:
-    """One request from a client and what the gateway does with it."""
-
-    __slots__ = ("client", "method", "target", "path", "headers", "authorization", "length", "expect", "body",
-                 "dropped", "refusal", "keep_alive", "http10", "deadline", "task", "upstream", "min_version")
-
-    def __init__(self, client: Any):
-        self.client = client  # the adapter of the connection it came on (relay.py), for its answer
-        self.method = ""
-        self.path = ""
-        self.target = b""
-        self.headers: list[tuple[bytes, bytes]] = []
-        self.authorization: bytes | None = None
-        self.length: int | None = None  # Content-Length, when given
-        self.expect = False
-        self.body = bytearray()
-        self.dropped = 0  # body bytes of a refused request, read and dropped
-        self.refusal: tuple | None = None
-        self.keep_alive = True
-        self.http10 = False
-        self.deadline = 0.0  # the longest it is held while the server is paused (the clock given to the core)
-        self.task: Any = None  # the adapter's: the task that waits to forward it
-        self.upstream: Any = None  # the adapter's: the connection to vLLM answering it
-        self.min_version: int | None = None  # X-Rolloutd-Min-Version (_BAD_VERSION: not a version)
-
-    def request_bytes(self, host: bytes, connection_tokens: frozenset[bytes]) -> bytes:
-        """The request as sent to vLLM: the same target, method, headers and body; a Host of
-        its own, framing of its own (the whole body is here), nothing per-connection."""
-        lines = [b"%s %s HTTP/1.1\r\nHost: %s\r\n" % (self.method.encode(), self.target, host)]
-        for name, value in self.headers:
-            low = name.lower()
-            if low not in _DROP_REQUEST and low not in connection_tokens:
-                lines.append(b"%s: %s\r\n" % (name, value))
-        if self.body or self.method != "GET":
-            lines.append(b"Content-Length: %d\r\n" % len(self.body))
-        lines.append(b"\r\n")
-        lines.append(self.body)
-        return b"".join(lines)
-
-    def held_bytes(self) -> int:
-        """What this request holds of the connection's read-ahead bound."""
-        return len(self.target) + len(self.body) + sum(len(n) + len(v) + 4 for n, v in self.headers)
-
-
-def connection_tokens(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
-    """Header names a ``Connection`` header declares per-connection (RFC 9110 7.6.1)."""
-    tokens = [t.strip().lower() for name, value in headers if name.lower() == b"connection" for t in value.split(b",")]
-    return frozenset(tokens)
-
-
-def error_bytes(status: int, code: str, message: str, extra: tuple, exchange: Exchange | None) -> bytes:
-    """The gateway's own answer: a JSON ``{"error": {"code", "message"}}``."""
-    body = json.dumps({"error": {"code": code, "message": message}}).encode()
-    lines = [b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n"
-             % (status, http.HTTPStatus(status).phrase.encode(), len(body))]
-    lines += [b"%s: %s\r\n" % header for header in extra]
-    lines.append(connection_header(exchange))
-    return b"".join(lines) + b"\r\n" + body
-
-
-def connection_header(exchange: Exchange | None) -> bytes:
-    if exchange is None or not exchange.keep_alive:
-        return b"Connection: close\r\n"
-    return b"Connection: keep-alive\r\n" if exchange.http10 else b""
 
 
 class Connection:
@@ -396,7 +323,7 @@ class Connection:
             ex.length = int(value)  # llhttp has checked it is a number
         elif low == b"expect":
             ex.expect = value.lower() == b"100-continue"
-        elif low == _MIN_VERSION:
+        elif low == MIN_VERSION:
             ex.min_version = version_contract.parse_min_version(value) or _BAD_VERSION
 
     def _trailer(self) -> None:

@@ -38,7 +38,8 @@ import socket
 from pathlib import Path
 
 from rolloutd.config import Gateway as GatewaySettings
-from rolloutd.gateway.connection import LINGER_S, Action, Connection, Do, Exchange
+from rolloutd.gateway.connection import LINGER_S, Action, Connection, Do
+from rolloutd.gateway.exchange import Exchange
 from rolloutd.gateway.policy import Policy, Unavailable
 from rolloutd.gateway.upstream import UpstreamPool
 from rolloutd.metrics import Metrics

@@ -18,7 +18,7 @@ from typing import Protocol
 
 import httptools
 
-from rolloutd.gateway.connection import HOP, Exchange, connection_header, connection_tokens
+from rolloutd.gateway.exchange import HOP, Exchange, connection_header, connection_tokens
 
 log = logging.getLogger("rolloutd.gateway.relay")
 
