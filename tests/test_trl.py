@@ -308,3 +308,31 @@ def test_the_daemon_and_the_cli_import_no_trainer_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_trainer_processes_generate_each_and_only_the_main_one_publishes(two_servers, tmp_path):
+    """torchrun, two CPU processes (gloo): each process generates its own share of the batch on
+    the fleet, both count the same versions, and each version is published once (by the main)."""
+    import json
+    import subprocess
+    import sys
+
+    from .conftest import free_port
+    before = two_servers.reg.latest()["version"]
+    run = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
+                          "--master_port", str(free_port()), str(Path(__file__).parent / "trl_processes.py"),
+                          two_servers.reg.url, str(two_servers.model_dir), str(tmp_path), "2"],
+                         capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    procs = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2)]
+    assert [p["processes"] for p in procs] == [2, 2] and [p["main"] for p in procs] == [True, False]
+    versions = list(range(before + 1, before + 3))
+    assert all(p["synced"] == versions for p in procs)  # both count the main's versions ...
+    assert two_servers.reg.latest()["version"] == versions[-1]  # ... which it published once each
+    for p in procs:
+        assert [b["version"] for b in p["batches"]] == versions
+        assert all(v == [b["version"]] for b in p["batches"] for v in b["versions"])  # k = 0
+    ours, theirs = ([c for b in p["batches"] for c in b["completions"]] for p in procs)
+    assert ours != theirs  # each process generated its own samples

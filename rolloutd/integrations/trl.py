@@ -124,6 +124,10 @@ class FleetGeneration(VLLMGeneration):
         main = self.accelerator.is_main_process
         if main and self.config.registry is None:
             raise ValueError("FleetConfig.registry is needed on the main process: it publishes the versions")
+        if self.config.canary_prompt_ids and (self._dist.is_zero3 or self._dist.is_fsdp):
+            # the canary is a forward pass on the main process alone; sharded, it would wait for the others
+            raise UnsupportedSetting("canary_prompt_ids with FSDP or DeepSpeed ZeRO-3: the canary needs the whole "
+                                     "model on the main process")
         warning = raw_logprobs_warning(self.sampling)
         if warning and main:
             log.warning("check the servers' logprobs mode: %s", warning)
