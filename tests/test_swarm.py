@@ -610,6 +610,29 @@ async def test_a_node_pulling_a_delta_after_another_committed_it_takes_every_del
             await n.close()
 
 
+async def test_a_delta_pull_that_falls_back_to_the_whole_version_keeps_no_delta_file(reg, tmp_path, caplog):
+    """With peers on, a rebuild that fails (the base changed on disk after it was checked: every
+    rebuilt chunk of that file differs) removes the delta files with the partial directory, as
+    it always did: the node serves and announces only the version it then pulled whole."""
+    from rolloutd.wire.messages import HeldVersion
+    nodes, m2 = await delta_fleet(reg, tmp_path, 1)
+    node = nodes[0]
+    try:
+        base = node.mirror.path(1) / node.mirror.manifest(1).files[0].name
+        with open(base, "r+b") as f:  # the tensors' bytes, past the header
+            f.seek(base.stat().st_size // 2)
+            f.write(b"\x55" * 4096)
+        result = await asyncio.wait_for(node.puller.pull(2), 60)
+        assert result.kind == "full" and "differ from the version's digests" in node.puller.progress.delta_error
+        node.check(2)
+        assert sorted(os.listdir(node.mirror.dir)) == ["1", "2"]
+        assert node.swarm.ledger.held()["2"] == HeldVersion(digest=m2.digest)
+        assert node.swarm.ledger.kept_delta(2) is None
+    finally:
+        for n in nodes:
+            await n.close()
+
+
 async def test_a_peer_serving_bad_delta_bytes_is_dropped_and_the_delta_pull_still_succeeds(reg, tmp_path):
     """The liar claims every delta chunk of version 2: its bytes fail the delta files' chunk
     digests, it is dropped, and the pull ends from the delta all the same (no fall back)."""
@@ -643,6 +666,7 @@ async def test_the_delta_files_of_an_xxh3_version_are_never_taken_from_a_peer(re
         result = await asyncio.wait_for(nodes[0].puller.pull(2), 60)
         assert (result.kind, result.retries) == ("delta", 0)  # the liar was never asked
         assert "2" not in nodes[0].swarm.ledger.held()
+        assert sorted(os.listdir(nodes[0].mirror.dir)) == ["1", "2"]  # no delta file kept for peers
         assert [r.message for r in caplog.records if "without peers" in r.message][1:] == [
             "pull the delta files of version 2 from the registry only, without peers: its chunk digests are "
             "xxh3-128, which a hostile peer could forge (publish with a cryptographic hash: blake3, sha256)"]

@@ -474,9 +474,10 @@ class Mirror:
 
     @_mutation  # the figures and the removals on one view of the directory
     def ensure_room(self, needed_bytes: int, in_use: set[int]) -> list[int]:
-        """Make room for ``needed_bytes`` more within ``max_bytes``, removing versions with
-        :meth:`gc` only if it must. Returns the versions removed; raises ``MirrorFull`` with the
-        figures when even that is not enough (nothing is removed then)."""
+        """Make room for ``needed_bytes`` more within ``max_bytes``, dropping the delta files
+        kept for peers first, then removing versions with :meth:`gc` only if it must. Returns
+        the versions removed; raises ``MirrorFull`` with the figures when even that is not
+        enough (no version is removed then)."""
         usage = self.usage_bytes() - self.spare_bytes()  # the next begin takes or frees them
         if usage + needed_bytes <= self.max_bytes:
             return []

@@ -1,8 +1,9 @@
 """The node's side of the chunk swarm: where each chunk of a pull comes from, what this node
 holds for its peers, and the announcements that tie both to the registry's tracker.
 
-- :class:`Ledger`: what this node can serve its peers: complete versions (the mirror) and the
-  checked chunks of the pull in progress (their partial directory). The peer listener reads it,
+- :class:`Ledger`: what this node can serve its peers: complete versions (the mirror), the
+  checked chunks of the pull in progress (their partial directory) and the delta files a
+  committed delta pull kept (``.<v>.delta``). The peer listener reads it,
   from its own thread; the puller writes it.
 - :class:`ChunkPlan`: one pull's chunks. Workers ask :meth:`ChunkPlan.next` for a chunk and a
   source, then say :meth:`~ChunkPlan.done` or :meth:`~ChunkPlan.failed`. Order of preference:
@@ -134,7 +135,8 @@ def first_bits(manifest: Manifest) -> dict[str, int]:
 
 
 class Ledger:
-    """Complete versions come from the mirror; the pull in progress from :meth:`begin`/:meth:`add`.
+    """Complete versions come from the mirror; the pull in progress from :meth:`begin`/:meth:`add`;
+    the delta files a committed delta pull kept from :meth:`keep_delta`, while the mirror has them.
 
     Read at every announcement and every peer request: a complete version's manifest is parsed
     and checked by the mirror once (a large one takes a fifth of a second) and kept while the
