@@ -336,3 +336,28 @@ def test_two_trainer_processes_generate_each_and_only_the_main_one_publishes(two
         assert all(v == [b["version"]] for b in p["batches"] for v in b["versions"])  # k = 0
     ours, theirs = ([c for b in p["batches"] for c in b["completions"]] for p in procs)
     assert ours != theirs  # each process generated its own samples
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_trl_learns_through_the_fleet_and_not_with_updates_off(two_servers, tmp_path):
+    """``rolloutd demo trl``'s two runs (shorter), on this module's servers: from the starting
+    weights, reward rises with a version per step and stays flat with the fleet held."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM
+
+    from rolloutd.demo import rl
+    from rolloutd.demo import trl as demo
+    parser = argparse.ArgumentParser()
+    demo.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["trl", "--steps", "12"])
+    start = two_servers.reg.latest()["version"] + 1  # the starting weights, after the other tests' versions
+    two_servers.reg.publish(start, AutoModelForCausalLM.from_pretrained(two_servers.model_dir).state_dict())
+    two_servers.wait_serving(start)
+    summary = demo.both_runs(args, tmp_path, two_servers.reg, two_servers.model_dir)
+    print("demo trl", summary)
+    assert summary["reward_first"] < 0.1, summary  # the untrained policy fails the task
+    assert rl.learned(summary), summary  # up with updates, flat with the fleet held
+    assert summary["max_staleness"] <= summary["k"] == 1
+    assert start <= summary["versions_served"][0] <= start + 1 and len(summary["versions_served"]) >= 10, summary

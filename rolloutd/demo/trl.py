@@ -134,18 +134,24 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
         try:
             with FleetSync(reg.url, refresh_s=0.25) as fleet:
                 fleet.wait_for(1, rl.SERVERS, args.start_timeout_s)
-            frozen, _ = train(args, work, reg, model_dir, publish=False)
-            learn, _ = train(args, work, reg, model_dir, publish=True)
+            summary = both_runs(args, work, reg, model_dir)
         finally:
             node.stop()
+    return {**summary, "seconds": round(time.perf_counter() - started, 1)}
+
+
+def both_runs(args: argparse.Namespace, work: Path, reg, model_dir: Path) -> dict:
+    """The frozen run, then the learning one, on a fleet that serves the policy's starting weights
+    as the registry's newest version; their summary."""
+    frozen, _ = train(args, work, reg, model_dir, publish=False)
+    learn, _ = train(args, work, reg, model_dir, publish=True)
     w = args.window
     return {"steps": args.steps, "k": args.k, "window": w,
             "reward_first": rl.window_mean(learn.rewards, w, False),
             "reward_last": rl.window_mean(learn.rewards, w, True),
             "frozen_reward_first": rl.window_mean(frozen.rewards, w, False),
             "frozen_reward_last": rl.window_mean(frozen.rewards, w, True),
-            "max_staleness": max(learn.staleness), "versions_served": sorted(learn.versions),
-            "seconds": round(time.perf_counter() - started, 1)}
+            "max_staleness": max(learn.staleness), "versions_served": sorted(learn.versions)}
 
 
 def run_trl(args: argparse.Namespace) -> int:
