@@ -134,7 +134,7 @@ class FleetGeneration(VLLMGeneration):
         newest = [self._newest() if main else None]
         broadcast_object_list(newest, from_process=0)
         self.version = int(newest[0] or 0)  # the trainer's weights: the newest version it published
-        self.published: list[int] = []
+        self.published: list[int] = []  # the version of each sync (on other processes: the main's)
         self.batches: deque[Batch] = deque(maxlen=KEEP_BATCHES)  # the last generate calls, in order
         self.calls = 0
         self.client = FleetSync(self.config.url(), registry_token=self.config.registry_token,
