@@ -63,10 +63,8 @@ OWNED_FLAGS = {
     "--enable-scale-out": "is set by rolloutd: rolloutd enables it itself",
 }
 # state_dir/<SCRATCH>/<random>/: one running server's TMPDIR, with the /dev/shm names its processes were
-# seen holding, removed once it stopped, or at the next start after a crash. vLLM makes its ZMQ sockets
-# there, <TMPDIR>/<uuid4>: such a path must fit a UNIX socket's.
+# seen holding, removed once it stopped, or at the next start after a crash.
 SCRATCH = "scratch"
-SCRATCH_SOCKET_TAIL = len("/12345678/") + 36  # the directory's random name, then a uuid4
 # vLLM's flags of a data-parallel server spread over several nodes (or of a node serving some of its
 # engines): the pause and the update would reach only this node's part of it.
 SPANNING_FLAGS = {"--nnodes", "-n", "--node-rank", "-r", "--headless", "--data-parallel-size-local", "-dpl",
@@ -78,7 +76,7 @@ SOCKET_PATH_MAX = 107
 OWNED_ENV = {
     "CUDA_VISIBLE_DEVICES": "use the server's `gpus` instead",
     "TMPDIR": "each server gets its own under state_dir/scratch, removed once the server stopped (vLLM leaves "
-              "files and sockets there)",
+              "files there)",
     "VLLM_SERVER_DEV_MODE": "rolloutd sets it to reach the pause and weight routes",
 }
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -729,10 +727,7 @@ class Config(_Section):
         if len(os.fsencode(longest)) > SOCKET_PATH_MAX:
             yield ("state_dir",), (f"makes a server's socket path ({longest}) longer than a UNIX socket's may be "
                                    f"({SOCKET_PATH_MAX} bytes): shorten state_dir")
-        elif (n := len(os.fsencode(self.scratch_dir)) + SCRATCH_SOCKET_TAIL) > SOCKET_PATH_MAX:
-            yield ("state_dir",), (f"makes the paths of the sockets vLLM makes in a server's TMPDIR "
-                                   f"({self.scratch_dir}/<8 characters>/<uuid>) {n} bytes long, more than a UNIX "
-                                   f"socket's may be ({SOCKET_PATH_MAX}): shorten state_dir")
+
 
     @property
     def scratch_dir(self) -> Path:

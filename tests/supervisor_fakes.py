@@ -79,6 +79,7 @@ class FakeChild:
         self.returncode: int | None = None
         self.grace: float | None = None  # the grace period of its one stop (as Child: the first asked)
         self.shm_noted: list[float] = []  # when the supervisor had it learn its /dev/shm segments
+        self.vital_lost: str | None = None  # what lost_vital() says: one of vLLM's titled processes gone
         self._sent: set[int] = set()
         self._exited = asyncio.Event()
         self._exit_timer: asyncio.TimerHandle | None = None
@@ -117,6 +118,12 @@ class FakeChild:
 
     async def note_shm(self) -> None:
         self.shm_noted.append(now())
+
+    def note_vital(self) -> None:
+        pass
+
+    def lost_vital(self) -> str | None:
+        return self.vital_lost
 
     def kill_group(self, sig: int) -> None:
         self._sent.add(sig)

@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import uuid
 from pathlib import Path
@@ -534,3 +535,12 @@ async def test_what_servers_killed_with_their_daemon_held_is_removed_at_the_next
         decoy.kill()
         decoy.wait(10)
         decoy.stdout.close()
+
+
+def test_vllms_sockets_stay_in_the_servers_tmpdir_while_their_paths_fit_a_unix_socket():
+    """vLLM's ZMQ sockets are <TMPDIR>/<uuid4> (37 bytes more); past 107 bytes they cannot be
+    bound, so they go to the system's temporary directory as they did before."""
+    fits = leftovers.Scratch(Path("/" + "d" * 69))  # 70 + 37 = 107
+    assert fits.env() == {"TMPDIR": str(fits.path)}
+    too_long = leftovers.Scratch(Path("/" + "d" * 70))
+    assert too_long.env() == {"TMPDIR": str(too_long.path), "VLLM_RPC_BASE_PATH": tempfile.gettempdir()}

@@ -314,9 +314,6 @@ BAD = {
                                        "no longer taken: vLLM listens on a UNIX socket"),
     "state_dir too long for a socket": (BASE + "state_dir: /" + "s" * 90 + "\n", 14, "state_dir",
                                         "longer than a UNIX socket's may be (107 bytes)"),
-    "state_dir too long for vLLM's sockets in TMPDIR": (BASE + "state_dir: /" + "s" * 60 + "\n", 14, "state_dir",
-                                                        "/scratch/<8 characters>/<uuid>) 115 bytes long, more than "
-                                                        "a UNIX socket's may be (107): shorten state_dir"),
     "URL with another scheme": (edit("http://trainer:8700", "ftp://trainer"), 2, "registry.url",
                                 "http:// or https:// URL"),
     "URL without a host": (edit("http://trainer:8700", "http://:8700"), 2, "registry.url", "with a host"),

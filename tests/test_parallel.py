@@ -5,9 +5,9 @@ socket); docs/parallel.md.
 
 One daemon at a time, shared by the tests of its shape, which run in file order: the tied
 family updated A -> B -> C, each version's greedy outputs through every gateway equal to
-transformers'; for TP, one worker then killed in the middle of an update; for DP, the prompts
-sent until each engine answered several of them (vLLM counts the requests of each engine in
-``/metrics``), so an engine left on old weights cannot hide.
+transformers'; for DP, the prompts sent until each engine answered several of them (vLLM counts
+the requests of each engine in ``/metrics``), so an engine left on old weights cannot hide. Then
+one TP worker, or one DP engine, killed in the middle of an update.
 """
 
 from __future__ import annotations
@@ -45,9 +45,16 @@ class Node:
     gateways: dict[str, str]
     paused_s: dict[str, dict[int, float]] = field(default_factory=dict)
 
+    @property
+    def scratch(self) -> list[Path]:
+        """The servers' own directories (each one's TMPDIR), gone once its processes are."""
+        d = self.tmp / "state" / "scratch"
+        return sorted(d.iterdir()) if d.exists() else []
+
     def close(self) -> None:
         try:
-            self.daemon.stop(90)
+            assert self.daemon.stop(90) == 0
+            assert self.scratch == [], "a stopped server's TMPDIR is left"
         finally:
             self.daemon.kill_everything()
             self.reg.stop()
@@ -137,51 +144,59 @@ def test_a_tensor_parallel_server_is_updated_a_b_c_exactly(nodes):
         assert c.get("/get_world_size").json()["world_size"] == 2
     log = node.daemon.log_text()
     assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in log and "local_rank=1, core ids=[1]" in log, log[-3000:]
+    environ = Path(f"/proc/{node.daemon.server(TP)['pid']}/environ").read_text()
+    [tmp] = [p for p in node.scratch if f"TMPDIR={p}\0" in environ]  # its own, not /tmp
+    assert [f.name for f in tmp.iterdir() if f.name.startswith("vllm_dist_")], "vLLM's rendezvous store"
     a_to_c(node)
 
 
-def _worker(pgid: int, rank: int) -> int:
+def _process(pgid: int, title: str) -> int:
+    """The process of group ``pgid`` that vLLM titled ``VLLM::<title>``."""
     for pid in group_pids(pgid):
         try:
-            if f"Worker_TP{rank}" in Path(f"/proc/{pid}/cmdline").read_text():
+            if f"VLLM::{title}" in Path(f"/proc/{pid}/cmdline").read_text():
                 return pid
         except OSError:
             continue
-    raise AssertionError(f"no Worker_TP{rank} in group {pgid}")
+    raise AssertionError(f"no {title} in group {pgid}")
 
 
-def test_a_tp_worker_killed_mid_update_is_in_backoff_within_seconds(nodes):
-    """Worker TP1 is stopped before an update (the update's first route that needs every worker
-    then waits), then killed once the daemon is UPDATING: the server is in BACKOFF within
-    seconds, then SERVING the new version exactly; nothing of the old group is left, processes
-    or /dev/shm segments."""
-    node = nodes.get("tp")
+def killed_mid_update(node: Node, server: str, title: str, rounds: int = 1) -> None:
+    """The process ``title`` of ``server`` is stopped before an update (the update's first route
+    that needs it then waits), then killed once the daemon is UPDATING: the server is in BACKOFF
+    within seconds, then SERVING the new version exactly; nothing of the old group is left:
+    processes, /dev/shm segments, its TMPDIR."""
     d = node.daemon
-    st = d.server(TP)
-    pid = st["pid"]
-    group = group_pids(pid)
-    segments = {n for n in shm_mapped(group) if "/" not in n}
-    assert segments, "the TP group holds no /dev/shm segment"
-    worker = _worker(pid, 1)
-    os.kill(worker, signal.SIGSTOP)
+    pid = d.server(server)["pid"]
+    segments = {n for n in shm_mapped(group_pids(pid)) if "/" not in n}
+    assert segments, "the group holds no /dev/shm segment"
+    victim = _process(pid, title)
+    old_tmp = {p for p in node.scratch if f"TMPDIR={p}\0" in Path(f"/proc/{pid}/environ").read_text()}
+    assert len(old_tmp) == 1 and any(next(iter(old_tmp)).iterdir()), "vLLM wrote nothing in its TMPDIR"
+    os.kill(victim, signal.SIGSTOP)
     model = families.hf_model(FAMILY, SEED[3])
     want = families.greedy(model, families.PROMPTS, NEW_TOKENS)
     node.reg.publish(3, model)
-    d.wait(lambda s: d.server(TP, s)["state"] == "UPDATING", 120, "UPDATING")
-    time.sleep(1.0)  # a route of the update is in flight, held by the stopped worker
-    assert d.server(TP)["state"] == "UPDATING"
+    d.wait(lambda s: d.server(server, s)["state"] == "UPDATING", 120, "UPDATING")
+    time.sleep(1.0)  # a route of the update is in flight, held by the stopped process
+    assert d.server(server)["state"] == "UPDATING"
     t0 = time.monotonic()
-    os.kill(worker, signal.SIGKILL)
-    d.wait(lambda s: d.server(TP, s)["state"] == "BACKOFF", 30, "BACKOFF")
+    os.kill(victim, signal.SIGKILL)
+    d.wait(lambda s: d.server(server, s)["state"] == "BACKOFF", 30, "BACKOFF")
     to_backoff = time.monotonic() - t0
     wait_until(lambda: not group_pids(pid), 30, "the old group gone")
     left = sorted(n for n in segments if (Path("/dev/shm") / n).exists())
     assert left == [], f"shared memory of the dead group left: {left}"
-    served_exactly(node, 3, want)
-    print(f"TP worker killed: BACKOFF after {to_backoff:.1f} s, SERVING v3 after {time.monotonic() - t0:.1f} s; "
+    served_exactly(node, 3, want, rounds)
+    assert not old_tmp & set(node.scratch), "the TMPDIR of the killed group is left"
+    print(f"{title} killed: BACKOFF after {to_backoff:.1f} s, SERVING v3 after {time.monotonic() - t0:.1f} s; "
           f"segments of the old group: {sorted(segments)}")
     assert to_backoff < 10, to_backoff
-    assert d.server(TP)["incarnation"] == 2
+    assert d.server(server)["incarnation"] == 2
+
+
+def test_a_tp_worker_killed_mid_update_is_in_backoff_within_seconds(nodes):
+    killed_mid_update(nodes.get("tp"), TP, "Worker_TP1")
 
 
 def engine_answers(node: Node) -> dict[str, float]:
@@ -210,3 +225,7 @@ def test_a_data_parallel_server_is_updated_a_b_c_exactly_on_every_engine(nodes):
     for before, after in zip(seen[1::2], seen[2::2], strict=True):  # around each version's outputs
         answered = {e: after.get(e, 0) - before.get(e, 0) for e in ("0", "1")}
         assert all(n >= 2 for n in answered.values()), f"an engine answered too few to show its weights: {answered}"
+
+
+def test_a_dp_engine_killed_mid_update_is_in_backoff_within_seconds(nodes):
+    killed_mid_update(nodes.get("dp"), DP, "EngineCore_DP1", rounds=ROUNDS)

@@ -345,3 +345,32 @@ async def test_corrupt_and_dangerous_records_are_removed_with_a_warning(tmp_path
     assert list(rec_dir.iterdir()) == []
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert sum("removing corrupt child record" in w for w in warned) == 4, warned
+
+
+# A vLLM stand-in whose group holds processes titled as vLLM titles its engines and workers
+# (``VLLM::<role>`` in their command line) and an untitled helper; it prints their pids.
+TITLED = textwrap.dedent("""
+    import subprocess, sys, time
+    sleep = ["-c", "import time; time.sleep(60)"]
+    kids = [subprocess.Popen([title, *sleep], executable=sys.executable)
+            for title in ("VLLM::EngineCore_DP0", "VLLM::EngineCore_DP1", "helper")]
+    print("pids", *[k.pid for k in kids], flush=True)
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+async def test_a_titled_process_of_the_group_gone_is_reported_an_untitled_one_is_not(children, caplog):
+    child = await spawned_ready(children, caplog, "vllm", [PY, "-c", TITLED])
+    line = next(m for m in lines_of(caplog, "vllm") if ": pids " in m)
+    dp0, dp1, helper = map(int, line.split(": pids ")[1].split())
+    await asyncio.to_thread(child.note_vital)
+    assert child.lost_vital() is None
+    os.kill(helper, signal.SIGKILL)  # a helper that comes and goes is no part of the server
+    await until(lambda: helper not in child.group_pids(), what="the helper gone")
+    assert child.lost_vital() is None
+    os.kill(dp1, signal.SIGKILL)  # a zombie until its parent reaps it: gone all the same
+    await until(lambda: child.lost_vital() is not None, what="the engine seen gone")
+    assert child.lost_vital() == f"VLLM::EngineCore_DP1 (pid {dp1})"
+    assert dp0 in child.group_pids()
+    await child.stop(grace_s=5)

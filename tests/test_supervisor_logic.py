@@ -441,6 +441,38 @@ def test_a_probe_failing_while_serving_restarts_the_server_after_health_failures
     assert rig.vllm.routes(1002) == list(UPDATE_ROUTES), "the new process loads the target before serving"
 
 
+def test_an_engine_of_the_server_gone_is_a_failure_at_the_next_probe_whatever_health_says(tmp_path, caplog):
+    """A dead DP engine or TP worker: vLLM's API answers /health for a while (and a route that
+    needs the engine hangs), but the server is broken; the watch sees the process gone at its next
+    tick, while serving and while loading."""
+    async def scenario():
+        rig = Rig(tmp_path).start()
+        await serving(rig, 1)
+        await asyncio.sleep(10)
+        rig.vllm.children[0].vital_lost = "VLLM::EngineCore_DP1 (pid 7)"
+        lost_at = now()
+        await rig.arrows.reach(S.BACKOFF)
+        serving_to_backoff = now() - lost_at
+        await serving(rig, 1, nth=2)
+        rig.vllm.faults["/update_weights"] = "hang"
+        await rig.publish(2)
+        await rig.arrows.reach(S.UPDATING)
+        await asyncio.sleep(5)
+        rig.vllm.children[1].vital_lost = "VLLM::Worker_TP1 (pid 8)"
+        lost_at = now()
+        await rig.arrows.reach(S.BACKOFF, 2)
+        updating_to_backoff = now() - lost_at
+        await rig.stop()
+        return rig, serving_to_backoff, updating_to_backoff
+
+    caplog.set_level(logging.INFO)
+    rig, serving_to_backoff, updating_to_backoff = run(scenario())
+    assert serving_to_backoff <= 1.0 and updating_to_backoff <= 1.0, (serving_to_backoff, updating_to_backoff)
+    assert rig.vllm.health_ok and "/health failed" not in caplog.text
+    assert "its process VLLM::EngineCore_DP1 (pid 7) exited" in caplog.text
+    assert rig.sup.last_error == "its process VLLM::Worker_TP1 (pid 8) exited while loading version 2"
+
+
 def test_probes_that_fail_fewer_times_than_health_failures_change_nothing(tmp_path):
     async def scenario():
         rig = Rig(tmp_path).start()

@@ -47,7 +47,14 @@ from pathlib import Path
 from typing import TypeVar
 
 from rolloutd.supervise.containment import Containment, Scope
-from rolloutd.supervise.leftovers import ProcessGroups, Scratch, remove_shm_leftovers, shm_held_by, shm_names
+from rolloutd.supervise.leftovers import (
+    ProcessGroups,
+    Scratch,
+    remove_shm_leftovers,
+    shm_held_by,
+    shm_names,
+    started_s,
+)
 
 log = logging.getLogger("rolloutd.supervise.child")
 
@@ -211,6 +218,18 @@ def describe_exit(returncode: int | None, *, sent: Iterable[int] = ()) -> str:
     return words
 
 
+def _vllm_title(pid: int) -> str | None:
+    """The role vLLM gave process ``pid`` in its command line (``VLLM::EngineCore``), if any."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            head = f.read(256)
+    except OSError:
+        return None
+    if not head.startswith(b"VLLM::"):
+        return None
+    return head.split(b"\0", 1)[0].decode(errors="replace").strip()
+
+
 # -- one child ---------------------------------------------------------------------------------------
 class Child:
     """One long-running command, in its own session and its own scope (``containment``'s: a
@@ -241,6 +260,7 @@ class Child:
         self._shm_before: set[str] = set()            # /dev/shm names that existed before the spawn
         self._shm_held: set[str] = set()              # /dev/shm names its processes were seen holding
         self._own: Scratch | None = None              # its TMPDIR and the record of _shm_held; set at spawn
+        self._vital: dict[int, tuple[float | None, str]] = {}  # pid -> (start, title): see note_vital
 
     def __repr__(self) -> str:
         return f"{self.name}[{self.pid or '-'}]"
@@ -268,7 +288,7 @@ class Child:
             except OSError as e:
                 raise ChildError(f"cannot start {self.name}: cannot make its directory in {self.scratch}: "
                                  f"{e.strerror or e}") from None
-            env = {**env, "TMPDIR": str(self._own.path)}
+            env = {**env, **self._own.env()}
         try:
             scope = self.containment.scope(self.name)
         except OSError as e:
@@ -426,6 +446,23 @@ class Child:
             self._shm_held |= await asyncio.to_thread(lambda: shm_held_by(self.scope.pids()))
             if self._own is not None:  # for the next daemon, should this one end without stopping it
                 await asyncio.to_thread(self._own.record_held, self._shm_held)
+
+    def note_vital(self) -> None:
+        """Learn the processes of the group that vLLM titled ``VLLM::<role>`` (``EngineCore_DP1``,
+        ``Worker_TP1``, ``ApiServer_1``): each is one part of the server for its whole life, and
+        its end breaks the server (a dead engine or worker fails every route that needs it), while
+        the server's API may take several probes to say so (a dead DP engine: about 10 s here).
+        Once healthy: every one of them runs by then; untitled helpers come and go. Reads /proc."""
+        self._vital = {pid: (started_s(pid), title) for pid in self.group_pids()
+                       if (title := _vllm_title(pid)) is not None}
+
+    def lost_vital(self) -> str | None:
+        """``"<title> (pid N)"`` of a process :meth:`note_vital` learnt that is gone (its pid dead,
+        or another process now), else None. One /proc read per process."""
+        for pid, (start, title) in self._vital.items():
+            if start is None or started_s(pid) != start:
+                return f"{title} (pid {pid})"
+        return None
 
     def group_pids(self) -> list[int]:
         """Live processes of the child's scope (the leader, and what it forked that stayed in it)."""

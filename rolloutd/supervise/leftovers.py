@@ -225,10 +225,22 @@ class Scratch:
     sockets, ``<uuid>``). It also holds :attr:`HELD`, the ``/dev/shm`` names the server's processes
     were seen holding (:func:`shm_held_by`), for a daemon started after this one ended without
     stopping it (:meth:`ShmBaseline.clean_and_record`). Removed, whole, once the server's processes
-    are gone. The name is short: vLLM's socket paths in it must fit a UNIX socket's
-    (Config's check of state_dir)."""
+    are gone."""
 
     HELD = ".rolloutd-shm-held.json"
+    # vLLM's ZMQ socket paths, <VLLM_RPC_BASE_PATH, else TMPDIR>/<uuid4>, must fit a UNIX socket's
+    # (107 bytes); the name of the directory is short (8 characters) for that.
+    SOCKET_PATH_MAX = 107
+    UUID_TAIL = len("/") + 36
+
+    def env(self) -> dict[str, str]:
+        """The server's environment for it: TMPDIR; and, where a state_dir too long leaves no room
+        for vLLM's socket paths in it, VLLM_RPC_BASE_PATH the system's temporary directory, where
+        they were before (removed by vLLM at a clean stop, left after a kill)."""
+        env = {"TMPDIR": str(self.path)}
+        if len(os.fsencode(self.path)) + self.UUID_TAIL > self.SOCKET_PATH_MAX:
+            env["VLLM_RPC_BASE_PATH"] = tempfile.gettempdir()
+        return env
 
     def __init__(self, path: Path):
         self.path = Path(path)

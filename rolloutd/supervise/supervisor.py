@@ -8,7 +8,8 @@
 - SYNCING: wait for the node's first decision, then load the node's target version into the
   server (the same sequence as an update). Only then is it SERVING.
 - SERVING: probe ``/health`` every ``health.interval_s``; ``health.failures`` failed probes in
-  a row, or the process exiting, is a failure. A new node target is applied (UPDATING) once a
+  a row, the process exiting, or one of the processes vLLM titled (an engine, a worker:
+  :meth:`Child.note_vital`) exiting, is a failure. A new node target is applied (UPDATING) once a
   rollout slot is free (``max_unavailable`` when rolling, every server at once otherwise).
   The same watch runs beside every sync and update (:meth:`Supervisor._guarded`): a server whose
   engine dies mid-load is cancelled out of the load and goes to BACKOFF within a few probes.
@@ -257,6 +258,7 @@ class Supervisor:
                 up_s = self._clock() - self.child.started_at
                 log.info("healthy %s[%d] after %.1f s", self.name, self.child.pid, up_s)
                 await self.child.note_shm()  # its segments are set up: whatever it leaves of them goes at its end
+                await asyncio.to_thread(self.child.note_vital)  # its engines and workers run by now
                 return
             await asyncio.sleep(min(0.5, cfg.health.interval_s))
         raise ServerFailed(f"not healthy within restart.start_timeout_s={cfg.restart.start_timeout_s:g}")
@@ -414,6 +416,9 @@ class Supervisor:
                 await self.child.wait()
                 self._died_loading = self.loading
                 raise ServerFailed(f"exited{self._during()}: {self.child.describe_exit()}")
+            if (lost := self.child.lost_vital()) is not None:  # its API may take several probes to say so
+                self._died_loading = self.loading
+                raise ServerFailed(f"its process {lost} exited{self._during()}")
             if await self.vllm.healthy(cfg.health.timeout_s):
                 failed = 0
                 continue
