@@ -29,7 +29,6 @@ from collections import Counter
 from pathlib import Path
 
 from rolloutd.demo import rl
-from rolloutd.demo.serve import default_vllm
 
 
 def say(msg: str) -> None:
@@ -163,28 +162,11 @@ def run_trl(args: argparse.Namespace) -> int:
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
-    ok = rl.learned(summary)
-    say(("learned: " if ok else "did NOT learn as expected: ")
-        + f"reward {summary['reward_first']} -> {summary['reward_last']} with updates, "
-        f"{summary['frozen_reward_first']} -> {summary['frozen_reward_last']} with the fleet held on version 1; "
-        f"max staleness {summary['max_staleness']} (k = {summary['k']})")
-    print(json.dumps(summary), flush=True)
-    return 0 if ok else 1
+    return rl.report(summary)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("trl", help="TRL's GRPOTrainer learns through the fleet on CPU (needs rolloutd[trl]), and "
                        "does not with updates off")
-    p.add_argument("--vllm", default=default_vllm(), help="the vllm command (default: %(default)s)")
-    p.add_argument("--workdir", help="keep the models, mirror, config and daemon log here (default: a temporary "
-                   "directory)")
-    p.add_argument("--steps", type=int, default=20, help="training steps of each run (default: %(default)s)")
-    p.add_argument("--prompts", type=int, default=16, help="prompts per batch (default: %(default)s)")
-    p.add_argument("--samples", type=int, default=8, help="samples per prompt, one GRPO group (default: %(default)s)")
-    p.add_argument("-k", "--max-staleness", dest="k", type=int, default=1,
-                   help="most versions a trained sample may be behind the trainer (default: %(default)s)")
-    p.add_argument("--window", type=int, default=3, help="steps averaged for reward_first / reward_last "
-                   "(default: %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the policy, the prompts and the samples")
-    p.add_argument("--start-timeout-s", type=float, default=900, help="longest wait for the servers to serve")
+    rl.add_run_args(p, steps=20)
     p.set_defaults(func=run_trl)
