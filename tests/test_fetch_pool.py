@@ -229,7 +229,7 @@ def fake_python(tmp_path: Path, monkeypatch, code: str) -> None:
     monkeypatch.setattr(sys, "executable", str(python))
 
 
-STUCK_WORKER = """
+BEATING = """
 import sys, threading, time
 sys.stdin.readline()
 print('{"ready": 1}', flush=True)
@@ -238,6 +238,9 @@ def beat():
         time.sleep(0.2)
         print('{"beat": 1}', flush=True)
 threading.Thread(target=beat, daemon=True).start()
+"""  # a FAKE worker's start: ready, then a beat every 0.2 s, whatever else it does
+
+STUCK_WORKER = BEATING + """
 for line in sys.stdin:  # jobs taken, never ended: a stream stuck where its own deadline does not reach
     pass
 """
@@ -259,15 +262,7 @@ async def test_a_worker_that_beats_but_never_ends_a_peer_chunk_is_replaced_past_
         await until(lambda: gone(pid) and pool.restarts == 1 and len(pool.pids) == 1, 10, "a new worker")
 
 
-BUSY_THEN_STUCK_WORKER = """
-import sys, threading, time
-sys.stdin.readline()
-print('{"ready": 1}', flush=True)
-def beat():
-    while True:
-        time.sleep(0.2)
-        print('{"beat": 1}', flush=True)
-threading.Thread(target=beat, daemon=True).start()
+BUSY_THEN_STUCK_WORKER = BEATING + """
 def spin():  # wants a CPU until past the chunk's limit, then stuck for good
     end = time.monotonic() + 3.0
     while time.monotonic() < end:
