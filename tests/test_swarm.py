@@ -677,24 +677,15 @@ async def test_the_delta_files_of_an_xxh3_version_are_never_taken_from_a_peer(re
         await runner.cleanup()
 
 
-async def test_a_delta_pull_announces_and_serves_its_checked_delta_chunks_only_while_it_runs(tmp_path):
-    """Under the delta section's digest, with a map over the delta files; a landed chunk of another
-    plan is not announced; once the pull ends without a commit (it failed, or falls back to the
-    whole version) no delta byte is served."""
-    from rolloutd.registry.client import Timeouts
+def staged_delta(tmp_path, port: int, client, content: bytes):
+    """A node serving peers on ``port`` whose pull of version 2 (one file ``a``, 8 KiB) from its
+    delta staged the delta file ``a.delta`` with ``content``: the mirror, the swarm, the
+    started peer server, the target manifest, the manifest with its delta, the delta files'
+    manifest, the partial directory and the staged delta files."""
     from rolloutd.wire.manifest import Delta, DeltaFile, Manifest
-    from rolloutd.wire.messages import AnnounceReply
-
-    class SilentClient:  # a FAKE registry client: the announcer's replies do not matter here
-        url, token, timeouts = "http://127.0.0.1:9", None, Timeouts()
-
-        async def announce(self, node, body):
-            return AnnounceReply(instance="x", versions={})
-
-    port = free_port()
     mirror = Mirror(tmp_path / "m", 1 << 30)
-    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=PEER_TOKEN), SilentClient(),
-                  mirror, node="me")
+    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=PEER_TOKEN), client, mirror,
+                  node="me")
     server = PeerServer(mirror, swarm.ledger, "127.0.0.1", port, PEER_TOKEN).start()
     target = Manifest.model_validate({"version": 2, "hash": "blake3", "chunk_bytes": 4096, "files": [
         {"name": "a", "size": 8192, "chunks": ["0" * 64, "1" * 64]}]}).sealed()
@@ -704,7 +695,26 @@ async def test_a_delta_pull_announces_and_serves_its_checked_delta_chunks_only_w
         {"name": "a.delta", "size": 8192, "chunks": ["2" * 64, "3" * 64]}]).sealed()
     partial = mirror.begin(target)
     staged = mirror.stage(partial, files)
-    staged.path("a.delta").write_bytes(b"d" * 8192)
+    staged.path("a.delta").write_bytes(content)
+    return mirror, swarm, server, target, manifest, files, partial, staged
+
+
+async def test_a_delta_pull_announces_and_serves_its_checked_delta_chunks_only_while_it_runs(tmp_path):
+    """Under the delta section's digest, with a map over the delta files; a landed chunk of another
+    plan is not announced; once the pull ends without a commit (it failed, or falls back to the
+    whole version) no delta byte is served."""
+    from rolloutd.registry.client import Timeouts
+    from rolloutd.wire.messages import AnnounceReply
+
+    class SilentClient:  # a FAKE registry client: the announcer's replies do not matter here
+        url, token, timeouts = "http://127.0.0.1:9", None, Timeouts()
+
+        async def announce(self, node, body):
+            return AnnounceReply(instance="x", versions={})
+
+    port = free_port()
+    mirror, swarm, server, target, manifest, files, partial, staged = staged_delta(tmp_path, port, SilentClient(),
+                                                                                  b"d" * 8192)
     url = f"http://127.0.0.1:{port}/v1/versions/2/files/a.delta"
     auth = {"authorization": f"Bearer {PEER_TOKEN}"}
     try:
@@ -733,22 +743,10 @@ async def test_a_delta_pull_announces_and_serves_its_checked_delta_chunks_only_w
 async def test_a_committed_delta_pulls_delta_files_stay_served_whole_until_the_mirror_drops_them(tmp_path):
     """From the pull's staged view to the commit (the files move meanwhile) to the kept files,
     no request falls between; once the next commit drops them they are neither served nor announced."""
-    from rolloutd.wire.manifest import Delta, DeltaFile, Manifest
     from rolloutd.wire.messages import HeldVersion
     port = free_port()
-    mirror = Mirror(tmp_path / "m", 1 << 30)
-    swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=PEER_TOKEN),
-                  RegistryClient("http://127.0.0.1:9"), mirror, node="me")
-    server = PeerServer(mirror, swarm.ledger, "127.0.0.1", port, PEER_TOKEN).start()
-    target = Manifest.model_validate({"version": 2, "hash": "blake3", "chunk_bytes": 4096, "files": [
-        {"name": "a", "size": 8192, "chunks": ["0" * 64, "1" * 64]}]}).sealed()
-    manifest = target.with_delta(Delta(base_version=1, base_digest="e" * 64, encoding="xor-planes-zstd", files=[
-        DeltaFile(name="a.delta", size=8192, chunks=["2" * 64, "3" * 64], target="a")]))
-    files = Manifest(version=2, hash="blake3", chunk_bytes=4096, files=[
-        {"name": "a.delta", "size": 8192, "chunks": ["2" * 64, "3" * 64]}]).sealed()
-    partial = mirror.begin(target)
-    staged = mirror.stage(partial, files)
-    staged.path("a.delta").write_bytes(b"d" * 4096 + b"D" * 4096)
+    mirror, swarm, server, target, manifest, files, partial, staged = staged_delta(
+        tmp_path, port, RegistryClient("http://127.0.0.1:9"), b"d" * 4096 + b"D" * 4096)
     url = f"http://127.0.0.1:{port}/v1/versions/2/files"
     auth = {"authorization": f"Bearer {PEER_TOKEN}"}
     async with httpx.AsyncClient() as http:
