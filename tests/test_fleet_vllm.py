@@ -188,5 +188,10 @@ def test_a_server_killed_mid_request_is_retried_elsewhere_and_the_caller_gets_on
     survivor_id = f"{survivor.cfg['node']['name']}.s0"
     assert out.replicas == [survivor_id] and out.attempts == 2  # one answer, from the other server
     assert len(out.token_ids) == 1500 and out.versions == [3]
-    assert fleet.stats["retry_lost"] + fleet.stats["retry_server_error"] == 1
+    # One retry, of whichever kind the gateway's answer took: the connection lost or a 502 while
+    # the daemon still counts the server as serving, a 503 once it has seen the group die (its
+    # watch of vLLM's processes may see that before the gateway sees the connection end).
+    retries = {k: n for k, n in fleet.stats.items() if k.startswith("retry_") and n}
+    assert sum(retries.values()) == 1 and set(retries) <= {"retry_lost", "retry_server_error",
+                                                          "retry_unavailable"}, retries
     victim.wait(lambda st: st["servers"][0]["incarnation"] == 2, 60, "the killed server restarted by its daemon")
