@@ -15,7 +15,10 @@ while an update is started), ``GET /weight_info``, ``POST /inference/v1/generate
 derived from the label and the prompt, so a test sees which weights answer; it waits while the
 server is paused), ``GET /v1/models``, ``POST /v1/completions`` with ``prompt_logprobs`` (the
 gate's request: every prompt position after the first gets logprob -1.0, or the value of the
-fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). Errors are HTTP 500
+fault ``logprob=X``, e.g. ``logprob=nan``; it waits while paused). With ``--data-parallel-size N``
+it stands for N engines: ``/v1/completions`` is answered by the engine its header
+``X-data-parallel-rank`` names (HTTP 400 outside ``[0, N)``, as vLLM), else by engine 0, where
+vLLM's balancer sends the requests of an idle server. Errors are HTTP 500
 ``{"error": {"message": ...}}``. ``POST /fake/health``
 ``{"ok": bool}`` lets a test make a running fake healthy or unhealthy; ``POST /fake/faults``
 ``{"faults": "fail=/pause"}`` replaces its faults while it runs (``""``: none); ``POST
@@ -24,7 +27,8 @@ child is killed, the listener closes, requests in flight are never answered, the
 
 Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen``,
 ``exit_at_start=CODE``, ``exit_after=SECONDS`` (status 1), ``ignore_term``,
-``slow_start=SECONDS`` (before it listens), ``hang=/route``, ``fail=/route``,
+``slow_start=SECONDS`` (before it listens), ``rank_logprob=RANK:X`` (engine RANK scores
+every position X: an engine left on other weights), ``hang=/route``, ``fail=/route``,
 ``fail_once=/route``, ``crash_on=/route`` (exits with status 1), ``spawn_child`` (a ``sleep``
 in its process group, as vLLM's engine core is; it inherits an ignored SIGTERM), ``escape_child``
 (a ``sleep`` in a session of its own: out of the fake's process group, in its cgroup still).
@@ -70,8 +74,8 @@ def parse_faults(text: str) -> dict[str, list[str]]:
 
 
 class FakeVllm:
-    def __init__(self, model: str, faults: dict[str, list[str]]):
-        self.model, self.faults = model, faults
+    def __init__(self, model: str, faults: dict[str, list[str]], engines: int = 1):
+        self.model, self.faults, self.engines = model, faults, engines
         self.healthy = "never_healthy" not in faults
         self.paused = False
         self.resumed = asyncio.Event()
@@ -194,8 +198,14 @@ class FakeVllm:
             return error(f"The model `{req.get('model')}` does not exist.", 404)
         if not isinstance(prompt, list) or not prompt or not all(isinstance(t, int) for t in prompt):
             return error("the fake takes a prompt of token ids only", 400)
+        rank = int(request.headers.get("X-data-parallel-rank", "0"))
+        if not 0 <= rank < self.engines:  # vLLM's words
+            return error(f"data_parallel_rank {rank} is out of range [0, {self.engines}).", 400)
         await self.resumed.wait()  # vLLM 0.32 queues new requests while paused
         value = float((self.faults.get("logprob") or ["-1.0"])[-1])
+        for fault in self.faults.get("rank_logprob", ()):
+            wrong, _, wrong_value = fault.partition(":")
+            value = float(wrong_value) if int(wrong) == rank else value
         positions = [None] + [{str(t): {"logprob": value, "rank": 1, "decoded_token": f"<{t}>"}} for t in prompt[1:]]
         return web.json_response({"model": self.model, "choices": [
             {"index": 0, "text": "", "finish_reason": "length", "prompt_logprobs": positions}]})
@@ -246,6 +256,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--uds", help="listen on this UNIX socket instead of --host/--port")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1, help="the engines it stands for")
     args, _ignored = parser.parse_known_args(argv)
     return args
 
@@ -274,7 +285,7 @@ async def serve(args: argparse.Namespace, faults: dict[str, list[str]], child: s
         say("never listening (fault no_listen)")
         await stop.wait()
         return
-    fake = FakeVllm(args.model, faults)
+    fake = FakeVllm(args.model, faults, args.data_parallel_size)
     fake.child = child
     runner = web.AppRunner(fake.app(), access_log=None, handle_signals=False)
     await runner.setup()

@@ -83,8 +83,9 @@ class Applier:
     def __init__(self, name: str, vllm: VllmClient, policy: Update, metrics: Metrics, *,
                  verify: Callable[[Target], Awaitable[Target]],
                  quiet: Callable[[float], Awaitable[bool]] | None = None,
-                 recall: Callable[[float], Awaitable[int]] | None = None):
+                 recall: Callable[[float], Awaitable[int]] | None = None, engines: int = 1):
         self.name, self.vllm, self.policy, self.metrics = name, vllm, policy, metrics
+        self.engines = engines  # the server's data-parallel engines: the gate scores each
         self._verify = verify
         self._quiet = quiet  # the gateway's: no request of it still unanswered by vLLM
         self._recall = recall  # the gateway's: take back requests vLLM has not begun to answer
@@ -165,7 +166,7 @@ class Applier:
             gauge.set(math.nan)
             raise GateFailed(record.gate.error, record.gate) from None
         try:
-            record.gate = await run_gate(self.vllm, canary, self.policy.finish_timeout_s)
+            record.gate = await run_gate(self.vllm, canary, self.policy.finish_timeout_s, engines=self.engines)
         except GateFailed as e:
             record.gate = e.result
             raise

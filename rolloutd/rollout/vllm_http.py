@@ -103,10 +103,13 @@ class VllmClient:
         except (TypeError, KeyError, IndexError):
             raise VllmError("/v1/models", f"unexpected answer {str(body)[:200]!r}") from None
 
-    async def prompt_logprobs(self, token_ids: list[int], timeout_s: float, *, model: str | None = None) -> list[float]:
+    async def prompt_logprobs(self, token_ids: list[int], timeout_s: float, *, model: str | None = None,
+                              engine: int | None = None) -> list[float]:
         """The server's logprob of each token of ``token_ids`` after the tokens before it: one
         value per position from 1 on (``len(token_ids) - 1`` values; position 0 has no prefix).
-        ``model``: :meth:`served_model`'s answer (None: asked first).
+        ``model``: :meth:`served_model`'s answer (None: asked first). ``engine``: the
+        data-parallel engine that must answer (vLLM's header ``X-data-parallel-rank``; None:
+        whichever its load balancer picks).
 
         vLLM 0.32 answers ``choices[0].prompt_logprobs`` as a list: ``null`` for position 0, then
         one object per position keyed by token id (a string), each ``{"logprob", "rank",
@@ -114,7 +117,8 @@ class VllmClient:
         the top-1 token when that is another one). Values may be non-finite: the caller checks."""
         model = model if model is not None else await self.served_model(timeout_s)
         route = "/v1/completions"
-        body = await self.call("POST", route, timeout_s, json={
+        headers = {"X-data-parallel-rank": str(engine)} if engine is not None else None
+        body = await self.call("POST", route, timeout_s, headers=headers, json={
             "model": model, "prompt": list(token_ids), "max_tokens": 1, "temperature": 0,
             "prompt_logprobs": 0})
         try:

@@ -282,7 +282,8 @@ class Supervisor:
         server whose start model fails it too is broken (a failure toward FATAL), whatever the
         version it refused."""
         try:
-            await run_gate(self.vllm, None, self._conf().update.finish_timeout_s)
+            await run_gate(self.vllm, None, self._conf().update.finish_timeout_s,
+                           engines=self._conf().shape(self.spec).data)
         except GateFailed as e:
             raise ServerFailed(f"its start model fails the gate's probe too ({e}): the server, not only "
                                f"version {refused.version}, is at fault") from None
@@ -440,7 +441,8 @@ class Supervisor:
         self.last_update, self.loading = record, target
         applier = Applier(self.name, self.vllm, self._conf().update, self.metrics, verify=self.updater.verify,
                           quiet=self.gateway.quiet if self.gateway is not None else None,
-                          recall=self.gateway.recall_unanswered if self.gateway is not None else None)
+                          recall=self.gateway.recall_unanswered if self.gateway is not None else None,
+                          engines=self._conf().shape(self.spec).data)
         try:
             self._hold(await applier.apply(target, record))
             self.good = self.loaded
