@@ -5,7 +5,7 @@ A Qwen2-shaped transformers model built from a config (random init, ``--hidden``
 ``--vocab``; the defaults give about 55 M parameters) trains with fp32 master weights and AdamW
 on a causal-LM loss over random token batches, once per learning rate (``--lrs``, each run from
 the same initial weights). After every optimizer step the weights are published in bf16 (the
-files a full publish writes: ``rolloutd.registry.shards.serialize_shards``) and, side by side
+files a full publish writes: ``rolloutd.trainer.shards.serialize_shards``) and, side by side
 on that step's bytes against the previous step's:
 
 - ``changed``: the fraction of elements whose bf16 bytes changed;
@@ -58,7 +58,7 @@ sys.path.insert(0, str(REPO))
 
 import numpy as np  # noqa: E402
 
-from rolloutd.registry.shards import serialize_shards  # noqa: E402
+from rolloutd.trainer.shards import serialize_shards  # noqa: E402
 from rolloutd.wire import delta  # noqa: E402
 from rolloutd.wire.manifest import DEFAULT_CHUNK_BYTES, DEFAULT_HASH, hash_chunks  # noqa: E402
 
@@ -183,7 +183,7 @@ def write_base(files: list[tuple[str, bytes]], directory: Path) -> None:
 
 def full_publisher():
     """publish(version, state_dict) as a full version into an in-process registry."""
-    from rolloutd.registry import EmbeddedRegistry
+    from rolloutd.trainer import EmbeddedRegistry
     reg = EmbeddedRegistry(port=0).start()
     kwargs = {"delta": False} if "delta" in inspect.signature(reg.publish).parameters else {}
     return reg, lambda version, sd: reg.publish(version, sd, **kwargs)

@@ -42,7 +42,7 @@ import aiohttp  # noqa: E402
 import httpx  # noqa: E402
 
 from rolloutd.fleet import Fleet, Sampling  # noqa: E402
-from rolloutd.registry import EmbeddedRegistry  # noqa: E402
+from rolloutd.trainer import EmbeddedRegistry  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rolloutd.demo import tinymodel  # noqa: E402
-from rolloutd.registry import EmbeddedRegistry  # noqa: E402
+from rolloutd.trainer import EmbeddedRegistry  # noqa: E402
 
 RSS_LIMIT_MIB = 150.0
 IDLE_CPU_LIMIT = 0.005  # of one core

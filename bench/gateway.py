@@ -422,8 +422,8 @@ def during_pull(args: argparse.Namespace) -> int:
     import numpy as np
     import yaml
 
-    from rolloutd.registry import RegistryHTTP
-    from rolloutd.registry.shards import save_shards
+    from rolloutd.trainer import RegistryHTTP
+    from rolloutd.trainer.shards import save_shards
     need = int((4 * args.pull_gib + 1) * (1 << 30))  # filler, the registry's copy, the mirror's two
     meminfo = {k: int(v.split()[0]) << 10 for k, v in (ln.split(":", 1) for ln in Path("/proc/meminfo").read_text()
                                                        .splitlines())}

@@ -39,7 +39,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from rolloutd.registry.server.blobs import DiskStore  # noqa: E402
+from rolloutd.registry.blobs import DiskStore  # noqa: E402
 from rolloutd.rollout.mirror import Mirror  # noqa: E402
 from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks  # noqa: E402
 

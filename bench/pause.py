@@ -43,11 +43,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rolloutd.demo import tinymodel  # noqa: E402
-from rolloutd.registry.client import RegistryClient  # noqa: E402
-from rolloutd.registry.publish import RegistryHTTP  # noqa: E402
 from rolloutd.rollout.mirror import Mirror  # noqa: E402
 from rolloutd.rollout.puller import Puller  # noqa: E402
+from rolloutd.rollout.registry_client import RegistryClient  # noqa: E402
 from rolloutd.supervise.plugin_path import install_plugin  # noqa: E402
+from rolloutd.trainer.publish import RegistryHTTP  # noqa: E402
 from tests.vllm_server import VllmServer, client  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"

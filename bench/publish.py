@@ -84,7 +84,7 @@ def child(mode: str, gib: float, tmp_dir: Path, registry_url: str | None, steps:
 
     import torch
 
-    from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
+    from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
     sd = state_dict(gib)
     nbytes = sum(t.numel() * t.element_size() for t in sd.values())
     with tempfile.TemporaryDirectory(dir=tmp_dir, prefix="rolloutd-bench-publish.") as tmp:

@@ -27,9 +27,9 @@ sys.path.insert(0, str(_repo))
 from registry_load import machine_busy_s  # noqa: E402
 
 from rolloutd.config import Pull  # noqa: E402
-from rolloutd.registry.client import RegistryClient, Timeouts  # noqa: E402
 from rolloutd.rollout.mirror import Mirror  # noqa: E402
 from rolloutd.rollout.puller import Puller  # noqa: E402
+from rolloutd.rollout.registry_client import RegistryClient, Timeouts  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -356,7 +356,7 @@ PACKAGE_CATEGORY = {
     "uvloop": "event loop", "loop": "event loop", "_asynciomodule": "event loop",
     "gcmodule": "garbage collector",
 }
-STORE_FILE = "rolloutd/registry/server/store.py"
+STORE_FILE = "rolloutd/registry/store.py"
 SYSCALLS = {"read", "write", "writev", "send", "sendto", "sendmsg", "recv", "recvfrom", "recvmsg",
             "epoll_wait", "epoll_pwait", "epoll_ctl", "accept4", "close", "getpid"}
 FRAME_RE = re.compile(r"^(?P<func>.*) \((?P<file>[^()]*?)(?::\d+)?\)$")

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import httpx
 
 from rolloutd.demo import families
-from rolloutd.registry.canary import make_canary
-from rolloutd.registry.publish import RegistryHTTP, checkpoint_tensors, drop_aliases
+from rolloutd.trainer.canary import make_canary
+from rolloutd.trainer.publish import RegistryHTTP, checkpoint_tensors, drop_aliases
 
 FAMILY = "qwen2"  # tied embeddings, q/k/v biases: the shape of the small models RL post-trains
 PROMPTS = [p for p in families.PROMPTS if len(p) < 32][:3]  # short: a check costs ~0.1 s of a core

@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from rolloutd.registry.server.service import RegistryService  # noqa: E402
-from rolloutd.registry.server.settings import RegistrySettings  # noqa: E402
+from rolloutd.registry.service import RegistryService  # noqa: E402
+from rolloutd.registry.settings import RegistrySettings  # noqa: E402
 from rolloutd.wire.chunkmap import full, to_hex  # noqa: E402
 from rolloutd.wire.manifest import FileEntry, Manifest  # noqa: E402
 

@@ -114,7 +114,7 @@ def run(pid: int, port: int, args: argparse.Namespace, body_file: Path, name: st
 
 def publish_versions(url: str) -> None:
     from rolloutd.demo.tinymodel import llama_state_dict
-    from rolloutd.registry.publish import RegistryHTTP
+    from rolloutd.trainer.publish import RegistryHTTP
     reg = RegistryHTTP(url)
     try:
         for v in (1, 2, 3):
@@ -145,8 +145,8 @@ def view_cost(replicas: int, repeats: int = 20) -> dict:
     view and the JSON encoding, no HTTP): with the pass over every replica (a cache miss: at most
     once a second however many pages are open) and without (a hit). CPU time, not wall time, so
     other processes on the machine count for little."""
-    from rolloutd.registry.server.fleet import FleetQuery, FleetView
-    from rolloutd.registry.server.store import Store
+    from rolloutd.registry.fleet import FleetQuery, FleetView
+    from rolloutd.registry.store import Store
     from rolloutd.wire.messages import Heartbeat
     from tests.test_store import manifest
     store = Store(keep_versions=3)

@@ -53,7 +53,7 @@ def _stderr_is_journal() -> bool:
 # -- rolloutd registry ---------------------------------------------------------------------------
 
 def _registry_args(p: argparse.ArgumentParser) -> None:
-    from rolloutd.registry.server.settings import RegistrySettings
+    from rolloutd.registry.settings import RegistrySettings
     for name, field in RegistrySettings.model_fields.items():
         flag = "--" + name.replace("_", "-")
         if field.annotation is bool:  # a switch: --allow-unauthenticated, not --allow-unauthenticated true
@@ -66,7 +66,7 @@ def _registry_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_registry(args: argparse.Namespace) -> int:
-    from rolloutd.registry.server.settings import RegistrySettings
+    from rolloutd.registry.settings import RegistrySettings
     values = {k: v for k, v in vars(args).items() if k in RegistrySettings.model_fields}
     settings = RegistrySettings.model_validate(values, strict=False)
     from rolloutd.httpserver import raise_open_files_limit, reuse_freed_memory, run
@@ -82,8 +82,8 @@ def cmd_registry(args: argparse.Namespace) -> int:
 
 async def serve_registry(settings) -> int:
     from rolloutd.httpserver import QuietServer, bind, server_config
-    from rolloutd.registry.server.app import create_app
-    from rolloutd.registry.server.service import RegistryService
+    from rolloutd.registry.app import create_app
+    from rolloutd.registry.service import RegistryService
 
     service = RegistryService(settings)
     sock = bind(settings.host, settings.port)
@@ -123,14 +123,14 @@ class ProgressLine:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from rolloutd.registry.publish import RegistryHTTP
+    from rolloutd.trainer.publish import RegistryHTTP
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     metadata = dict(kv.split("=", 1) for kv in args.metadata)
     canary = None
     if args.canary:
         from pydantic import ValidationError
 
-        from rolloutd.registry.canary import load_canary
+        from rolloutd.trainer.canary import load_canary
         try:
             canary = load_canary(args.canary)
         except (OSError, ValidationError) as e:
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--partial", action="store_true", help="the files carry only some of the model's tensors on "
                    "purpose (the rest keeps its weights); without it a version lacking a tensor fails to load")
     p.add_argument("--canary", metavar="FILE.json", help="canary to attach (JSON: prompt_ids, continuation_ids, "
-                   "logprobs, tolerance; rolloutd.registry.canary.save_canary writes one)")
+                   "logprobs, tolerance; rolloutd.trainer.canary.save_canary writes one)")
     p.add_argument("--to", metavar="s3://BUCKET/PREFIX", help="put the files in this object store (under "
                    "PREFIX/VERSION/) instead of the registry, which keeps the manifest, leases and the source")
     p.add_argument("--s3-endpoint", metavar="URL", help="with --to: the S3-compatible service (default: AWS)")
@@ -271,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     from rolloutd.node.adminctl import add_parsers as add_admin
     add_admin(sub)
-    from rolloutd.registry.fleetctl import add_parser as add_fleet
+    from rolloutd.fleetctl import add_parser as add_fleet
     add_fleet(sub)
     from rolloutd.demo.rl import add_parser as add_rl
     from rolloutd.demo.serve import add_parser as add_demo

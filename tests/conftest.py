@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 
 class FakeClock:

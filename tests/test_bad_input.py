@@ -41,11 +41,11 @@ from safetensors.numpy import save as np_save
 
 from rolloutd.config import ConfigError, load_config, parse_config
 from rolloutd.demo.tinymodel import TINY, llama_state_dict, state_dict
-from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
-from rolloutd.registry.client import RegistryClient
-from rolloutd.registry.publish import serialize_shards
 from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullState
+from rolloutd.rollout.registry_client import RegistryClient
+from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
+from rolloutd.trainer.publish import serialize_shards
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import ManifestError, build_manifest, hash_chunks
 from vllm_plugin.checkpoint import MirrorError, check_version, manifest_digest

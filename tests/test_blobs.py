@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 
-from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped
+from rolloutd.registry.blobs import DiskStore, MemoryStore, StagingDropped
 from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks
 
 from .test_mirror import wait_until, where_rmtree_runs
@@ -95,7 +95,7 @@ def test_memory_is_let_go_of_at_once_when_the_freeing_thread_takes_no_more_work(
     import mmap
     from concurrent.futures import ThreadPoolExecutor
 
-    from rolloutd.registry.server import blobs
+    from rolloutd.registry import blobs
     gone = ThreadPoolExecutor(max_workers=1)
     gone.shutdown()
     monkeypatch.setattr(blobs, "_FREER", gone)

@@ -11,10 +11,10 @@ import pytest
 from pydantic import ValidationError
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import RegistryHTTP
-from rolloutd.registry.canary import load_canary, make_canary, save_canary
-from rolloutd.registry.publish import save_shards
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.trainer import RegistryHTTP
+from rolloutd.trainer.canary import load_canary, make_canary, save_canary
+from rolloutd.trainer.publish import save_shards
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Canary, FileEntry, Manifest, build_manifest
 from rolloutd.wire.messages import GateReport, Heartbeat

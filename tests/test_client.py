@@ -8,8 +8,8 @@ import time
 import pytest
 
 from rolloutd.demo.tinymodel import llama_state_dict
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.client import RegistryClient, Timeouts
+from rolloutd.rollout.registry_client import RegistryClient, Timeouts
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire import errors
 from rolloutd.wire.messages import Heartbeat
 

@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from rolloutd.demo import families
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, config, vllm_server
 from .test_model_matrix import generate, reference

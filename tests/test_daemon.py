@@ -26,11 +26,11 @@ import httpx
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.trainer import EmbeddedRegistry
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, tagged_pids, vllm_server, wait_until

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .cgroup_harness import cgroup_of, delegated_cgroup, inside, label
 from .daemon_harness import DaemonProcess, alive, config, failed_closes, tagged_pids, wait_until

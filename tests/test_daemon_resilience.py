@@ -22,7 +22,7 @@ from aiohttp import web
 
 from rolloutd.config import ConfigError, parse_config
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, alive

@@ -16,9 +16,9 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
 from rolloutd import metrics as node_metrics
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.server.rollouts import BEHIND_BUCKETS
-from rolloutd.registry.server.service import Metrics as RegistryMetrics
+from rolloutd.registry.rollouts import BEHIND_BUCKETS
+from rolloutd.registry.service import Metrics as RegistryMetrics
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.states import ServerState
 
 ROOT = Path(__file__).parent.parent

@@ -37,8 +37,8 @@ from pathlib import Path
 import pytest
 
 from rolloutd.demo import families
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.server.blobs import DiskBlob
+from rolloutd.registry.blobs import DiskBlob
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import Manifest
 
 from .daemon_harness import DaemonProcess, config, vllm_server

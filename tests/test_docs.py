@@ -4,9 +4,9 @@ documented is missing from the code."""
 import re
 from pathlib import Path
 
-from rolloutd.registry.server.app import create_app
-from rolloutd.registry.server.service import RegistryService
-from rolloutd.registry.server.settings import RegistrySettings
+from rolloutd.registry.app import create_app
+from rolloutd.registry.service import RegistryService
+from rolloutd.registry.settings import RegistrySettings
 
 DOC = (Path(__file__).parent.parent / "docs" / "registry-api.md").read_text()
 

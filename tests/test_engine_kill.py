@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, config, vllm_server, wait_until
 from .test_daemon import _engine_core

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry.publish import save_shards
+from rolloutd.trainer.publish import save_shards
 from rolloutd.wire.manifest import build_manifest
 
 from .daemon_harness import uds_client

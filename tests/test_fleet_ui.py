@@ -14,8 +14,8 @@ import httpx
 import pytest
 import yaml
 
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.server.ui import ASSETS
+from rolloutd.registry.ui import ASSETS
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.messages import Heartbeat, PullReport
 
 from .browser import chromium, full_screenshot, wait_for

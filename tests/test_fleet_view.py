@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from rolloutd.registry.server.fleet import FAILING_STATES, FleetQuery, FleetView
-from rolloutd.registry.server.rollouts import RolloutLog
-from rolloutd.registry.server.store import Store
+from rolloutd.registry.fleet import FAILING_STATES, FleetQuery, FleetView
+from rolloutd.registry.rollouts import RolloutLog
+from rolloutd.registry.store import Store
 from rolloutd.wire.messages import GateReport, Heartbeat, PullReport, RefusedVersion
 from rolloutd.wire.states import ServerState
 
@@ -192,7 +192,7 @@ def test_a_replica_gone_since_the_pass_is_left_out(store, clock):
 
 async def test_the_pass_gives_the_loop_turns_runs_once_for_all_viewers_and_gives_the_same_document(store,
                                                                                                       monkeypatch):
-    from rolloutd.registry.server import fleet
+    from rolloutd.registry import fleet
     publish(store, 1)
     for i in range(3000):
         beat(store, f"node{i // 8:04d}", f"s{i % 8}", version=1 if i % 3 else None)
@@ -226,8 +226,8 @@ def test_failing_states_are_the_daemons_state_names():
 def test_the_registry_exports_the_fleet_figures_as_metrics(clock):
     from prometheus_client import generate_latest
 
-    from rolloutd.registry.server.service import RegistryService
-    from rolloutd.registry.server.settings import RegistrySettings
+    from rolloutd.registry.service import RegistryService
+    from rolloutd.registry.settings import RegistrySettings
     service = RegistryService(RegistrySettings(), clock=clock)
 
     def beat(rid: str, state: str, version: int | None = None) -> None:

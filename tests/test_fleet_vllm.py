@@ -21,7 +21,7 @@ import pytest
 
 from rolloutd.demo import tinymodel
 from rolloutd.fleet import FleetSync, Sampling, Span
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire import version_contract as contract
 
 from .daemon_harness import DaemonProcess, config, uds_client, vllm_server, wait_until

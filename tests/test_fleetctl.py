@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from rolloutd import cli
-from rolloutd.registry import EmbeddedRegistry, fleetctl
+from rolloutd import cli, fleetctl
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.messages import GateReport, Heartbeat, PullReport
 
 from .conftest import free_port
@@ -30,7 +30,7 @@ def fleet(tmp_path, reg, *args: str) -> int:
 
 
 def seed(reg, clock) -> None:
-    from rolloutd.registry.server.blobs import MemoryBlob
+    from rolloutd.registry.blobs import MemoryBlob
     store = reg.service.store
 
     def beat(node, server, state="SERVING", version=None, **kw):
@@ -70,7 +70,7 @@ def test_the_table_shows_every_replica_grouped_by_node(tmp_path, reg, clock, cap
 
 
 def test_the_table_shows_how_the_last_pull_came_and_what_it_fetched(tmp_path, reg, clock, capsys):
-    from rolloutd.registry.server.blobs import MemoryBlob
+    from rolloutd.registry.blobs import MemoryBlob
     store = reg.service.store
     store.publish(manifest(1), {"model.safetensors": MemoryBlob(b"x")})
     pulls = {"delta": PullReport(version=1, kind="delta", base=6, bytes_fetched=21, version_bytes=1000,

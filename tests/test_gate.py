@@ -29,8 +29,8 @@ from aiohttp import web
 from rolloutd.demo import tinymodel
 from rolloutd.rollout.gate import GateFailed, run_gate
 from rolloutd.rollout.vllm_http import VllmClient
-from rolloutd.registry import EmbeddedRegistry, VersionRefused
-from rolloutd.registry.canary import make_canary
+from rolloutd.trainer import EmbeddedRegistry, VersionRefused
+from rolloutd.trainer.canary import make_canary
 from rolloutd.wire.manifest import Canary
 
 from .conftest import free_port

@@ -19,7 +19,7 @@ import uuid
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server

@@ -16,11 +16,11 @@ import pytest
 from pydantic import ValidationError, create_model
 
 from rolloutd.node.heartbeat import Heartbeater
-from rolloutd.registry import EmbeddedRegistry, VersionRefused
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.puller import PullProgress, PullState
 from rolloutd.rollout.refusals import Refusals
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.updater import Target
+from rolloutd.trainer import EmbeddedRegistry, VersionRefused
 from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, Heartbeat
 
 GATE = {"ok": False, "canary": True, "max_abs_dlogprob": 0.5, "tolerance": 0.05, "tokens": 3}
@@ -112,7 +112,7 @@ def test_the_registry_refuses_a_last_pull_out_of_bounds(bad):
 async def test_a_registry_from_before_the_fields_gets_heartbeats_without_them(monkeypatch, caplog, last_error):
     old = create_model("Heartbeat", __config__=Heartbeat.model_config, **{
         name: (f.annotation, f) for name, f in Heartbeat.model_fields.items() if name not in OPTIONAL_HEARTBEAT_FIELDS})
-    monkeypatch.setattr("rolloutd.registry.server.service.Heartbeat", old)
+    monkeypatch.setattr("rolloutd.registry.service.Heartbeat", old)
     caplog.set_level(logging.WARNING, "rolloutd.rollout.heartbeat")
     with EmbeddedRegistry(port=0) as reg:
         hb, client, replies = heartbeater(reg.url, last_error)

@@ -261,7 +261,7 @@ def test_connections_past_the_cap_are_closed_at_once(monkeypatch):
 
 def test_a_registry_with_a_token_answers_while_a_token_less_client_sends_a_trailer_bomb(tmp_path):
     """The registry as the trainer runs it: the bomb comes before any token is checked."""
-    from rolloutd.registry import EmbeddedRegistry
+    from rolloutd.trainer import EmbeddedRegistry
     token = tmp_path / "token"
     token.write_text("s3cret-token-value")
     stop, sent = threading.Event(), [0]

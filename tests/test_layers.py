@@ -2,30 +2,36 @@
 no group of modules imports itself round in a circle.
 
 The layers, from the bottom up: the words both ends speak (``wire``); the small shared pieces
-(units, config, the HTTP server, leases, metrics); the registry's side and the trainer's library
-with the fleet client; its integrations into trainer libraries; the node's parts (the gateway,
-the rollout of a version); the supervisor that composes them per server; the node that wires
-everything; then the commands. Every import counts, at the top of a module, inside a function or
-under ``TYPE_CHECKING``.
+(units, config, the HTTP server, leases, metrics, the object store's settings and buckets); the
+registry service and the fleet client; the trainer's library (publishing, and its integrations
+into trainer libraries), which runs the registry in-process; the node's parts (the gateway, the
+rollout of a version with its registry client); the supervisor that composes them per server;
+the node that wires everything; then the commands. Every import counts, at the top of a module,
+inside a function or under ``TYPE_CHECKING``.
+
+One audience per package: importing the daemon loads neither the trainer's library nor the
+registry service.
 """
 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "rolloutd"
 
 LAYERS: list[set[str]] = [
     {"wire"},
-    {"rolloutd", "units", "config", "httpserver", "filelease", "metrics"},
-    {"objstore", "registry", "fleet"},
-    {"integrations"},
+    {"rolloutd", "units", "config", "httpserver", "filelease", "metrics", "objstore"},
+    {"registry", "fleet"},
+    {"trainer"},
     {"gateway", "rollout"},
     {"supervise"},
     {"node"},
     {"demo"},
-    {"cli"},
+    {"cli", "fleetctl"},
 ]
 
 
@@ -107,3 +113,14 @@ def test_imports_run_downward():
 
 def test_no_import_circles():
     assert [" -> ".join(c) for c in circles()] == []
+
+
+def test_the_daemon_imports_neither_the_trainers_library_nor_the_registry():
+    """A node's process holds the node's code only: a fresh interpreter that imports the daemon
+    has no module of ``rolloutd.trainer`` (publishing, shards, canaries, integrations) nor of the
+    registry service loaded."""
+    code = ("import sys, rolloutd.node.daemon\n"
+            "print('\\n'.join(sorted(m for m in sys.modules if m.split('.')[:2] in "
+            "(['rolloutd', 'trainer'], ['rolloutd', 'registry']))))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == []

@@ -32,8 +32,8 @@ import httpx
 import pytest
 
 from rolloutd.demo import families
-from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
 from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
 
 from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server

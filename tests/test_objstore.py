@@ -15,11 +15,11 @@ import obstore
 import pytest
 
 from rolloutd.objstore import ObjectStoreError, ObjectStoreSettings, read_credentials
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullError
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.swarm import Swarm, SwarmSettings
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import verify_file
 
 pytestmark = pytest.mark.slow  # a real SeaweedFS per module: about 2 s to start and 2 s to stop
@@ -179,7 +179,7 @@ def test_publish_prunes_the_versions_the_registry_will_never_serve_again_and_not
 
 
 def test_a_prune_that_fails_costs_a_warning_not_the_publish(s3, tmp_path, monkeypatch, caplog):
-    import rolloutd.registry.publish as publish_mod
+    import rolloutd.trainer.publish as publish_mod
     from rolloutd.objstore import ObjectStoreError as Err
 
     def fake_list_outage(to, doomed, settings):  # a fake: a bucket that takes puts but fails to list

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.demo import families
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, config, vllm_server, wait_until
 from .test_engine_kill import shm_mapped

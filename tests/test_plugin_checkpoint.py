@@ -12,8 +12,8 @@ from importlib.metadata import distributions
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry.publish import save_shards
 from rolloutd.supervise.plugin_path import child_env, install_plugin
+from rolloutd.trainer.publish import save_shards
 from rolloutd.wire.manifest import build_manifest
 from vllm_plugin import checkpoint
 from vllm_plugin.checkpoint import MirrorError, Tensor, check_version, in_layer_order, manifest_digest

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .daemon_harness import AS_NOBODY, DaemonProcess, config, socket_probe, vllm_server
 

@@ -21,12 +21,12 @@ import pytest
 from aiohttp import web
 
 from rolloutd.demo.tinymodel import llama_state_dict
-from rolloutd.registry.client import RegistryClient
-from rolloutd.registry.publish import serialize_shards
-from rolloutd.registry.server.blobs import MemoryBlob
+from rolloutd.registry.blobs import MemoryBlob
 from rolloutd.rollout.fetch_pool import FetchPool
 from rolloutd.rollout.mirror import MANIFEST_NAME, RECORD_NAME, Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullState
+from rolloutd.rollout.registry_client import RegistryClient
+from rolloutd.trainer.publish import serialize_shards
 from rolloutd.wire import errors
 from rolloutd.wire.delta import DEFAULT_ENCODING, delta_file_name, encode_file
 from rolloutd.wire.manifest import Delta, DeltaFile, Manifest, hash_chunks

@@ -13,10 +13,10 @@ import httpx
 import numpy as np
 import pytest
 
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.publish import RegistryHTTP
-from rolloutd.registry.server import deltas
-from rolloutd.registry.shards import save_shards, serialize_shards
+from rolloutd.registry import deltas
+from rolloutd.trainer import EmbeddedRegistry
+from rolloutd.trainer.publish import RegistryHTTP
+from rolloutd.trainer.shards import save_shards, serialize_shards
 from rolloutd.wire.delta import apply_and_verify
 from rolloutd.wire.manifest import Manifest, build_manifest
 

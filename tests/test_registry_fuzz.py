@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.demo.tinymodel import llama_state_dict
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 pytestmark = pytest.mark.slow  # thousands of requests: not the fast tier
 

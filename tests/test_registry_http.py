@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from rolloutd.demo.tinymodel import llama_state_dict
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import build_manifest
 
 from .conftest import run_cli
@@ -336,7 +336,7 @@ def test_ranges_sent_at_once_each_arrive_whole_and_stalled_clients_hold_up_none(
     """One thread sends every range: eight clients reading ranges at once each get exactly
     theirs while 70 others have stopped reading mid-body; the stalled ones are dropped after
     ``STALL_S``, and a registry stopped under another stalled client leaves no descriptor open."""
-    from rolloutd.registry.server import direct
+    from rolloutd.registry import direct
     monkeypatch.setattr(direct, "STALL_S", 3.0)
     caplog.set_level(logging.INFO, logger="rolloutd.registry")
     data = os.urandom(48 << 20)  # more than loopback's socket buffers hold: a client that stops reading blocks
@@ -389,7 +389,7 @@ def test_a_send_that_fails_unexpectedly_ends_its_range_alone(tmp_path, monkeypat
     """Crash policy of the sending thread: a surprise while sending one range (a fake
     ``sendfile`` that raises once) ends that range, short, and is logged; the thread goes on
     sending the next one whole."""
-    from rolloutd.registry.server import direct
+    from rolloutd.registry import direct
     data = os.urandom(8 << 20)
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "model.safetensors").write_bytes(data)
@@ -448,7 +448,7 @@ def test_upload_names_cannot_escape_either(registry, http):
 # -- publishing over HTTP only (a non-Python trainer) -----------------------------------------
 
 def test_publish_over_http_alone(registry, http, tmp_path):
-    from rolloutd.registry.publish import save_shards
+    from rolloutd.trainer.publish import save_shards
     paths = save_shards(small(3), tmp_path, shard_bytes=20_000)
     assert len(paths) > 1
     m = build_manifest(1, paths, chunk_bytes=CHUNK)
@@ -466,7 +466,7 @@ def test_publish_over_http_alone(registry, http, tmp_path):
 
 
 def test_corrupt_upload_is_refused_and_can_be_redone(registry, http, tmp_path):
-    from rolloutd.registry.publish import save_shards
+    from rolloutd.trainer.publish import save_shards
     (p,) = save_shards(small(1), tmp_path)
     m = build_manifest(1, [p], chunk_bytes=CHUNK)
     bad = bytearray(p.read_bytes())
@@ -480,7 +480,7 @@ def test_corrupt_upload_is_refused_and_can_be_redone(registry, http, tmp_path):
 
 
 def test_wrong_manifest_digest_is_refused(registry, http, tmp_path):
-    from rolloutd.registry.publish import save_shards
+    from rolloutd.trainer.publish import save_shards
     (p,) = save_shards(small(1), tmp_path)
     body = json.loads(build_manifest(1, [p], chunk_bytes=CHUNK).model_dump_json())
     body["digest"] = "0" * 64
@@ -547,7 +547,7 @@ def test_a_large_upload_cut_silent_or_failing_ends_with_a_reply_and_leaves_nothi
     for ``STALL_S``, or cannot be written (a fake store write that fails) ends in an error reply
     where the client still listens, not a reset; nothing is staged; no descriptor of the
     connection or the store is left open; the same upload then works."""
-    from rolloutd.registry.server import direct
+    from rolloutd.registry import direct
     monkeypatch.setattr(direct, "STALL_S", 0.5)
     caplog.set_level(logging.WARNING)
     size = 4 << 20
@@ -669,7 +669,7 @@ def test_a_publish_outlives_its_request_and_a_post_of_the_same_manifest_waits_fo
     a client that gives up stops nothing; the same manifest POSTed meanwhile waits for that very
     publish (one verify in all); a failed publish keeps its error for the next POST of its
     manifest (not verified again), whoever was waiting when it ended, until an upload comes."""
-    from rolloutd.registry.publish import save_shards
+    from rolloutd.trainer.publish import save_shards
     (p,) = save_shards(small(1), tmp_path)
     m = build_manifest(1, [p], chunk_bytes=CHUNK)
     prefer = {"prefer": "respond-async, wait=0.2"}

@@ -20,10 +20,10 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from rolloutd.objstore import ObjectStoreSettings
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.publish import RegistryHTTP
-from rolloutd.registry.server.store import VersionState
+from rolloutd.registry.store import VersionState
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.trainer import EmbeddedRegistry
+from rolloutd.trainer.publish import RegistryHTTP
 from rolloutd.wire.manifest import Delta, DeltaFile, Manifest, hash_chunks
 
 from .test_objstore import in_bucket, pull, served, version_dirs
@@ -294,7 +294,7 @@ def test_a_sent_section_no_smaller_than_the_fraction_is_dropped(caplog):
 def test_the_kept_version_goes_with_the_process_without_close(tmp_path):
     """A trainer that never closes its publisher leaves no version behind in TMPDIR."""
     script = (
-        "from rolloutd.objstore import KeptVersions\n"
+        "from rolloutd.trainer.bucket import KeptVersions\n"
         "from rolloutd.wire.manifest import build_manifest\n"
         "kept = KeptVersions()\n"
         "d = kept.workdir(1)\n"

@@ -8,7 +8,7 @@ import httpx
 from bench.soak_check import PROMPTS, Checker, Trainer
 from bench.soak_faults import FakeFaultyPath
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 
 class Known(Trainer):

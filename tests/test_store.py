@@ -2,8 +2,8 @@
 
 import pytest
 
-from rolloutd.registry.server.blobs import MemoryBlob
-from rolloutd.registry.server.store import Store, VersionState
+from rolloutd.registry.blobs import MemoryBlob
+from rolloutd.registry.store import Store, VersionState
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest, digest
 from rolloutd.wire.messages import Heartbeat

@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, alive, wait_until
 

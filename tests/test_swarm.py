@@ -14,12 +14,12 @@ import httpx
 import pytest
 from aiohttp import web
 
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.puller import Puller
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings, peer_token
+from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import verify_file
 
 from .conftest import free_port
@@ -241,7 +241,7 @@ async def test_a_dropped_peer_stays_out_of_the_count_for_the_whole_pull(tmp_path
 async def test_every_announcement_of_a_pull_names_the_peers_it_dropped(tmp_path):
     """Named once, a dropped peer would count as a holder again once the tracker's suspicion
     lapsed, and chunks only it claims would never be handed out of the origin."""
-    from rolloutd.registry.client import Timeouts
+    from rolloutd.rollout.registry_client import Timeouts
     from rolloutd.wire.manifest import Manifest
     from rolloutd.wire.messages import AnnounceReply, SwarmView
 
@@ -338,7 +338,7 @@ async def test_the_registry_refuses_the_peer_token(reg):
 
 
 class RecordingClient:  # a FAKE registry client: records what would be announced, answers nothing
-    from rolloutd.registry.client import Timeouts
+    from rolloutd.rollout.registry_client import Timeouts
 
     url, token, timeouts = "http://127.0.0.1:9", None, Timeouts()
 
@@ -703,7 +703,7 @@ async def test_a_delta_pull_announces_and_serves_its_checked_delta_chunks_only_w
     """Under the delta section's digest, with a map over the delta files; a landed chunk of another
     plan is not announced; once the pull ends without a commit (it failed, or falls back to the
     whole version) no delta byte is served."""
-    from rolloutd.registry.client import Timeouts
+    from rolloutd.rollout.registry_client import Timeouts
     from rolloutd.wire.messages import AnnounceReply
 
     class SilentClient:  # a FAKE registry client: the announcer's replies do not matter here

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
+from rolloutd.trainer import EmbeddedRegistry
 
 from .conftest import free_port
 from .daemon_harness import AS_NOBODY, config, socket_probe, vllm_server

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from rolloutd.registry.server.tracker import Tracker
+from rolloutd.registry.tracker import Tracker
 from rolloutd.wire.chunkmap import from_hex, full, ones, to_hex
 from rolloutd.wire.manifest import Delta, DeltaFile, FileEntry, Manifest
 from rolloutd.wire.messages import Announce, HeldVersion

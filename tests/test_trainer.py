@@ -14,10 +14,10 @@ import httpx
 import pytest
 from safetensors import safe_open
 
-from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
-from rolloutd.registry.handle import PublishState
-from rolloutd.registry.publish import layer_key, save_shards, shard_plan
-from rolloutd.registry.shards import Cancelled
+from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
+from rolloutd.trainer.handle import PublishState
+from rolloutd.trainer.publish import layer_key, save_shards, shard_plan
+from rolloutd.trainer.shards import Cancelled
 from rolloutd.wire import errors
 
 from .conftest import registry_log, run_cli
@@ -288,8 +288,8 @@ def test_cli_publish_errors_are_one_line(tmp_path, standalone):
 
 def test_the_daemon_side_never_imports_torch_or_vllm():
     code = ("import sys, numpy as np\n"
-            "from rolloutd.registry import EmbeddedRegistry\n"
-            "from rolloutd.registry.client import RegistryClient\n"
+            "from rolloutd.trainer import EmbeddedRegistry\n"
+            "from rolloutd.rollout.registry_client import RegistryClient\n"
             "import rolloutd.cli, rolloutd.rollout.puller, rolloutd.rollout.mirror, rolloutd.supervise.plugin_path\n"
             "with EmbeddedRegistry(port=0) as reg:\n"
             "    reg.publish(1, {'model.layers.0.w': np.zeros(4, np.float32)})\n"
@@ -385,7 +385,7 @@ def test_an_upload_whose_fsync_outlasts_the_client_timeout_succeeds(tmp_path, mo
     twice the client's timeout) must not fail the publish: the client waits for the reply as
     long as syncing the file at ``UPLOAD_SYNC_BYTES_PER_S`` would take (set here so that this
     small version counts as a large one on a slow disk)."""
-    import rolloutd.registry.publish as publish
+    import rolloutd.trainer.publish as publish
     with EmbeddedRegistry(port=0) as reg:
         real_upload, synced = reg.service.blobs.upload, []
 
@@ -472,10 +472,10 @@ def test_http_publish_streams_from_the_tensors_and_a_retry_is_a_no_op(registry, 
     import numpy as np
     import torch
 
-    import rolloutd.objstore as objstore
-    import rolloutd.registry.publish as publish
+    import rolloutd.trainer.bucket as bucket
+    import rolloutd.trainer.publish as publish
     monkeypatch.setattr(publish, "MappedFile", None)  # a file on the way would raise here
-    monkeypatch.setattr(objstore, "tempfile", None)   # (a temporary directory is made there)
+    monkeypatch.setattr(bucket, "tempfile", None)   # (a temporary directory is made there)
     sd = torch_state_dict(3)
     sd["model.layers.0.mlp.gate_proj.weight"] = torch.randn(128, 64).t()       # strided: copied through a block
     sd["model.layers.0.mlp.up_proj.weight"] = np.arange(4096, dtype=np.float32)[::2]  # numpy, strided

@@ -1,4 +1,4 @@
-"""TRL's trainers generating on the fleet (rolloutd.integrations.trl).
+"""TRL's trainers generating on the fleet (rolloutd.trainer.integrations.trl).
 
 The fast tests check how TRL's generation settings map onto a request, the per-request seeds,
 the logprobs' shape and order, and the staleness check. The slow ones train a tiny tied Qwen2
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from rolloutd.fleet import Generation, Sampling, Span
-from rolloutd.integrations.batches import (
+from rolloutd.trainer.integrations.batches import (
     Batch,
     StaleSample,
     UnsupportedSetting,
@@ -142,7 +142,7 @@ def trl_args(kind: str, out: Path, steps: int, **kw):
 def test_a_setting_the_fleet_cannot_honour_fails_the_trainer_build(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rolloutd.integrations.trl import FleetConfig, GRPOTrainer
+    from rolloutd.trainer.integrations.trl import FleetConfig, GRPOTrainer
     with pytest.raises(ValueError, match="max_staleness"):
         FleetConfig(max_staleness=-1)
     model_dir = policy(tmp_path / "policy")
@@ -160,7 +160,7 @@ class Fleet:
     def __init__(self, work: Path):
         from rolloutd.demo import rl
         from rolloutd.demo.serve import default_vllm
-        from rolloutd.registry import EmbeddedRegistry
+        from rolloutd.trainer import EmbeddedRegistry
 
         from .vllm_server import require_vllm
         require_vllm()
@@ -248,8 +248,8 @@ def run_trainer(kind: str, fleet: Fleet, tmp_path: Path, steps: int, k: int):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rolloutd.integrations import trl as integration
-    from rolloutd.integrations.trl import FleetConfig
+    from rolloutd.trainer.integrations import trl as integration
+    from rolloutd.trainer.integrations.trl import FleetConfig
     torch.set_num_threads(1)  # the servers have the cores
     model = AutoModelForCausalLM.from_pretrained(fleet.model_dir, dtype=torch.float32, attn_implementation="eager")
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied

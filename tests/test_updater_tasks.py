@@ -16,11 +16,11 @@ import pytest
 from rolloutd.config import Config
 from rolloutd.demo import tinymodel
 from rolloutd.metrics import Metrics
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout import mirror as mirror_module
 from rolloutd.rollout.mirror import Mirror
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.updater import Updater
+from rolloutd.trainer import EmbeddedRegistry
 
 from .waiting import until
 

@@ -21,11 +21,11 @@ from pathlib import Path
 import pytest
 
 from rolloutd.demo import tinymodel
-from rolloutd.registry import EmbeddedRegistry
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.supervise.plugin_path import install_plugin
+from rolloutd.trainer import EmbeddedRegistry
 
 from .conftest import free_port
 from .vllm_server import ROOT, VllmServer, client, pip_install_rolloutd

@@ -15,8 +15,8 @@ def main(url: str, model_dir: Path, out: Path, steps: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rolloutd.integrations.trl import FleetConfig, GRPOTrainer
-    from rolloutd.registry.publish import RegistryHTTP
+    from rolloutd.trainer.integrations.trl import FleetConfig, GRPOTrainer
+    from rolloutd.trainer.publish import RegistryHTTP
     from tests.test_trl import prompts_dataset, task_reward, trl_args
 
     torch.set_num_threads(1)

@@ -58,7 +58,7 @@ from rolloutd.demo import families
 from rolloutd.demo.serve import _free_port, default_vllm
 from rolloutd.demo.tinymodel import BOS_ID, EOS_ID, SPECIAL_TOKENS
 from rolloutd.fleet import Fleet, Generation, Sampling
-from rolloutd.registry.publish import EmbeddedRegistry
+from rolloutd.trainer.publish import EmbeddedRegistry
 
 VOCAB = 64
 DIGITS = [3, 4, 5, 6]  # the digit tokens a prompt is made of
@@ -176,7 +176,7 @@ class Trainer:
         return float((logp - torch.tensor([s.gen.logprobs for s in same])).abs().max())
 
     def canary(self, prompt: list[int]):
-        from rolloutd.registry.canary import make_canary
+        from rolloutd.trainer.canary import make_canary
         return make_canary(self.model, prompt, new_tokens=8)
 
 

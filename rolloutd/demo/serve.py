@@ -30,7 +30,7 @@ from rolloutd.config import Config
 from rolloutd.demo import families
 from rolloutd.node.adminctl import render_status
 from rolloutd.node.daemon import Daemon
-from rolloutd.registry.publish import EmbeddedRegistry
+from rolloutd.trainer.publish import EmbeddedRegistry
 from rolloutd.units import percent
 
 FAMILY = "qwen2"
@@ -158,7 +158,7 @@ def _show_pull(p: dict) -> None:
 async def _drive(daemon: Daemon, reg: EmbeddedRegistry, timeout_s: float) -> list[bool]:
     """Publish versions 1, 2, 3 as a trainer does; for each, whether the server's outputs equal
     transformers' on the published weights."""
-    from rolloutd.registry.canary import make_canary
+    from rolloutd.trainer.canary import make_canary
 
     while not hasattr(daemon, "admin") or not daemon.admin.started:
         await asyncio.sleep(0.1)

@@ -4,7 +4,7 @@ The task, the policy and the node are ``rolloutd demo rl``'s (:mod:`rolloutd.dem
 tied Qwen2 policy, prompts ``<s> a b c d =``, reward the share of the answer's tokens equal to
 ``a``; one daemon (``rolloutd run`` as its own process) with two real ``vllm serve``. The trainer
 is TRL's ``GRPOTrainer`` (``pip install 'rolloutd[trl]'``) equipped by
-:mod:`rolloutd.integrations.trl`: at every step it publishes the policy as a version, and every
+:mod:`rolloutd.trainer.integrations.trl`: at every step it publishes the policy as a version, and every
 sample is generated on the fleet with ``min_version`` = that version minus ``k``.
 
 It trains twice: first **frozen** (nothing is published after version 1: the servers keep the
@@ -91,7 +91,7 @@ def train(args: argparse.Namespace, work: Path, reg, model_dir: Path, *, publish
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
     from trl import GRPOConfig
 
-    from rolloutd.integrations.trl import FleetConfig, GRPOTrainer
+    from rolloutd.trainer.integrations.trl import FleetConfig, GRPOTrainer
 
     name = "learn" if publish else "frozen"
     config = GRPOConfig(output_dir=str(work / name), use_cpu=True, bf16=False, seed=args.seed,
@@ -120,7 +120,7 @@ def _run(args: argparse.Namespace, work: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
     from rolloutd.fleet import FleetSync
-    from rolloutd.registry.publish import EmbeddedRegistry
+    from rolloutd.trainer.publish import EmbeddedRegistry
 
     torch.set_num_threads(1)  # the servers have the cores; a tiny model trains fine on one thread
     model_dir = build_policy(work / "policy-0", args.seed)

@@ -62,10 +62,10 @@ from rolloutd.node.heartbeat import Heartbeater
 from rolloutd.node.looplag import LoopLag
 from rolloutd.node.notify import Notifier
 from rolloutd.objstore import ObjectStoreSettings
-from rolloutd.registry.client import RegistryClient, Timeouts
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
 from rolloutd.rollout.refusals import Refusals
+from rolloutd.rollout.registry_client import RegistryClient, Timeouts
 from rolloutd.rollout.slots import RolloutSlots
 from rolloutd.rollout.swarm import Swarm, SwarmSettings, peer_token
 from rolloutd.rollout.updater import Target, Updater

@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable
 
 from rolloutd.config import Config
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.puller import PullProgress, PullState
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.updater import Updater
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire import errors

@@ -1,10 +1,3 @@
-"""The weight registry: versions, their bytes, leases, the replica directory and demand.
-
-Trainer side::
-
-    from rolloutd.registry import EmbeddedRegistry, RegistryHTTP
-"""
-
-from rolloutd.registry.publish import EmbeddedRegistry, RegistryHTTP, VersionRefused
-
-__all__ = ["EmbeddedRegistry", "RegistryHTTP", "VersionRefused"]
+"""The registry service: versions and their bytes, leases, the replica directory and demand,
+behind HTTP API v1. The trainer's library (:mod:`rolloutd.trainer`) runs it in-process or talks
+to it over HTTP; the node talks to it with :mod:`rolloutd.rollout.registry_client`."""

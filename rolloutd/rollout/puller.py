@@ -85,7 +85,6 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.fetch_pool import (
     ApplyJob,
     ChunkCorrupt,
@@ -96,6 +95,7 @@ from rolloutd.rollout.fetch_pool import (
     WorkerCrashed,
 )
 from rolloutd.rollout.mirror import Mirror, MirrorFull, Partial
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings
 from rolloutd.wire import errors
 from rolloutd.wire.chunkmap import chunk_index, ones

@@ -59,8 +59,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rolloutd.objstore import ObjectStoreSettings
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.sources import SourceSpec
 from rolloutd.wire import errors
 from rolloutd.wire.chunkmap import MAX_CHUNKS, chunk_index, from_hex, full, to_hex

@@ -39,9 +39,9 @@ from pathlib import Path
 
 from rolloutd.config import Config
 from rolloutd.metrics import Metrics
-from rolloutd.registry.client import RegistryClient
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullResult, PullState
+from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.swarm import Swarm
 from rolloutd.wire import errors
 from rolloutd.wire.messages import HeartbeatReply, LatestInfo

@@ -143,7 +143,7 @@ class Canary(BaseModel):
     log-probability the trainer's own model gives each continuation token after its prefix.
     A server that loaded the version must reproduce every one within ``tolerance`` (nats)
     before it takes traffic (docs/daemon.md, "The gate"). Made by
-    :func:`rolloutd.registry.canary.make_canary`."""
+    :func:`rolloutd.trainer.canary.make_canary`."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
 

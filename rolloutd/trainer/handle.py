@@ -130,14 +130,14 @@ class PublishHandle:
 
     def set_state(self, state: PublishState) -> None:
         """Enter WRITING or COMMITTING; COMMITTING is refused (``Cancelled``) once a cancel came."""
-        from rolloutd.registry.shards import Cancelled
+        from rolloutd.trainer.shards import Cancelled
         with self._lock:
             if self._cancel.is_set():
                 raise Cancelled(f"publish of version {self.version} cancelled")
             self._state = state
 
     def _main(self) -> None:
-        from rolloutd.registry.shards import Cancelled
+        from rolloutd.trainer.shards import Cancelled
         try:
             with self._turns.wait(self._ticket):  # one publish at a time per registry, in order
                 self.set_state(PublishState.WRITING)

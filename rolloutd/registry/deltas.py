@@ -25,9 +25,9 @@ import logging
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
-from rolloutd.registry.server.blobs import blob_views
-from rolloutd.registry.server.settings import RegistrySettings
-from rolloutd.registry.server.store import Version
+from rolloutd.registry.blobs import blob_views
+from rolloutd.registry.settings import RegistrySettings
+from rolloutd.registry.store import Version
 from rolloutd.units import percent
 from rolloutd.wire.delta import delta_file_name, encode_file, removed_tensors
 from rolloutd.wire.manifest import Delta, DeltaFile, Manifest, hash_chunks

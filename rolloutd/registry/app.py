@@ -22,12 +22,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
-from rolloutd.registry.server import direct
-from rolloutd.registry.server.blobs import Blob, Upload, stream_range
-from rolloutd.registry.server.guard import HEARTBEAT_ROUTE, Guard, error_response
-from rolloutd.registry.server.publishes import Publishes, prefers_async
-from rolloutd.registry.server.service import RegistryService
-from rolloutd.registry.server.ui import add_ui_routes
+from rolloutd.registry import direct
+from rolloutd.registry.blobs import Blob, Upload, stream_range
+from rolloutd.registry.guard import HEARTBEAT_ROUTE, Guard, error_response
+from rolloutd.registry.publishes import Publishes, prefers_async
+from rolloutd.registry.service import RegistryService
+from rolloutd.registry.ui import add_ui_routes
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FILE_NAME_RE, MAX_VERSION, Manifest, valid_file_name
 from rolloutd.wire.messages import (

@@ -23,8 +23,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from rolloutd.registry.server.blobs import Blob
-from rolloutd.registry.server.rollouts import RolloutLog
+from rolloutd.registry.blobs import Blob
+from rolloutd.registry.rollouts import RolloutLog
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import FileEntry, Manifest
 from rolloutd.wire.messages import REPLICA_ID_RE, Heartbeat

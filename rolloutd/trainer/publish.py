@@ -2,9 +2,9 @@
 
 ``RegistryHTTP`` talks to any registry over HTTP (a non-Python trainer can do the same with
 the documented routes). ``EmbeddedRegistry`` runs the registry inside the trainer's process
-and publishes by writing each tensor straight into its store (:mod:`~rolloutd.registry.shards`:
+and publishes by writing each tensor straight into its store (:mod:`~rolloutd.trainer.shards`:
 one copy, hashed as it lands), without a round trip over HTTP; ``publish_async`` does it on a
-thread of its own and returns a :class:`~rolloutd.registry.handle.PublishHandle` at once.
+thread of its own and returns a :class:`~rolloutd.trainer.handle.PublishHandle` at once.
 torch is imported only when a state dict holds torch tensors.
 """
 
@@ -24,18 +24,17 @@ from typing import Any
 
 import httpx
 
-from rolloutd.objstore import (
+from rolloutd.objstore import ObjectStoreError, ObjectStoreSettings
+from rolloutd.trainer.bucket import (
     KeptVersions,
-    ObjectStoreError,
-    ObjectStoreSettings,
     delete_objects,
     encode_delta_files,
     prune_versions,
     publish_files,
     version_source,
 )
-from rolloutd.registry.handle import PublishHandle, PublishState, Turns
-from rolloutd.registry.shards import (  # noqa: F401 -- the trainer's names for them
+from rolloutd.trainer.handle import PublishHandle, PublishState, Turns
+from rolloutd.trainer.shards import (  # noqa: F401 -- the trainer's names for them
     DEFAULT_SHARD_BYTES,
     Cancelled,
     ChunkHasher,
@@ -327,7 +326,7 @@ class RegistryHTTP:
                     hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
         Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
-        ``canary`` (:func:`~rolloutd.registry.canary.make_canary`) is checked by every server
+        ``canary`` (:func:`~rolloutd.trainer.canary.make_canary`) is checked by every server
         that loads the version before it takes traffic again. ``partial``: the files carry only
         some of the model's tensors on purpose; the rest keeps its weights (without it, a version
         that lacks a tensor of the served model fails to load, naming it).
@@ -541,9 +540,9 @@ class EmbeddedRegistry(RegistryHTTP):
     def __init__(self, host: str = "127.0.0.1", port: int = 8700, *,
                  clock: Callable[[], float] | None = None, **settings: Any):
         from rolloutd.httpserver import ServerThread
-        from rolloutd.registry.server.app import create_app
-        from rolloutd.registry.server.service import RegistryService
-        from rolloutd.registry.server.settings import RegistrySettings
+        from rolloutd.registry.app import create_app
+        from rolloutd.registry.service import RegistryService
+        from rolloutd.registry.settings import RegistrySettings
 
         self.settings = RegistrySettings(host=host, port=port, **settings)
         self._turn = Turns()  # one publish at a time: versions commit in the order asked

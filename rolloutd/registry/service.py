@@ -19,9 +19,9 @@ from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rolloutd.registry.canary import canary_problems, version_tensors
-from rolloutd.registry.server.blobs import DiskStore, MemoryStore, StagingDropped, Upload
-from rolloutd.registry.server.deltas import (
+from rolloutd.registry.blobs import DiskStore, MemoryStore, StagingDropped, Upload
+from rolloutd.registry.canary_check import canary_problems, version_tensors
+from rolloutd.registry.deltas import (
     Chain,
     chain_after,
     describe,
@@ -29,10 +29,10 @@ from rolloutd.registry.server.deltas import (
     why_full_after,
     why_full_before,
 )
-from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
-from rolloutd.registry.server.settings import RegistrySettings
-from rolloutd.registry.server.store import Store, Version, VersionState
-from rolloutd.registry.server.tracker import Tracker
+from rolloutd.registry.rollouts import BEHIND_BUCKETS, behind_bucket
+from rolloutd.registry.settings import RegistrySettings
+from rolloutd.registry.store import Store, Version, VersionState
+from rolloutd.registry.tracker import Tracker
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
 from rolloutd.wire.messages import REPLICA_ID_RE, Announce, Heartbeat

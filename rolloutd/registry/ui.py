@@ -16,8 +16,8 @@ from importlib import resources
 from fastapi import FastAPI, Query
 from fastapi.responses import JSONResponse, Response
 
-from rolloutd.registry.server.fleet import MAX_PER_PAGE, FleetQuery, FleetView
-from rolloutd.registry.server.service import RegistryService
+from rolloutd.registry.fleet import MAX_PER_PAGE, FleetQuery, FleetView
+from rolloutd.registry.service import RegistryService
 from rolloutd.wire import errors
 
 UI_PATH = "/ui"
@@ -41,7 +41,7 @@ def is_public(path: str) -> bool:
 
 
 def _read(name: str) -> bytes:
-    return resources.files("rolloutd.registry.server").joinpath("static", name).read_bytes()
+    return resources.files("rolloutd.registry").joinpath("static", name).read_bytes()
 
 
 def add_ui_routes(app: FastAPI, service: RegistryService) -> None:

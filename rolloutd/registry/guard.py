@@ -15,10 +15,10 @@ import time
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
 
-from rolloutd.registry.server import direct
-from rolloutd.registry.server.blobs import DiskBlob
-from rolloutd.registry.server.service import RegistryService
-from rolloutd.registry.server.ui import is_public
+from rolloutd.registry import direct
+from rolloutd.registry.blobs import DiskBlob
+from rolloutd.registry.service import RegistryService
+from rolloutd.registry.ui import is_public
 from rolloutd.wire import errors
 from rolloutd.wire.auth import bearer_ok
 from rolloutd.wire.ranges import parse_range

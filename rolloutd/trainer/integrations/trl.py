@@ -22,7 +22,7 @@ num_generations, profiler)``. :class:`FleetGeneration` is that object on a fleet
 
 :class:`GRPOTrainer` and :class:`RLOOTrainer` are TRL's, built with ``fleet=FleetConfig(...)``;
 :func:`equip` does the same to a trainer built with ``use_vllm=False``. TRL's generation settings
-map onto :class:`~rolloutd.fleet.Sampling` (:mod:`rolloutd.integrations.batches`); one that the
+map onto :class:`~rolloutd.fleet.Sampling` (:mod:`rolloutd.trainer.integrations.batches`); one that the
 fleet cannot honour raises :class:`UnsupportedSetting` when the trainer is built.
 """
 
@@ -40,7 +40,7 @@ from accelerate.utils import broadcast_object_list, is_peft_model
 from trl.generation.vllm_generation import VLLMGeneration
 
 from rolloutd.fleet import FleetSync
-from rolloutd.integrations.batches import (
+from rolloutd.trainer.integrations.batches import (
     Batch,
     StaleSample,
     UnsupportedSetting,
@@ -55,7 +55,7 @@ from rolloutd.integrations.batches import (
 __all__ = ["FleetConfig", "FleetGeneration", "GRPOTrainer", "RLOOTrainer", "equip", "Batch", "StaleSample",
            "UnsupportedSetting"]
 
-log = logging.getLogger("rolloutd.integrations.trl")
+log = logging.getLogger("rolloutd.trainer.integrations.trl")
 KEEP_BATCHES = 64  # the last generate calls kept for inspection (FleetGeneration.batches)
 
 
@@ -175,7 +175,7 @@ class FleetGeneration(VLLMGeneration):
     def _canary(self):
         import torch
 
-        from rolloutd.registry.canary import make_canary
+        from rolloutd.trainer.canary import make_canary
         model = self.accelerator.unwrap_model(self.model)
         was_training = model.training
         model.eval()

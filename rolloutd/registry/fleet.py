@@ -26,8 +26,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from rolloutd.registry.server.rollouts import BEHIND_BUCKETS, behind_bucket
-from rolloutd.registry.server.store import Replica, Store
+from rolloutd.registry.rollouts import BEHIND_BUCKETS, behind_bucket
+from rolloutd.registry.store import Replica, Store
 from rolloutd.wire.messages import PullReport
 from rolloutd.wire.states import ServerState
 

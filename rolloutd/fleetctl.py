@@ -42,7 +42,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_fleet(args: argparse.Namespace) -> int:
-    from rolloutd.registry.publish import RegistryHTTP
+    from rolloutd.trainer.publish import RegistryHTTP
     token = args.token_file.read_text().strip() if args.token_file else None
     reg = RegistryHTTP(args.registry, token, timeout_s=args.timeout_s)
     try:
