@@ -314,3 +314,33 @@ def test_a_failed_rebuild_returns_only_once_no_segment_is_still_being_written(tm
                                    digests=hash_chunks(save(target), CHUNK, "xxh3-128"), pool=pool)
         assert pool.running == 0  # nothing writes through the closed descriptor, or a reused one
         assert pool.submitted > 2
+
+
+@pytest.mark.parametrize("itemsize", [1, 2, 3, 4, 8])
+def test_byte_planes_interleave_back_exactly(itemsize):
+    x = np.random.default_rng(itemsize).integers(0, 256, itemsize * 1001, dtype=np.uint8)
+    assert np.array_equal(delta._unplanes(delta._planes(x, itemsize).reshape(-1), itemsize), x)
+
+
+def test_pieces_across_segments_and_chunks_are_each_checked_and_written_in_place(tmp_path, monkeypatch):
+    """The rebuild hashes and writes in pieces that end neither where segments nor where
+    chunks do: the file comes out exact, and a chunk that differs is named all the same."""
+    monkeypatch.setattr(delta, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(delta, "_PIECE_BYTES", 1000)
+    base = {"w": torch.randn(1000, 33).bfloat16()}  # 66,000 bytes: 17 segments, 14 chunks
+    target = save(_step(base, 0.1))
+    buf = io.BytesIO()
+    delta.encode_file({"m": save(base)}, target, buf)
+    (tmp_path / "d").write_bytes(buf.getvalue())
+    (tmp_path / "base").write_bytes(save(base))
+    digests = hash_chunks(target, 5000, "xxh3-128")
+    with ThreadPoolExecutor(2) as pool:
+        (tmp_path / "out").write_bytes(b"")
+        delta.apply_and_verify({"m": tmp_path / "base"}, tmp_path / "d", tmp_path / "out", hash_name="xxh3-128",
+                               chunk_bytes=5000, digests=digests, pool=pool)
+        assert (tmp_path / "out").read_bytes() == target
+        digests[7] = "0" * 32
+        with pytest.raises(delta.TargetMismatch, match="rebuilt chunk 7 ") as e:
+            delta.apply_and_verify({"m": tmp_path / "base"}, tmp_path / "d", tmp_path / "out",
+                                   hash_name="xxh3-128", chunk_bytes=5000, digests=digests, pool=pool)
+    assert e.value.chunk == 7

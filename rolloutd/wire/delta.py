@@ -55,6 +55,7 @@ DEFAULT_ENCODING = "xor-sparse-zstd"  # the smallest on real optimizer steps (be
 SEGMENT_BYTES = 8 << 20        # one frame's worth of target bytes at most
 MAX_HEADER_BYTES = 64 << 20    # a delta header larger than this is not one rolloutd wrote
 _WINDOW = 8                    # segments in flight at once per file (bounds memory)
+_PIECE_BYTES = 1 << 20         # hashed then written while in cache (256 KiB or 8 MiB cost more: bench/README.md)
 _DENSE_SHARE = 4               # xor-sparse-zstd: a segment with more than 1/4 of its elements changed goes dense
 _UINT = {1: np.dtype(np.uint8), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 _KINDS = ("raw", "xor", "iv", "sx")
@@ -435,7 +436,20 @@ def _positions(payload: bytes, elements: int, size: int, gap_planes: bool, what:
 
 def _unplanes(planes: np.ndarray, itemsize: int) -> np.ndarray:
     """The bytes whose byte planes are ``planes``, interleaved back."""
-    return planes if itemsize == 1 else np.ascontiguousarray(planes.reshape(itemsize, -1).T).reshape(-1)
+    if itemsize == 1:
+        return planes
+    rows = planes.reshape(itemsize, -1)
+    dt = _UINT.get(itemsize)
+    if dt is None:
+        return np.ascontiguousarray(rows.T).reshape(-1)
+    # as integers, plane k shifted into byte k: numpy's byte-wise transpose costs 2-3x more
+    # (bench/README.md, "A delta version")
+    out = rows[0].astype(dt)
+    for k in range(1, itemsize):
+        plane = rows[k].astype(dt)
+        plane <<= 8 * k
+        out |= plane
+    return out.view(np.uint8)
 
 
 
@@ -497,8 +511,8 @@ def apply_and_verify(base_files: Mapping[str, Path], delta_path: Path, target_pa
         lock = threading.Lock()
 
         def rebuild(i: int) -> np.ndarray:
-            """Segment i decoded and written (in a pool thread: the writes run in parallel too);
-            the buffer goes to the hasher, which hands it back."""
+            """Segment i decoded (in a pool thread); the buffer goes to the hasher and writer,
+            which hands it back."""
             seg = segments[i]
             with lock:
                 buf = free.pop() if free else None
@@ -506,9 +520,6 @@ def apply_and_verify(base_files: Mapping[str, Path], delta_path: Path, target_pa
                 buf = np.empty(max(SEGMENT_BYTES, seg.end - seg.start), dtype=np.uint8)
             out = buf[:seg.end - seg.start]
             _decode_into(seg, delta[starts[i]:starts[i + 1]], bases, encoding, what, i, out)
-            view, pos = memoryview(out), 0
-            while pos < len(view):
-                pos += os.pwrite(fd, view[pos:], seg.start + pos)
             return out
 
         if -(-size // chunk_bytes) != len(digests):  # before the file takes the header's word for its size
@@ -518,18 +529,31 @@ def apply_and_verify(base_files: Mapping[str, Path], delta_path: Path, target_pa
         try:
             os.ftruncate(fd, size)
             with contextlib.closing(_ordered(rebuild, len(segments), pool)) as rebuilt:
-                for out in rebuilt:  # in order: the chunk digests are of the file's bytes in order
-                    hasher.update(memoryview(out))
+                for i, out in enumerate(rebuilt):  # in order: the chunk digests are of the file's bytes in order
+                    _hash_and_write(hasher, fd, memoryview(out), segments[i].start)
                     with lock:
                         free.append(out.base if out.base is not None else out)
                     if progress is not None:
                         progress(len(out))
         finally:
-            os.close(fd)  # after every write: _ordered waits for the segments under way
+            os.close(fd)
         hasher.finish()
     finally:
         for close in reversed(closers):
             close()
+
+
+def _hash_and_write(hasher: _ChunkHasher, fd: int, data: memoryview, offset: int) -> None:
+    """``data`` hashed and written at ``offset``, a piece at a time: the write copies each piece
+    while the hash has just brought it into cache. From this one thread: pool threads writing
+    the same file at once spin on its inode lock in the kernel, and cost 0.4-1 s of CPU more
+    per 2 GiB (bench/README.md, "A delta version")."""
+    for p in range(0, len(data), _PIECE_BYTES):
+        piece = data[p:p + _PIECE_BYTES]
+        hasher.update(piece)
+        done = 0
+        while done < len(piece):  # a regular file takes it all at once, unless it is full
+            done += os.pwrite(fd, piece[done:], offset + p + done)
 
 
 def _ordered(fn: Callable[[int], np.ndarray], n: int, pool: Executor | None) -> Iterator[np.ndarray]:
