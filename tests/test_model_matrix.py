@@ -18,9 +18,13 @@ plugin refuses it, naming them (seen: "the version lacks 24 tensor(s) ...").
 
 After each, the greedy outputs through the server's gateway on :data:`families.PROMPTS` (one
 longer than a KV-cache block, sent before every update so that a stale prefix cache would
-show) must equal transformers' greedy decoding of that version, computed here; and for C, a
-fresh ``vllm serve`` started on C's directory must give the same outputs. The module writes
-``docs/models.md`` from what it saw.
+show) must equal transformers' greedy decoding of that version, computed here; A itself is a
+fresh ``vllm serve`` on a ``save_pretrained`` directory, so the update path and a fresh start are
+both held to transformers. The module writes ``docs/models.md`` from what it saw.
+
+Each family's daemon starts while the test before it runs (:func:`starts`): a start is about
+30 s of one core's Python imports and the rest of a test a few seconds, so the next family's
+start takes the other core and most of it is over when its test begins.
 """
 
 from __future__ import annotations
@@ -32,12 +36,9 @@ import httpx
 import pytest
 
 from rolloutd.demo import families
-from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
 
-from .conftest import free_port
 from .daemon_harness import DaemonProcess, config, vllm_server
-from .vllm_server import VllmServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -51,6 +52,60 @@ NO_EXACT_RELOAD_ON_CPU = {"qwen3-moe": "its CPU MoE backend repacks the experts'
                                        "layerwise reload the outputs differ from the weights loaded",
                           "mixtral": "the same CPU MoE backend"}
 PATHS = {1: "publish(model) (fp32, in memory)", 2: "publish_dir (save_pretrained)", 3: "HTTP upload (bf16 state_dict)"}
+
+
+class Start:
+    """A family's registry and its daemon, started on weights A (seed 0) with its server on ``cpus``."""
+
+    def __init__(self, family: str, directory: Path, cpus: str):
+        self.family, self.cpus = family, cpus
+        self.reg = EmbeddedRegistry(port=0).start()
+        try:
+            model = families.build(directory / "A", family, seed=0)
+            self.daemon = DaemonProcess(config(directory, self.reg.url, [vllm_server("s0", model, cpus)]), directory)
+            self.t0 = time.monotonic()
+            self.daemon.start()
+        except BaseException:
+            self.reg.stop()
+            raise
+
+    def serving(self) -> tuple[dict, float]:
+        """Wait for SERVING A; returns the status and the seconds from the start to SERVING."""
+        st = self.daemon.wait(lambda s: self.daemon.server("s0", s)["state"] == "SERVING", 300, "serving A")
+        return st, time.monotonic() - self.t0 - self.daemon.server("s0", st)["state_age_s"]
+
+    def close(self) -> None:
+        try:
+            self.daemon.stop()
+            self.daemon.kill_everything()
+        finally:
+            self.reg.stop()
+
+
+@pytest.fixture(scope="module")
+def starts(tmp_path_factory):
+    """``take(request)``: the daemon of this test's family, started ahead or now, after starting the
+    daemon of the next selected test's family on the other core. Alone (``-k family``) a test
+    starts its own and no other."""
+    ahead: dict[str, Start] = {}
+
+    def take(request) -> Start:
+        family = request.node.callspec.params["family"]
+        here = ahead.pop(family, None) or Start(family, tmp_path_factory.mktemp(family), "0")
+        items = request.session.items
+        following = items[items.index(request.node) + 1:][:1]
+        if following and getattr(following[0], "originalname", None) == request.node.originalname:
+            nxt = following[0].callspec.params["family"]
+            try:
+                ahead[nxt] = Start(nxt, tmp_path_factory.mktemp(nxt), "1" if here.cpus == "0" else "0")
+            except BaseException:
+                here.close()
+                raise
+        return here
+
+    yield take
+    for start in ahead.values():  # a run stopped early (-x) leaves one
+        start.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,49 +149,35 @@ def reference(model) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("family", SERVED)
-def test_every_publish_path_updates_the_served_model_exactly(family, tmp_path, report):
+def test_every_publish_path_updates_the_served_model_exactly(family, tmp_path, report, starts, request):
     import torch
 
     row = report.setdefault(family, {"tied": families.FAMILIES[family].tied, "paths": {}})
-    start = families.build(tmp_path / "A", family, seed=0)
-    c_dir = families.build(tmp_path / "C", family, seed=2)
-    models = {0: families.hf_model(family, 0), 1: families.hf_model(family, 1), 2: families.hf_model(family, 2),
-              3: families.hf_model(family, 3).to(torch.bfloat16)}
-    want = {v: reference(m if v != 3 else bf16_rounded(family, 3)) for v, m in models.items()}
-    assert len({str(w) for w in want.values()}) == 4, "every version must give other outputs"
+    start = starts(request)
+    try:
+        c_dir = families.build(tmp_path / "C", family, seed=2)
+        models = {0: families.hf_model(family, 0), 1: families.hf_model(family, 1), 2: families.hf_model(family, 2),
+                  3: families.hf_model(family, 3).to(torch.bfloat16)}
+        want = {v: reference(m if v != 3 else bf16_rounded(family, 3)) for v, m in models.items()}
+        assert len({str(w) for w in want.values()}) == 4, "every version must give other outputs"
 
-    with EmbeddedRegistry(port=0) as reg:
-        daemon = DaemonProcess(config(tmp_path, reg.url, [vllm_server("s0", start, "0")]), tmp_path)
-        fresh = VllmServer(c_dir, free_port(), tmp_path / "fresh.log", pythonpath=[install_plugin(tmp_path / "pp")],
-                           cpus="1")
-        try:
-            t0 = time.monotonic()
-            daemon.start()
-            st = daemon.wait(lambda s: daemon.server("s0", s)["state"] == "SERVING", 300, "serving A")
-            row["start_s"] = round(time.monotonic() - t0, 1)
-            gateway = f"http://127.0.0.1:{daemon.server('s0', st)['public_port']}"
-            assert generate(gateway, families.PROMPTS)[0] == want[0], "the start model differs from transformers'"
+        reg, daemon = start.reg, start.daemon
+        st, start_s = start.serving()
+        row["start_s"] = round(start_s, 1)
+        gateway = f"http://127.0.0.1:{daemon.server('s0', st)['public_port']}"
+        assert generate(gateway, families.PROMPTS)[0] == want[0], "a fresh server on A differs from transformers'"
 
-            reg.publish(1, models[1])  # the model: its weights in checkpoint layout (MoE experts unfused)
-            if family in NO_EXACT_RELOAD_ON_CPU:
-                fresh.wait_healthy()
-                assert generate(fresh.url, families.PROMPTS)[0] == want[2], "a fresh server on C differs"
-                refused(daemon, 1, row)
-                return
-            check(daemon, gateway, 1, want[1], row)
-            reg.publish_dir(2, c_dir)
-            check(daemon, gateway, 2, want[2], row)
-            fresh.wait_healthy()
-            assert generate(fresh.url, families.PROMPTS)[0] == want[2], "a fresh server on C differs from transformers'"
-            fresh.stop()  # its core goes back to the daemon's server
-            fresh = None
-            RegistryHTTP(reg.url).publish(3, models[3])
-            check(daemon, gateway, 3, want[3], row)
-        finally:
-            if fresh is not None:
-                fresh.stop()
-            daemon.stop()
-            daemon.kill_everything()
+        reg.publish(1, models[1])  # the model: its weights in checkpoint layout (MoE experts unfused)
+        if family in NO_EXACT_RELOAD_ON_CPU:
+            refused(daemon, 1, row)
+            return
+        check(daemon, gateway, 1, want[1], row)
+        reg.publish_dir(2, c_dir)
+        check(daemon, gateway, 2, want[2], row)
+        RegistryHTTP(reg.url).publish(3, models[3])
+        check(daemon, gateway, 3, want[3], row)
+    finally:
+        start.close()
 
 
 def refused(daemon: DaemonProcess, version: int, row: dict) -> None:
@@ -173,8 +214,8 @@ def write_doc(rows: dict[str, dict]) -> None:
         "from the seed), served by vLLM's CPU build in float32. A real daemon updates the server",
         "A → B → C → D, one publish path per step; a step is **exact** when the greedy outputs through",
         "the gateway on four prompts (one longer than a 128-token KV block) equal transformers' greedy",
-        "decoding of that version, computed in the test. C is also checked against a fresh server",
-        "started on C's `save_pretrained` directory.",
+        "decoding of that version, computed in the test. The start (A) is a fresh server on a",
+        "`save_pretrained` directory, held to transformers the same way.",
         "",
         "| family | tied | start (s) | " + " | ".join(f"v{v}: {p}" for v, p in PATHS.items()) + " |",
         "|---|---|---|" + "---|" * len(PATHS),
@@ -192,7 +233,7 @@ def write_doc(rows: dict[str, dict]) -> None:
                          "**refused**: vLLM's CPU build does not reload it exactly "
                          f"({NO_EXACT_RELOAD_ON_CPU[family]}); "
                          "the plugin fails the load, naming it, and the server never serves the version. "
-                         "A fresh server on C equals transformers |" + " |" * (len(PATHS) - 1))
+                         "The fresh server on A equals transformers |" + " |" * (len(PATHS) - 1))
             continue
         cells = []
         for v in PATHS:
