@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 
 from rolloutd.demo import tinymodel  # noqa: E402
 from rolloutd.rollout.mirror import Mirror  # noqa: E402
-from rolloutd.rollout.puller import Puller  # noqa: E402
+from rolloutd.rollout.puller import Puller, PullSettings  # noqa: E402
 from rolloutd.rollout.registry_client import RegistryClient  # noqa: E402
 from rolloutd.supervise.plugin_path import install_plugin  # noqa: E402
 from rolloutd.trainer.publish import RegistryHTTP  # noqa: E402
@@ -67,7 +67,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 async def pull(url: str, mirror: Mirror, version: int, streams: int):
     async with RegistryClient(url) as c:
-        return await Puller(c, mirror, holder="bench-node", streams=streams).pull(version)
+        return await Puller(c, mirror, PullSettings(holder="bench-node", streams=streams)).pull(version)
 
 
 def post(c, step: str, **kw) -> float:

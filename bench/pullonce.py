@@ -27,8 +27,8 @@ sys.path.insert(0, str(_repo))
 from registry_load import machine_busy_s  # noqa: E402
 
 from rolloutd.config import Pull  # noqa: E402
+from rolloutd.rollout import puller as puller_module  # noqa: E402
 from rolloutd.rollout.mirror import Mirror  # noqa: E402
-from rolloutd.rollout.puller import Puller  # noqa: E402
 from rolloutd.rollout.registry_client import RegistryClient, Timeouts  # noqa: E402
 
 
@@ -62,9 +62,9 @@ def parse_args() -> argparse.Namespace:
 async def pull(args: argparse.Namespace) -> dict:
     async with RegistryClient(args.url, timeouts=Timeouts(read_s=60.0), max_connections=args.streams + 2) as client:
         mirror = Mirror(args.mirror, max_bytes=1 << 50)
-        puller = Puller(client, mirror, holder="bench-node",
-                        streams=args.streams, request_bytes=args.request_mib << 20,
-                        piece_bytes=args.piece_kib << 10, **workers(args))
+        puller = make_puller(client, mirror, holder="bench-node", streams=args.streams,
+                             request_bytes=args.request_mib << 20, piece_bytes=args.piece_kib << 10,
+                             workers=args.workers, priority=args.priority, keep_workers_s=args.keep_workers_s)
         try:
             if args.again:  # as the daemon between two RL steps
                 remove_all(mirror)
@@ -90,11 +90,16 @@ def remove_all(mirror: Mirror) -> None:
         mirror.remove(v, "pulled again")
 
 
-def workers(args: argparse.Namespace) -> dict:
-    """Worker settings, for builds of the puller that have them (``--repo``: an older one may not)."""
+def make_puller(client, mirror, **settings):
+    """The puller as this build (``--repo``) takes its settings: a ``PullSettings``, or keywords in
+    an older one; a setting the build lacks (workers, priority, keep_workers_s) is left out."""
     import inspect
-    params = inspect.signature(Puller).parameters
-    return {k: getattr(args, k) for k in ("workers", "priority", "keep_workers_s") if k in params}
+    settings_model = getattr(puller_module, "PullSettings", None)
+    if settings_model is not None:
+        known = settings_model.model_fields
+        return puller_module.Puller(client, mirror, settings_model(**{k: v for k, v in settings.items() if k in known}))
+    known = inspect.signature(puller_module.Puller).parameters
+    return puller_module.Puller(client, mirror, **{k: v for k, v in settings.items() if k in known})
 
 
 def _live_cpu(pids: set[int]) -> float:

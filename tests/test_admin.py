@@ -200,15 +200,15 @@ def test_status_model_takes_what_the_daemon_parts_produce():
     doc = copy.deepcopy(STATUS)
     progress = PullProgress(target="latest", version=12, bytes_total=100)
     progress.add(40)
-    doc["pull"] = progress.as_dict()
-    doc["registry"] = RegistryView("http://trainer:8700").as_dict(time.monotonic())
+    doc["pull"] = progress.status()
+    doc["registry"] = RegistryView("http://trainer:8700").status(time.monotonic())
     doc["servers"][0]["last_update"] = UpdateRecord(version=3, phases_s={"pause": 0.001}, gate=GateResult(
         canary=False, ok=True, tokens=4)).as_dict()
     sup = Supervisor(Config.model_validate(CONFIG).servers[0], lambda: Config.model_validate(CONFIG),
                      SimpleNamespace(target=None), slots=asyncio.Semaphore, containment=None, plugin_dir=Path("/p"),
                      metrics=Metrics())
     # What the daemon adds to each supervisor's snapshot (see Daemon.status); endpoint is already there.
-    doc["servers"][1] = sup.snapshot() | {"endpoint": "http://node7:9001", "heartbeat_age_s": None}
+    doc["servers"][1] = dict(sup.snapshot()) | {"endpoint": "http://node7:9001", "heartbeat_age_s": None}
     st = NodeStatus.model_validate(doc)
     assert st.pull.state is PullState.LEASING and st.registry.reachable is False
     assert st.servers[1].state is ServerState.STOPPED and st.servers[1].gpus == [0]

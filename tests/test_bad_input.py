@@ -42,7 +42,7 @@ from safetensors.numpy import save as np_save
 from rolloutd.config import ConfigError, load_config, parse_config
 from rolloutd.demo.tinymodel import TINY, llama_state_dict, state_dict
 from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror
-from rolloutd.rollout.puller import Puller, PullError, PullState
+from rolloutd.rollout.puller import Puller, PullError, PullSettings, PullState
 from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
 from rolloutd.trainer.publish import serialize_shards
@@ -924,8 +924,8 @@ async def test_the_puller_refuses_bad_manifests_and_leaves_nothing(tmp_path):
         mirror = Mirror(tmp_path / "mirror", max_bytes=1 << 30)
         failures = []
         async with ManifestRewriter(reg.url) as proxy, RegistryClient(proxy.url) as client:
-            puller = Puller(client, mirror, holder="node-x", streams=2, request_bytes=16 << 10, max_chunk_retries=1,
-                            retry_delay_s=0.0)
+            puller = Puller(client, mirror, PullSettings(holder="node-x", streams=2, request_bytes=16 << 10,
+                                                         max_chunk_retries=1, retry_delay_s=0.0))
             for case, (body, lease_it, message) in faults.items():
                 proxy.manifest = _sealed(body) if lease_it else body
                 proxy.lease_digest = proxy.manifest["digest"] if lease_it else None

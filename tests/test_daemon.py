@@ -27,7 +27,7 @@ import pytest
 
 from rolloutd.demo import tinymodel
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.puller import Puller
+from rolloutd.rollout.puller import Puller, PullSettings
 from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.trainer import EmbeddedRegistry
@@ -73,7 +73,7 @@ class Node:
         if key not in self.refs:
             async def pull():
                 async with RegistryClient(self.registry.url) as c:
-                    return await Puller(c, self.ref_mirror, holder="reference").pull(version)
+                    return await Puller(c, self.ref_mirror, PullSettings(holder="reference")).pull(version)
             got = asyncio.run(pull())
             put_on(self.ref.url, {version: (got.path, got.digest)}, version)
             self.refs[key] = tokens(self.ref.url)
@@ -255,7 +255,7 @@ def test_a_damaged_copy_in_the_mirror_is_never_reused(node):
 
     async def plant():
         async with RegistryClient(node.registry.url) as c:
-            return await Puller(c, mirror, holder="planter").pull(8)
+            return await Puller(c, mirror, PullSettings(holder="planter")).pull(8)
     damage_header(asyncio.run(plant()).path, b'"F32"', b'"I32"')
 
     assert node.daemon.action("/update").status_code == 401  # actions need the token

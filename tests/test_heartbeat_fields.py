@@ -22,6 +22,7 @@ from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.updater import Target
 from rolloutd.trainer import EmbeddedRegistry, VersionRefused
 from rolloutd.wire.messages import MAX_ERROR_CHARS, OPTIONAL_HEARTBEAT_FIELDS, Heartbeat
+from rolloutd.wire.status import LastUpdate, ServerSnapshot
 
 GATE = {"ok": False, "canary": True, "max_abs_dlogprob": 0.5, "tolerance": 0.05, "tokens": 3}
 
@@ -37,18 +38,20 @@ class FakeServer:
         self.metrics = SimpleNamespace(heartbeat_failures=SimpleNamespace(labels=lambda **kw: SimpleNamespace(
             inc=lambda: None)))
 
-    def snapshot(self) -> dict:
-        return {"state": "SERVING", "endpoint": "http://node-a:9001", "version": self.version, "target": self.version,
-                "incarnation": 1,
-                "last_error": self.last_error,
-                "last_update": {"phases_s": {"paused": 0.5}, "gate": GATE}}
+    def snapshot(self) -> ServerSnapshot:
+        return ServerSnapshot(name=self.name, state="SERVING", pid=None, socket="/run/rolloutd/gpu0.sock",
+                              public_port=9001, gpus=[0], endpoint="http://node-a:9001", version=self.version,
+                              target=self.version, incarnation=1, restarts=0, state_age_s=1.0,
+                              last_error=self.last_error,
+                              last_update=LastUpdate(version=self.version, ok=False, at_unix=0.0,
+                                                     phases_s={"paused": 0.5}, error=None, gate=GATE))
 
 
 def heartbeater(url: str, last_error: str | None, version: int = 2) -> tuple[Heartbeater, RegistryClient, list]:
     progress = PullProgress(target=2, clock=iter([10.0, 13.25]).__next__)
     progress.version, progress.state, progress.ended_at = 2, PullState.DONE, progress.clock()
     replies = []
-    updater = SimpleNamespace(registry=SimpleNamespace(instance=None), puller=SimpleNamespace(progress=progress),
+    updater = SimpleNamespace(registry=SimpleNamespace(instance=None), progress=progress,
                               note_reply=replies.append, note_unreachable=lambda why: None)
     cfg = SimpleNamespace(node_name="node-a", heartbeat=SimpleNamespace(interval_s=1.0, timeout_s=5.0))
     client = RegistryClient(url)
@@ -72,13 +75,13 @@ async def test_the_last_pull_goes_through_the_registry_to_the_fleet_document_and
 
     with EmbeddedRegistry(port=0) as reg:
         hb, client, _ = heartbeater(reg.url, None)
-        done = hb._updater.puller.progress
+        done = hb._updater.progress
         done.kind, done.base, done.bytes_fetched, done.version_bytes, done.reconstruct_s = (
             "delta", 1, 21_000, 1_000_000, 0.125)
         done.delta_error = None
         try:
             assert await hb.beat()
-            hb._updater.puller.progress = PullProgress(target="latest")  # the next pull, still leasing
+            hb._updater.progress = PullProgress(target="latest")  # the next pull, still leasing
             assert await hb.beat()
         finally:
             await client.close()
@@ -90,7 +93,7 @@ async def test_the_last_pull_goes_through_the_registry_to_the_fleet_document_and
 
 def test_a_delta_error_is_clipped_like_the_last_error():
     hb, _, _ = heartbeater("http://127.0.0.1:9", None)
-    p = hb._updater.puller.progress
+    p = hb._updater.progress
     p.kind, p.base, p.bytes_fetched, p.version_bytes, p.reconstruct_s = "full", None, 10, 10, None
     p.delta_error = "y" * 2000
     report = hb.heartbeat().last_pull

@@ -16,7 +16,7 @@ import pytest
 
 from rolloutd.objstore import ObjectStoreError, ObjectStoreSettings, read_credentials
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.puller import Puller, PullError
+from rolloutd.rollout.puller import Puller, PullError, PullSettings
 from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.swarm import Swarm, SwarmSettings
 from rolloutd.trainer import EmbeddedRegistry
@@ -46,7 +46,7 @@ def served(reg: EmbeddedRegistry) -> int:
 async def pull(reg: EmbeddedRegistry, s3, mirror: Mirror, version="latest"):
     async with RegistryClient(reg.url) as client:
         swarm = Swarm(SwarmSettings(), client, mirror, node="n1", object_store=settings(s3))
-        return await Puller(client, mirror, holder="n1", request_bytes=CHUNK, swarm=swarm).pull(version)
+        return await Puller(client, mirror, PullSettings(holder="n1", request_bytes=CHUNK), swarm=swarm).pull(version)
 
 
 def test_publish_to_the_bucket_and_pull_from_it(s3, tmp_path):

@@ -24,7 +24,7 @@ from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry.blobs import MemoryBlob
 from rolloutd.rollout.fetch_pool import FetchPool
 from rolloutd.rollout.mirror import MANIFEST_NAME, RECORD_NAME, Mirror
-from rolloutd.rollout.puller import Puller, PullError, PullState
+from rolloutd.rollout.puller import Puller, PullError, PullSettings, PullState
 from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.trainer.publish import serialize_shards
 from rolloutd.wire import errors
@@ -123,7 +123,8 @@ def mirror(tmp_path) -> Mirror:
 
 def make_puller(client, mirror, **kw) -> Puller:
     kw = {"holder": "node-7", "streams": 4, "request_bytes": 16 << 10, "retry_delay_s": 0.0, **kw}
-    return Puller(client, mirror, **kw)
+    parts = {k: kw.pop(k) for k in ("swarm", "in_use", "on_worker_restart", "clock") if k in kw}  # collaborators
+    return Puller(client, mirror, PullSettings(**kw), **parts)
 
 
 def assert_pulled(mirror: Mirror, version: int, files: dict[str, bytes], manifest) -> None:

@@ -240,14 +240,14 @@ def test_a_server_serves_once_healthy_and_on_the_target_then_updates_and_stops(t
     assert serving_at == 2.5, "SERVING only once the first sync loaded version 1 (a 0.5 s load)"
     assert first == list(UPDATE_ROUTES) and update == list(UPDATE_ROUTES)
     assert updating == serving_at  # a new target is applied at once
-    assert snap["state"] == "SERVING" and snap["version"] == 1 and snap["target"] == 1 and snap["incarnation"] == 1
-    assert snap["last_update"]["ok"] is True and snap["last_update"]["gate"]["ok"] is True
+    assert snap.state == "SERVING" and snap.version == 1 and snap.target == 1 and snap.incarnation == 1
+    assert snap.last_update.ok is True and snap.last_update.gate.ok is True
     assert rig.metric("rolloutd_updates_total") == 2 and rig.metric("rolloutd_server_version") == -1
     assert rig.updater.collected == 2, "the mirror is collected after each load"
     child = rig.vllm.children[0]
     assert len(rig.vllm.children) == 1 and child.grace == 20.0, "stopped with shutdown.server_grace_s"
     assert child.shm_noted == [2.0], "its /dev/shm segments learnt once healthy, to remove what it leaves"
-    assert rig.sup.snapshot()["pid"] is None and rig.vllm.closed == 1
+    assert rig.sup.snapshot().pid is None and rig.vllm.closed == 1
     assert "healthy s0[1001] after 2.0 s" in caplog.text
     assert "state s0: SERVING -> UPDATING (version 1 -> 2)" in caplog.text
 
@@ -266,7 +266,7 @@ def test_a_server_waits_in_syncing_for_the_first_decision_and_serves_its_start_m
     rig, waited, t = run(scenario())
     assert waited is S.SYNCING and t == 102.0
     assert rig.vllm.routes() == [], "nothing to load: no update route called"
-    assert rig.sup.snapshot()["version"] is None
+    assert rig.sup.snapshot().version is None
 
 
 def test_rolling_slots_let_one_server_update_at_a_time(tmp_path):
@@ -301,8 +301,8 @@ def test_a_server_never_healthy_backs_off_with_growing_delays_to_a_cap_then_is_f
     assert a.states == [S.STARTING, S.BACKOFF] * 5 + [S.FATAL, S.STOPPING, S.STOPPED]
     assert gaps(a.times(S.STARTING), a.times(S.BACKOFF)) == [60.0] * 5, "each start given restart.start_timeout_s"
     assert gaps(a.times(S.BACKOFF), a.times(S.STARTING)[1:]) == [1.0, 2.0, 4.0, 4.0], "growing, capped at 4 s"
-    snap = {**rig.sup.snapshot(), "incarnation": rig.sup.incarnation}
-    assert snap["restarts"] == 4 and snap["incarnation"] == 5, "max_retries=4: four restarts, then FATAL"
+    snap = rig.sup.snapshot()
+    assert snap.restarts == 4 and snap.incarnation == 5, "max_retries=4: four restarts, then FATAL"
     assert "not healthy within restart.start_timeout_s=60" in rig.sup.last_error
     assert [c.grace for c in rig.vllm.children] == [5.0] * 5, "a failed server gets restart.failed_grace_s"
     assert rig.metric("rolloutd_server_restarts_total") == 4
@@ -562,7 +562,7 @@ def test_a_load_that_keeps_failing_restarts_the_server_which_loads_it_before_ser
                       "/update_weights"], "update.max_reapply=1: two attempts, never resumed"
     assert (S.UPDATING, S.BACKOFF) in rig.arrows.taken
     assert rig.sup.last_error.startswith("loading version 2 failed 2 time(s): /update_weights: HTTP 500")
-    assert in_backoff["version"] is None, "a half-loaded server holds no version"
+    assert in_backoff.version is None, "a half-loaded server holds no version"
     assert rig.vllm.routes(1002) == list(UPDATE_ROUTES) and rig.failures("load") == 2
 
 
@@ -660,7 +660,7 @@ def test_a_canary_the_server_cannot_score_refuses_the_version_at_once_and_the_se
     assert rig.sup.incarnation == 1 and S.BACKOFF not in rig.arrows.states, "no restart"
     assert [v for v, _ in refusals] == [2] and "cannot score the canary" in refusals[0][1], refusals
     assert "HTTP 400" in refusals[0][1]
-    assert (snap["state"], snap["version"], snap["target"], snap["last_good"]) == ("SERVING", 1, 1, 1)
+    assert (snap.state, snap.version, snap.target, snap.last_good) == ("SERVING", 1, 1, 1)
     assert rig.failures("gate") == 1 and rig.sup.failures == 0
     assert rig.vllm.loaded[-1] == "3" and rig.sup.good == rig.version(3), "the next version is taken as usual"
     assert rig.metrics.registry.get_sample_value("rolloutd_versions_refused_total") == 1
@@ -719,7 +719,7 @@ def test_a_refused_version_with_no_good_version_before_it_restarts_the_server_on
     assert rig.sup.incarnation == 2 and rig.vllm.loaded == ["2"], "the second process holds its start model"
     assert rig.vllm.routes(1002) == ["/v1/models", "/v1/completions"], "its start model gets the probe"
     assert refused(rig)[0][0] == 2
-    assert rig.sup.failures == 0 and rig.sup.snapshot()["version"] is None
+    assert rig.sup.failures == 0 and rig.sup.snapshot().version is None
 
 
 def test_a_last_good_version_that_cannot_be_loaded_again_leaves_the_start_model(tmp_path):
@@ -882,7 +882,7 @@ def test_a_stop_from_any_state_ends_the_process_and_the_run(tmp_path, state):
     child = rig.vllm.children[-1]
     assert child.grace == (5.0 if state is S.BACKOFF else 20.0), "stopped with the grace of why it stopped"
     assert rig.arrows.times(S.STOPPED)[0] == rig.stopped_at, "a process that takes SIGTERM ends at once"
-    assert rig.sup.snapshot()["pid"] is None and rig.vllm.closed == 1
+    assert rig.sup.snapshot().pid is None and rig.vllm.closed == 1
 
 
 def test_a_stop_of_a_server_that_ignores_sigterm_waits_server_grace_s_then_kills(tmp_path):

@@ -16,7 +16,7 @@ from aiohttp import web
 
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.peerserve import PeerServer, PeerServerError
-from rolloutd.rollout.puller import Puller
+from rolloutd.rollout.puller import Puller, PullSettings
 from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.swarm import ChunkPlan, Pick, Swarm, SwarmSettings, peer_token
 from rolloutd.trainer import EmbeddedRegistry
@@ -73,7 +73,7 @@ def make_node(name: str, reg: EmbeddedRegistry, tmp_path, **settings) -> Node:
     swarm = Swarm(SwarmSettings(enabled=True, url=f"http://127.0.0.1:{port}", token=PEER_TOKEN, **settings),
                   client, mirror, node=name)
     server = PeerServer(mirror, swarm.ledger, "127.0.0.1", port, PEER_TOKEN).start()
-    puller = Puller(client, mirror, holder=name, streams=4, request_bytes=CHUNK, swarm=swarm)
+    puller = Puller(client, mirror, PullSettings(holder=name, streams=4, request_bytes=CHUNK), swarm=swarm)
     node = Node(name, mirror, client, swarm, server, puller)
     node.announcer = asyncio.ensure_future(swarm.run_announcer())
     return node

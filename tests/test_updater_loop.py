@@ -153,9 +153,9 @@ class Node:
         self.mirror = FakeMirror()
         self.metrics = Metrics()
         self.in_use = in_use if in_use is not None else set()
+        self.puller = FakePuller(self.registry, tmp_path / "mirror")
         self.updater = Updater(lambda: self.cfg, self.registry, self.mirror, self.metrics, in_use=lambda: self.in_use,
-                               clock=asyncio.get_running_loop().time)
-        self.puller = self.updater.puller = FakePuller(self.registry, tmp_path / "mirror")
+                               clock=asyncio.get_running_loop().time, puller=self.puller)
         self.targets: list[tuple[float, int, str]] = []  # (when, version, instance) of each target published
         self.task: asyncio.Task | None = None
 
@@ -307,7 +307,7 @@ def test_an_unreachable_registry_is_retried_with_growing_delays_to_a_cap(tmp_pat
         node.registry.down = True
         node.start()
         await asyncio.sleep(40)
-        view = {**node.updater.registry.as_dict(now()), "settled": node.updater.settled.is_set()}
+        view = {**dict(node.updater.registry.status(now())), "settled": node.updater.settled.is_set()}
         await node.registry.change(down=False)
         t = await node.target(1)
         await node.stop()

@@ -59,11 +59,11 @@ async def test_a_long_poll_is_no_task_of_its_own_and_a_poke_ends_it(tmp_path):
                     updater.poke(asked=True)  # a person's "update now": the long-poll ends at once
                     await until(lambda c=contact: updater.registry.last_contact != c, 5, "asked again")
                 assert not run.done()
-                assert updater.puller.kept_worker_pids and kept()
+                assert updater.kept_worker_pids and kept()
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
-                await updater.puller.close()  # as the daemon's stop does
+                await updater.close()  # as the daemon's stop does
         mirror.close()
     assert others() == set() and kept() == set()
 
@@ -115,7 +115,7 @@ async def test_a_registry_restarted_numbering_again_moves_the_node_through_a_mir
         finally:
             run.cancel()
             await asyncio.gather(run, return_exceptions=True)
-            await updater.puller.close()
+            await updater.close()
             with contextlib.suppress(Exception):
                 reg.stop()
     mirror.close()
@@ -150,7 +150,7 @@ async def test_no_room_on_the_mirrors_filesystem_is_said_once_not_at_every_retry
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
-                await updater.puller.close()
+                await updater.close()
         mirror.close()
 
 
@@ -172,7 +172,7 @@ async def test_a_delta_pull_is_counted_by_kind_and_said_in_the_heartbeat(tmp_pat
             run.set_name("updater")
             try:
                 await until(lambda: updater.target is not None and updater.target.version == 1, 30, "version 1")
-                first = pull_report(updater.puller.progress)
+                first = pull_report(updater.progress)
                 name = next(iter(sd))
                 sd[name] = sd[name].copy()
                 sd[name].reshape(-1)[:8] += 1  # a step that changed a few elements
@@ -180,11 +180,11 @@ async def test_a_delta_pull_is_counted_by_kind_and_said_in_the_heartbeat(tmp_pat
                 delta = reg.service.store.get(2).manifest
                 assert delta.delta is not None and delta.delta.base_version == 1
                 await until(lambda: updater.target is not None and updater.target.version == 2, 30, "version 2")
-                second = pull_report(updater.puller.progress)
+                second = pull_report(updater.progress)
             finally:
                 run.cancel()
                 await asyncio.gather(run, return_exceptions=True)
-                await updater.puller.close()
+                await updater.close()
         mirror.close()
     sample = metrics.registry.get_sample_value
     assert (first.kind, first.base, first.bytes_fetched, first.version_bytes) == ("full", None, full.total_bytes,

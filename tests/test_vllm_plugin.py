@@ -22,7 +22,7 @@ import pytest
 
 from rolloutd.demo import tinymodel
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.puller import Puller
+from rolloutd.rollout.puller import Puller, PullSettings
 from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.trainer import EmbeddedRegistry
@@ -70,7 +70,7 @@ def versions(models, tmp_path_factory):
 
         async def pull_all():
             async with RegistryClient(reg.url) as c:
-                puller = Puller(c, mirror, holder="test-node", streams=4, request_bytes=1 << 15)
+                puller = Puller(c, mirror, PullSettings(holder="test-node", streams=4, request_bytes=1 << 15))
                 return {v: await puller.pull(v) for v in (1, 2)}
 
         pulled = asyncio.run(pull_all())

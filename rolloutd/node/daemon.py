@@ -5,9 +5,12 @@ group each: ``supervise/cgroups.py``), stop what a crashed earlier run left behi
 populated cgroups, or the recorded process groups), make the directory of the servers' sockets
 (mode 0700), clean the mirror's partial pulls, put the plugin
 where children import it, bind the admin API
-(an address in use fails here, before anything is spawned), then run under one
-``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
-supervisor and a heartbeat task.
+(an address in use fails here, before anything is spawned), open the registry client, the
+updater (which owns the pull workers), each server's gateway and the peer listener, then run
+under one ``asyncio.TaskGroup``: the admin API, the updater, the main loop, and per server a
+supervisor and a heartbeat task. Each release is registered on one ``AsyncExitStack`` as its
+resource is made, so a start that fails at any step (a port in use, say), a crash and the
+ordered stop all release exactly what was made, in reverse.
 
 The main loop ticks the systemd watchdog (so a frozen loop is restarted by systemd) and
 keeps ``READY=1`` / ``STATUS=`` true; it never waits on anything else, so ``/healthz`` and the
@@ -45,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import signal
@@ -63,7 +67,7 @@ from rolloutd.node.looplag import LoopLag
 from rolloutd.node.notify import Notifier
 from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.peerserve import PeerServer, PeerServerError
+from rolloutd.rollout.peerserve import PeerServer
 from rolloutd.rollout.refusals import Refusals
 from rolloutd.rollout.registry_client import RegistryClient, Timeouts
 from rolloutd.rollout.slots import RolloutSlots
@@ -76,6 +80,15 @@ from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.units import size
 from rolloutd.wire.states import ServerState
+from rolloutd.wire.status import (
+    MirrorStatus,
+    NodeStatus,
+    PullSources,
+    RefusedStatus,
+    ReloadStatus,
+    ServerStatus,
+    TargetStatus,
+)
 
 log = logging.getLogger("rolloutd")
 S = ServerState
@@ -108,9 +121,9 @@ class LastReload:
     where: str | None = None  # FILE:LINE of the first problem (the file alone when it names no line)
     needs_restart: list[str] = field(default_factory=list)  # changed in the file, kept running as they were
 
-    def as_dict(self) -> dict:
-        return {"last_attempt_unix": self.attempt_unix, "ok": self.ok, "error": self.error, "where": self.where,
-                "needs_restart": self.needs_restart}
+    def status(self) -> ReloadStatus:
+        return ReloadStatus(last_attempt_unix=self.attempt_unix, ok=self.ok, error=self.error, where=self.where,
+                            needs_restart=list(self.needs_restart))
 
 
 class Daemon:
@@ -128,6 +141,7 @@ class Daemon:
         self._tick = time.monotonic()
         self._slots = RolloutSlots(1)  # one for the daemon's life: a reload resizes it (rollout/slots.py)
         self._tg: asyncio.TaskGroup | None = None
+        self._spawning = False  # servers were started and not yet all stopped in order
         self.last_reload = LastReload()
 
     def conf(self) -> Config:
@@ -135,6 +149,17 @@ class Daemon:
 
     # -- start ------------------------------------------------------------------------------------------
     async def run(self) -> int:
+        # Every resource's release is registered on the stack as it is made: a start that fails
+        # at any step, a crash, and the ordered stop all release exactly what was made, in reverse.
+        async with contextlib.AsyncExitStack() as stack:
+            gateways = await self._start(stack)
+            await self._serve(stack, gateways)
+        log.info("stop rolloutd: every server stopped")
+        return 0
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> dict[str, Gateway]:
+        """Make what the daemon runs on, in order, each release on ``stack`` as it is made; the
+        public ports (gateways, peers) are bound here, before anything is spawned."""
         cfg = self.cfg
         registry_token, admin_token = read_token(cfg.registry.token_file), action_token(cfg)
         self.gateway_token = read_token(cfg.gateway.token_file)
@@ -145,36 +170,36 @@ class Daemon:
         self.shm = ShmBaseline(cfg.state_dir / "shm-at-start.json")
         for line in await asyncio.to_thread(self.shm.clean_and_record):  # the earlier run's processes are gone
             log.warning("clean %s", line)
+        _release(stack, "the record of shared memory", self._forget_shm)
         prepare_socket_dir(cfg.socket_dir)  # before any child binds its socket there
         self.mirror = Mirror(cfg.mirror.dir, int(cfg.mirror.max_bytes), recycle=cfg.mirror.recycle)
+        _release(stack, "the mirror", lambda: asyncio.to_thread(self.mirror.close))  # a gc asked for ends first
         self.mirror.clean_partials()
         self._check_mirror_room()
         self.plugin_dir = install_plugin(cfg.state_dir / "plugin")
         self.admin = AdminServer(create_app(self, admin_token), cfg.admin.host, cfg.admin.port)
+        _release(stack, "the admin API", self.admin.stop)
         self.client = RegistryClient(cfg.registry.url, registry_token, timeouts=Timeouts(
             connect_s=cfg.registry.connect_timeout_s, request_s=cfg.registry.request_timeout_s,
             read_s=cfg.pull.read_timeout_s))
+        _release(stack, "the registry client", self.client.close)
         self.swarm = Swarm(swarm_settings(cfg, registry_token), self.client, self.mirror, node=cfg.node_name,
                            object_store=ObjectStoreSettings(**cfg.object_store.model_dump()),
                            read_timeout_s=cfg.pull.read_timeout_s)
         self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use,
                                swarm=self.swarm)
+        _release(stack, "the updater", self.updater.close)  # its pull workers, on every path
         self.refusals = Refusals(self.metrics, discard=self._discard_refused)
         gateways = {}
+        for spec in cfg.servers:  # every public port bound before anything is spawned
+            gateways[spec.name] = gateway = await self._open_gateway(spec)
+            _release(stack, f"the gateway of {spec.name}", gateway.stop)
         self.peer_server = None
-        try:
-            for spec in cfg.servers:  # every public port bound before anything is spawned
-                gateways[spec.name] = await self._open_gateway(spec)
-            if cfg.peers.enabled:
-                self.peer_server = PeerServer(self.mirror, self.swarm.ledger, cfg.peers.host, cfg.peers.port,
-                                              self.swarm.settings.token, head_timeout_s=cfg.peers.head_timeout_s,
-                                              max_connections=cfg.peers.max_connections).start()
-        except (GatewayError, PeerServerError):
-            self.shm.forget()  # no server was spawned
-            await asyncio.gather(*(g.stop() for g in gateways.values()))
-            self.admin.stop()
-            await self.client.close()
-            raise
+        if cfg.peers.enabled:
+            self.peer_server = PeerServer(self.mirror, self.swarm.ledger, cfg.peers.host, cfg.peers.port,
+                                          self.swarm.settings.token, head_timeout_s=cfg.peers.head_timeout_s,
+                                          max_connections=cfg.peers.max_connections).start()
+            _release(stack, "the peer listener", self.peer_server.stop)
         if self.gateway_token is None and cfg.gateway.host not in ("127.0.0.1", "::1", "localhost"):
             log.warning("gateway: no token_file: generation on %s is open to anyone who can reach this node",
                         cfg.gateway.host)
@@ -182,30 +207,37 @@ class Daemon:
                  __version__, cfg.node_name, len(cfg.servers), ", ".join(s.name for s in cfg.servers),
                  cfg.registry.url, cfg.admin.host, self.admin.port, cfg.mirror.dir)
         self._handle_signals()
-        try:
-            async with asyncio.TaskGroup() as tg:
-                self._tg = tg
-                admin = tg.create_task(keep("admin", self.admin.serve, self.metrics, done=lambda: self.admin.stopped),
-                                       name="admin")
-                updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
-                announcer = tg.create_task(keep("announcer", self.swarm.run_announcer, self.metrics),
-                                           name="announcer")
-                reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
-                lag = tg.create_task(keep("loop_lag", LoopLag(self.metrics).run, self.metrics), name="loop-lag")
-                for spec in cfg.servers:
-                    self._start_server(spec, gateways[spec.name])
-                await self._main()
-                await self._shutdown(updater, reloader, admin, announcer)
-                await _cancel(lag)
+        _release(stack, "the signal handlers", self._unhandle_signals)
+        return gateways
+
+    async def _serve(self, stack: contextlib.AsyncExitStack, gateways: dict[str, Gateway]) -> None:
+        """Run every long-lived task under one task group until the ordered stop is done."""
+        # Those a reload opened too (the ordered stop stopped them already; a crash did not).
+        _release(stack, "the servers' gateways", self._stop_gateways)
+        async with asyncio.TaskGroup() as tg:
+            self._tg = tg
+            admin = tg.create_task(keep("admin", self.admin.serve, self.metrics, done=lambda: self.admin.stopped),
+                                   name="admin")
+            updater = tg.create_task(keep("updater", self.updater.run, self.metrics), name="updater")
+            announcer = tg.create_task(keep("announcer", self.swarm.run_announcer, self.metrics), name="announcer")
+            reloader = tg.create_task(keep("reload", self._reloader, self.metrics), name="reloader")
+            lag = tg.create_task(keep("loop_lag", LoopLag(self.metrics).run, self.metrics), name="loop-lag")
+            self._spawning = True
+            for spec in self.cfg.servers:
+                self._start_server(spec, gateways[spec.name])
+            await self._main()
+            await self._shutdown(updater, reloader, admin, announcer)
+            await _cancel(lag)
+        self._spawning = False  # every server stopped in order: their segments are gone with them
+
+    def _forget_shm(self) -> None:
+        """Drop the record of the shared memory at start, unless a server may have left segments
+        (a crash, not the ordered stop): then the next start removes them by it."""
+        if not self._spawning:
             self.shm.forget()
-        finally:
-            await self.updater.puller.close()  # the pull workers kept for a next pull, on every path
-            if self.peer_server is not None:
-                self.peer_server.stop()
-            await self.client.close()
-            self._unhandle_signals()
-        log.info("stop rolloutd: every server stopped")
-        return 0
+
+    async def _stop_gateways(self) -> None:
+        await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
 
     def _handle_signals(self) -> None:
         loop = asyncio.get_running_loop()
@@ -447,7 +479,7 @@ class Daemon:
             await asyncio.gather(*(_cancel(r.task) for r in self.servers.values()))
             await asyncio.gather(*(r.gateway.stop() for r in self.servers.values()))
             await self._stop_updater(updater)
-            await asyncio.to_thread(self.updater.puller.discard_kept)  # a pull cut short kept its chunks
+            await asyncio.to_thread(self.updater.discard_kept)  # a pull cut short kept its chunks
             await _cancel(announcer)  # the tracker forgets this node's chunks
             self.admin.stop()
             with contextlib.suppress(TimeoutError):
@@ -463,7 +495,7 @@ class Daemon:
         while not done:
             log.error("stop: the updater still runs %g s after it was cancelled; kill its pull workers and "
                       "cancel it again", UPDATER_STOP_S)
-            await self.updater.puller.close()
+            await self.updater.close()
             updater.cancel()
             done, _ = await asyncio.wait({updater}, timeout=1.0)
         await _cancel(updater)  # done: collects its outcome
@@ -474,41 +506,35 @@ class Daemon:
         limit = 3 * max(self.notifier.watchdog_interval_s or 1.0, 1.0)
         return (age < limit, f"main loop ticked {age:.1f} s ago")
 
-    def status(self) -> dict:
+    def status(self) -> NodeStatus:
         now = time.monotonic()
-        target = self.updater.target
-        progress = self.updater.puller.progress
+        target, progress = self.updater.target, self.updater.progress
         servers = []
         for r in self.servers.values():
-            snap = r.supervisor.snapshot()
             age = r.heartbeater.age_s()
-            snap["heartbeat_age_s"] = None if age is None else round(age, 3)
-            servers.append(snap)
-        return {
-            "node": self.cfg.node_name, "rolloutd_version": __version__, "pid": os.getpid(),
-            "uptime_s": round(now - self.started, 3), "ready": self.ready,
-            "registry": self.updater.registry.as_dict(now),
-            "target": {"version": target.version, "digest": target.digest} if target else None,
-            "pull": progress.as_dict() if progress is not None else None,
-            "pull_workers_kept": self.updater.puller.kept_worker_pids,
-            "pull_sources": self._pull_sources(),
-            "reload": self.last_reload.as_dict(),
-            "mirror": {"dir": str(self.mirror.dir), "max_bytes": self.mirror.max_bytes,
-                       "usage_bytes": self.mirror.usage_bytes(), "spare_bytes": self.mirror.spare_bytes(),
-                       "versions": self.mirror.versions()},
-            "servers": servers,
-            "refused": self.refusals.as_list(),
-        }
+            servers.append(ServerStatus(**dict(r.supervisor.snapshot()),
+                                        heartbeat_age_s=None if age is None else round(age, 3)))
+        return NodeStatus(
+            node=self.cfg.node_name, rolloutd_version=__version__, pid=os.getpid(),
+            uptime_s=round(now - self.started, 3), ready=self.ready, registry=self.updater.registry.status(now),
+            target=TargetStatus(version=target.version, digest=target.digest) if target else None,
+            pull=progress.status() if progress is not None else None,
+            pull_workers_kept=self.updater.kept_worker_pids, pull_sources=self._pull_sources(),
+            reload=self.last_reload.status(),
+            mirror=MirrorStatus(dir=str(self.mirror.dir), max_bytes=self.mirror.max_bytes,
+                                usage_bytes=self.mirror.usage_bytes(), spare_bytes=self.mirror.spare_bytes(),
+                                versions=self.mirror.versions()),
+            servers=servers, refused=[RefusedStatus.model_validate(r) for r in self.refusals.as_list()])
 
-
-    def _pull_sources(self) -> dict:
+    def _pull_sources(self) -> PullSources:
         """Bytes of the last pull by kind of source, and what this node served its peers."""
         plan = self.swarm.last_plan  # a delta pull's plan of its delta files too (the puller's is the version's)
-        out = {"last_pull": dict(plan.bytes_from) if plan is not None else {}, "peers": self.cfg.peers.enabled}
+        sources = PullSources(last_pull=dict(plan.bytes_from) if plan is not None else {}, peers=self.cfg.peers.enabled)
         if self.peer_server is not None:
-            out.update(url=self.swarm.settings.url, served_bytes=self.peer_server.served_bytes,
-                       served_requests=self.peer_server.requests)
-        return out
+            sources = sources.model_copy(update={"url": self.swarm.settings.url,
+                                                 "served_bytes": self.peer_server.served_bytes,
+                                                 "served_requests": self.peer_server.requests})
+        return sources
 
 
 def swarm_settings(cfg: Config, registry_token: str | None) -> SwarmSettings:
@@ -519,6 +545,15 @@ def swarm_settings(cfg: Config, registry_token: str | None) -> SwarmSettings:
     return SwarmSettings(enabled=p.enabled, url=cfg.peers_url, token=token, announce_every_s=p.announce_every_s,
                          announce_idle_s=p.announce_idle_s, peer_timeout_s=p.peer_timeout_s,
                          peer_chunk_timeout_s=p.peer_chunk_timeout_s, origin_wait_s=p.origin_wait_s)
+
+
+def _release(stack: contextlib.AsyncExitStack, what: str, release: Callable[[], object]) -> None:
+    """Have ``release`` (a function, or one returning an awaitable) run when ``stack`` unwinds."""
+    async def run() -> None:
+        log.debug("release %s", what)
+        if inspect.isawaitable(done := release()):
+            await done
+    stack.push_async_callback(run)
 
 
 async def keep(task: str, run: Callable[[], Awaitable[None]], metrics: Metrics, *,

@@ -51,20 +51,19 @@ class Heartbeater:
 
     def heartbeat(self) -> Heartbeat:
         cfg, snap = self._conf(), self.server.snapshot()
-        last = snap["last_update"]
-        timings = dict(last["phases_s"]) if last else {}
-        pull = self._updater.puller.progress
+        last = snap.last_update
+        timings = dict(last.phases_s) if last else {}
+        pull = self._updater.progress
         if pull is not None and pull.state is PullState.DONE:
             timings["pull"] = round(pull.seconds, 4)  # the node's last pull, for the fleet view
             self._last_pull = pull_report(pull)
         refused = self.server.refusals.for_heartbeat()
-        optional = {"gate": GateReport(**last["gate"]) if last and last.get("gate") else None,
-                    "last_error": _clip(snap["last_error"]),
+        optional = {"gate": GateReport(**last.gate.model_dump()) if last and last.gate else None,
+                    "last_error": _clip(snap.last_error),
                     "refused": [RefusedVersion(**r) for r in refused] if refused else None,
                     "last_pull": self._last_pull}
-        return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap["state"],
-                         endpoint=snap["endpoint"],
-                         version=snap["version"], target=snap["target"], incarnation=snap["incarnation"],
+        return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap.state, endpoint=snap.endpoint,
+                         version=snap.version, target=snap.target, incarnation=snap.incarnation,
                          registry_instance=self._updater.registry.instance, timings=timings,
                          **{k: v for k, v in optional.items() if k not in self._refused})
 

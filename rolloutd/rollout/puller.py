@@ -73,18 +73,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import errno
 import logging
 import os
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from rolloutd.config import Config
 from rolloutd.rollout.fetch_pool import (
     ApplyJob,
     ChunkCorrupt,
@@ -101,6 +101,7 @@ from rolloutd.wire import errors
 from rolloutd.wire.chunkmap import chunk_index, ones
 from rolloutd.wire.manifest import FileEntry, Manifest, ManifestError
 from rolloutd.wire.messages import LeaseInfo
+from rolloutd.wire.status import PullState, PullStatus
 
 log = logging.getLogger("rolloutd.rollout.puller")
 
@@ -122,15 +123,6 @@ class PullError(Exception):
 class VersionGone(PullError):
     """The version cannot be fetched any more (retired and its bytes reclaimed, or unknown to
     the registry): the chunks a failed pull checked are worth nothing to a next try."""
-
-
-class PullState(enum.Enum):
-    LEASING = "leasing"        # taking the lease and reading the manifest
-    PULLING = "pulling"        # chunks being fetched into the partial directory
-    COMMITTING = "committing"  # fsync and rename into place
-    DONE = "done"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
 
 
 _ARROWS = {
@@ -224,17 +216,22 @@ class PullProgress:
         self._samples.clear()
         self._samples.append((self.clock(), self._moved))
 
-    def as_dict(self) -> dict:
+    def status(self) -> PullStatus:
+        """The pull as the node's status shows it (figures rounded)."""
         eta = self.eta_s
-        return {"target": self.target, "version": self.version, "state": self.state.value,
-                "bytes_done": self.bytes_done, "bytes_total": self.bytes_total, "bytes_resumed": self.bytes_resumed,
-                "rate_bytes_per_s": round(self.rate_bytes_per_s, 1),
-                "eta_s": None if eta is None else round(eta, 2), "retries": self.retries,
-                "workers": list(self.worker_pids), "worker_restarts": self.worker_restarts,
-                "seconds": round(self.seconds, 3), "error": self.error, "kind": self.kind, "base": self.base,
-                "bytes_fetched": self.bytes_fetched, "version_bytes": self.version_bytes,
-                "reconstruct_s": None if self.reconstruct_s is None else round(self.reconstruct_s, 3),
-                "delta_error": self.delta_error}
+        return PullStatus(target=self.target, version=self.version, state=self.state, bytes_done=self.bytes_done,
+                          bytes_total=self.bytes_total, bytes_resumed=self.bytes_resumed,
+                          rate_bytes_per_s=round(self.rate_bytes_per_s, 1),
+                          eta_s=None if eta is None else round(eta, 2), retries=self.retries,
+                          workers=list(self.worker_pids), worker_restarts=self.worker_restarts,
+                          seconds=round(self.seconds, 3), error=self.error, kind=self.kind, base=self.base,
+                          bytes_fetched=self.bytes_fetched, version_bytes=self.version_bytes,
+                          reconstruct_s=None if self.reconstruct_s is None else round(self.reconstruct_s, 3),
+                          delta_error=self.delta_error)
+
+    def as_dict(self) -> dict:
+        """:meth:`status` as the JSON the admin API serves."""
+        return self.status().model_dump(mode="json")
 
 
 @dataclass(frozen=True)
@@ -263,38 +260,60 @@ class Kept:
     bytes: int
 
 
+class PullSettings(BaseModel):
+    """How a node pulls: from the ``pull`` section of its config (:meth:`from_config`), or given
+    whole in a test. The puller's collaborators (the registry client, the mirror, the swarm) are
+    passed beside it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    holder: str = Field(description="the lease holder's name: the node's")
+    streams: int = Field(4, ge=1, description="chunk transfers at once")
+    workers: int = Field(1, ge=1, description="pull worker processes (at most one per stream)")
+    priority: str = Field("normal", description="the workers' CPU priority: idle, low or normal")
+    request_bytes: int = Field(16 * MiB, ge=1, description="largest Range request")
+    max_chunk_retries: int = Field(3, ge=0, description="tries of a chunk from the origin after the first")
+    lease_ttl_s: float = Field(60.0, gt=0, description="the lease's time to live")
+    renew_every_s: float | None = Field(None, gt=0, description="lease renewal period (None: a third of the ttl)")
+    piece_bytes: int = Field(PIECE_BYTES, ge=1, description="a worker reads, hashes and writes in pieces this size")
+    retry_delay_s: float = Field(0.1, ge=0, description="first delay before a chunk is fetched again (doubling)")
+    keep_workers_s: float = Field(0.0, ge=0, description="idle time the workers are kept for a next pull")
+    worker_silence_s: float = Field(10.0, gt=0, description="a worker silent this long, and not runnable, is hung")
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> PullSettings:
+        p = cfg.pull
+        return cls(holder=cfg.node_name, streams=p.stream_count(), workers=p.worker_count(), priority=p.cpu_priority,
+                   request_bytes=int(p.request_bytes), max_chunk_retries=p.max_chunk_retries,
+                   lease_ttl_s=p.lease_ttl_s, keep_workers_s=p.keep_workers_s, worker_silence_s=p.worker_silence_s)
+
+
 class Puller:
-    def __init__(self, client: RegistryClient, mirror: Mirror, *, holder: str, streams: int = 4,
-                 workers: int = 1, priority: str = "normal", request_bytes: int = 16 * MiB, max_chunk_retries: int = 3,
-                 lease_ttl_s: float = 60.0, renew_every_s: float | None = None, piece_bytes: int = PIECE_BYTES,
-                 retry_delay_s: float = 0.1, in_use: Callable[[], set[int]] = set,
-                 on_worker_restart: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic, swarm: Swarm | None = None,
-                 keep_workers_s: float = 0.0, worker_silence_s: float = 10.0):
-        if (streams < 1 or workers < 1 or request_bytes < 1 or max_chunk_retries < 0 or lease_ttl_s <= 0
-                or keep_workers_s < 0):
-            raise ValueError("streams, workers and request_bytes must be positive, max_chunk_retries >= 0, "
-                             "lease_ttl_s > 0, keep_workers_s >= 0")
+    def __init__(self, client: RegistryClient, mirror: Mirror, settings: PullSettings, *, swarm: Swarm | None = None,
+                 in_use: Callable[[], set[int]] = set, on_worker_restart: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic):
+        self.settings = settings
+        holder, streams, workers = settings.holder, settings.streams, settings.workers
         self.client, self.mirror, self.holder = client, mirror, holder
-        self.streams, self.request_bytes = streams, request_bytes
+        self.streams, self.request_bytes = streams, settings.request_bytes
         self.workers = min(workers, streams)  # a worker without a stream would do nothing
-        self.priority = priority  # the workers' CPU priority: idle, low or normal
-        self.keep_workers_s = keep_workers_s
+        self.priority = settings.priority  # the workers' CPU priority: idle, low or normal
+        self.keep_workers_s = settings.keep_workers_s
         self._pool: FetchPool | None = None        # the last pull's workers, kept for the next
         self._idle: asyncio.Task | None = None     # stops them once they idled keep_workers_s
         self._pools: set[FetchPool] = set()        # every pool started and not yet closed
-        self.worker_silence_s = worker_silence_s   # a worker silent this long, and not runnable, is hung
+        self.worker_silence_s = settings.worker_silence_s
         self.stopping = False  # set when the daemon stops: every pull ends cancelled from then on
         # The last pull failed for lack of room on the mirror's filesystem, like the one before
         # it: said once (and by the daemon at start), not at every retry.
         self.no_room_again = False
         self._no_room = False
         self.on_worker_restart = on_worker_restart
-        self.max_chunk_retries = max_chunk_retries
-        self.lease_ttl_s = lease_ttl_s
-        self.renew_every_s = renew_every_s if renew_every_s is not None else lease_ttl_s / 3
-        self.piece_bytes = piece_bytes
-        self.retry_delay_s = retry_delay_s
+        self.max_chunk_retries = settings.max_chunk_retries
+        self.lease_ttl_s = settings.lease_ttl_s
+        self.renew_every_s = settings.renew_every_s if settings.renew_every_s is not None else self.lease_ttl_s / 3
+        self.piece_bytes = settings.piece_bytes
+        self.retry_delay_s = settings.retry_delay_s
         self.in_use = in_use  # versions the node's servers hold: never removed to make room
         self.clock = clock
         self.progress: PullProgress | None = None
@@ -334,13 +353,30 @@ class Puller:
         if self.stopping:
             raise asyncio.CancelledError()  # rolloutd stops: no pull starts
         progress = self.progress = PullProgress(target=version, clock=self.clock)
-        partial: Partial | None = None
-        done_bits = 0
-        keepable = True  # until the commit starts, checked chunks are worth keeping for a next try
         self.last_plan = None
         no_room_before, self._no_room, self.no_room_again = self._no_room, False, False
         try:
-            lease = await self._take_lease(version)
+            async with self._leased(version) as lease:
+                return await self._pull_leased(lease, version, no_room_before)
+        except BaseException as e:
+            if progress.ended_at is not None:  # said and recorded under the lease already
+                raise
+            raised = self._abandon(e, version, no_room_before)  # the lease could not be taken
+            if raised is e:
+                raise
+            raise raised from e
+        finally:
+            if progress.ended_at is None:  # only if something stranger than an Exception ended it
+                progress.ended_at = self.clock()
+
+    async def _pull_leased(self, lease: LeaseInfo, version: int | str, no_room_before: bool) -> PullResult:
+        """The pull under its lease: what it leaves (a partial directory kept for the next try,
+        or discarded; its chunks no longer served to peers) is settled before the lease goes."""
+        progress = self.progress
+        partial: Partial | None = None
+        done_bits = 0
+        keepable = True  # until the commit starts, checked chunks are worth keeping for a next try
+        try:
             progress.version = lease.version
             manifest = await self._manifest(lease)
             progress.bytes_total = progress.version_bytes = manifest.total_bytes
@@ -388,23 +424,13 @@ class Puller:
                      result.bytes, result.seconds, result.bytes / max(result.seconds, 1e-9) / 1e6, result.retries,
                      f"; whole after its delta failed ({progress.delta_error})" if progress.delta_error else "")
             return result
-        except asyncio.CancelledError:
-            self._end(PullState.CANCELLED, "cancelled")
-            raise
-        except Exception as e:
-            if self.stopping:  # the stop wins: whoever cancelled must see it
-                log.warning("pull of %s: %s while rolloutd stops", progress.version or version, _describe(e))
-                self._end(PullState.CANCELLED, "cancelled")
-                raise asyncio.CancelledError() from e
-            if isinstance(e, PullError):
-                keepable = keepable and not isinstance(e, VersionGone)
-                self._end(PullState.FAILED, str(e))
+        except BaseException as e:
+            if isinstance(e, VersionGone) and not self.stopping:
+                keepable = False  # its checked chunks are worth nothing to a next try
+            raised = self._abandon(e, version, no_room_before)
+            if raised is e:
                 raise
-            what = f"pull of version {progress.version or version} failed: {_describe(e)}"
-            self._no_room = isinstance(e, OSError) and e.errno == errno.ENOSPC
-            self.no_room_again = self._no_room and no_room_before
-            self._end(PullState.FAILED, what, quiet=self.no_room_again)
-            raise PullError(what) from e
+            raise raised from e
         finally:
             if partial is not None:
                 checked = self.last_plan.done_bits if self.last_plan is not None else done_bits
@@ -414,9 +440,27 @@ class Puller:
                     await _settle(asyncio.to_thread(self.mirror.discard, partial))
             if self.last_plan is not None:  # after the commit: peers are served the partial until then
                 self.swarm.finish(self.last_plan)
-            await self._release()
-            if progress.ended_at is None:  # only if something stranger than an Exception ended it
-                progress.ended_at = self.clock()
+
+    def _abandon(self, e: BaseException, version: int | str, no_room_before: bool) -> BaseException:
+        """Record in the progress how the pull ended, and say so; the exception to raise for ``e``."""
+        progress = self.progress
+        if isinstance(e, asyncio.CancelledError):
+            self._end(PullState.CANCELLED, "cancelled")
+            return e
+        if not isinstance(e, Exception):
+            return e
+        if self.stopping:  # the stop wins: whoever cancelled must see it
+            log.warning("pull of %s: %s while rolloutd stops", progress.version or version, _describe(e))
+            self._end(PullState.CANCELLED, "cancelled")
+            return asyncio.CancelledError()
+        if isinstance(e, PullError):
+            self._end(PullState.FAILED, str(e))
+            return e
+        what = f"pull of version {progress.version or version} failed: {_describe(e)}"
+        self._no_room = isinstance(e, OSError) and e.errno == errno.ENOSPC
+        self.no_room_again = self._no_room and no_room_before
+        self._end(PullState.FAILED, what, quiet=self.no_room_again)
+        return PullError(what)
 
     def _result(self, manifest: Manifest, reused: bool = False) -> PullResult:
         p = self.progress
@@ -795,6 +839,16 @@ class Puller:
             raise
 
     # -- the lease --------------------------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def _leased(self, version: int | str) -> AsyncIterator[LeaseInfo]:
+        """Hold a lease on ``version`` for the block (renewed meanwhile by :meth:`_keep_lease`, taken
+        again if it expired); released on every way out, best effort."""
+        lease = await self._take_lease(version)
+        try:
+            yield lease
+        finally:
+            await self._release()
+
     async def _take_lease(self, version: int | str) -> LeaseInfo:
         try:
             self._lease = await self.client.lease(self.holder, version, self.lease_ttl_s)

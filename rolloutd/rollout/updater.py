@@ -40,11 +40,12 @@ from pathlib import Path
 from rolloutd.config import Config
 from rolloutd.metrics import Metrics
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.puller import Puller, PullError, PullResult, PullState
+from rolloutd.rollout.puller import Puller, PullError, PullProgress, PullResult, PullSettings, PullState
 from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.rollout.swarm import Swarm
 from rolloutd.wire import errors
 from rolloutd.wire.messages import HeartbeatReply, LatestInfo
+from rolloutd.wire.status import RegistryStatus
 
 log = logging.getLogger("rolloutd.rollout.updater")
 PROGRESS_EVERY_S = 10  # a long pull logs its progress this often
@@ -110,27 +111,25 @@ class RegistryView:
     last_contact: float | None = None
     contacted: asyncio.Event = field(default_factory=asyncio.Event)  # set at the first answer
 
-    def as_dict(self, now: float) -> dict:
-        return {"url": self.url, "reachable": self.reachable, "instance": self.instance,
-                "latest": self.latest, "demand": self.demand, "last_error": self.last_error,
-                "last_contact_age_s": None if self.last_contact is None else round(now - self.last_contact, 3)}
+    def status(self, now: float) -> RegistryStatus:
+        age = None if self.last_contact is None else round(now - self.last_contact, 3)
+        return RegistryStatus(url=self.url, reachable=self.reachable, instance=self.instance, latest=self.latest,
+                              demand=self.demand, last_error=self.last_error, last_contact_age_s=age)
 
 
 class Updater:
     def __init__(self, conf: Callable[[], Config], client: RegistryClient, mirror: Mirror, metrics: Metrics, *,
                  in_use: Callable[[], set[int]], clock: Callable[[], float] = time.monotonic,
-                 swarm: Swarm | None = None):
+                 swarm: Swarm | None = None, puller: Puller | None = None):
         self._conf, self._client, self.mirror, self._metrics = conf, client, mirror, metrics
         self._in_use, self._clock = in_use, clock
         cfg = conf()
         self.registry = RegistryView(cfg.registry.url)
-        self.puller = Puller(client, mirror, holder=cfg.node_name, streams=cfg.pull.stream_count(),
-                             workers=cfg.pull.worker_count(), priority=cfg.pull.cpu_priority,
-                             request_bytes=int(cfg.pull.request_bytes),
-                             max_chunk_retries=cfg.pull.max_chunk_retries, lease_ttl_s=cfg.pull.lease_ttl_s,
-                             in_use=in_use, on_worker_restart=metrics.pull_worker_restarts.inc,
-                             swarm=swarm, keep_workers_s=cfg.pull.keep_workers_s,
-                             worker_silence_s=cfg.pull.worker_silence_s)
+        # Owned here (a test may hand in a fake): closed by close(); nobody else reaches into it.
+        if puller is None:
+            puller = Puller(client, mirror, PullSettings.from_config(cfg), swarm=swarm, in_use=in_use,
+                            on_worker_restart=metrics.pull_worker_restarts.inc)
+        self._puller = puller
         self.target: Target | None = None
         self.settled = asyncio.Event()   # the first decision was made (a target, or nothing to load)
         self._changed = asyncio.Condition()
@@ -147,7 +146,26 @@ class Updater:
     def stop(self) -> None:
         """The daemon stops: from now on the loop starts nothing, and whatever a pull meets as
         it is cancelled ends it cancelled (never a failure to retry)."""
-        self.stopping = self.puller.stopping = True
+        self.stopping = self._puller.stopping = True
+
+    async def close(self) -> None:
+        """Stop every pull worker: those kept for a next pull, and those of a pull still running
+        (the daemon calls it on every path out, and on an updater that outlived its stop bound)."""
+        await self._puller.close()
+
+    def discard_kept(self) -> None:
+        """Remove what a pull cut short kept for its next try (at the ordered stop; blocking)."""
+        self._puller.discard_kept()
+
+    @property
+    def progress(self) -> PullProgress | None:
+        """The current or last pull, for status, metrics and heartbeats."""
+        return self._puller.progress
+
+    @property
+    def kept_worker_pids(self) -> list[int]:
+        """The pull workers kept idle for the next pull."""
+        return self._puller.kept_worker_pids
 
     def poke(self, asked: bool = True) -> None:
         """Look at the registry again now (``asked``: update even below the lag threshold)."""
@@ -349,13 +367,13 @@ class Updater:
             rate = tg.create_task(self._report_rate(), name="pull-rate")
             try:
                 async with asyncio.timeout(cfg.pull.timeout_s):
-                    result = await self.puller.pull(version)
+                    result = await self._puller.pull(version)
             except (PullError, TimeoutError, errors.RegistryError) as e:
                 if self.stopping:  # a stop is not a failed pull to be tried again
                     raise asyncio.CancelledError() from e
                 what = f"no result within pull.timeout_s={cfg.pull.timeout_s:g}" if isinstance(e, TimeoutError) else e
                 # no room on the mirror's filesystem again: said at start and at the first failure
-                log.log(logging.DEBUG if self.puller.no_room_again and isinstance(e, PullError) else logging.ERROR,
+                log.log(logging.DEBUG if self._puller.no_room_again and isinstance(e, PullError) else logging.ERROR,
                         "pull %s failed: %s", version, what)
                 self._metrics.pulls.labels(result="failed").inc()
                 self._metrics.update_failures.labels(kind="pull").inc()
@@ -376,7 +394,7 @@ class Updater:
         ticks = 0
         while True:
             await asyncio.sleep(1.0)
-            p = self.puller.progress
+            p = self._puller.progress
             if p is None:
                 continue
             self._metrics.pull_rate.set(p.rate_bytes_per_s)

@@ -63,6 +63,7 @@ from rolloutd.supervise.containment import Containment
 from rolloutd.supervise.plugin_path import child_env
 from rolloutd.supervise.sockets import SocketDirError, remove_stale
 from rolloutd.wire.states import Lifecycle, ServerState
+from rolloutd.wire.status import LastUpdate, ServerSnapshot
 
 log = logging.getLogger("rolloutd.server")
 S = ServerState
@@ -533,19 +534,18 @@ class Supervisor:
         """Where the registry tells trainers to send this server's generation requests: its gateway."""
         return f"http://{self._conf().advertise_host}:{self.spec.public_port}"
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> ServerSnapshot:
         target = self.loading or self.updater.target
         if self.loading is None and self.refusals.refused(target) is not None:
             target = self.loaded  # not moving: the node refused its target
-        return {"name": self.name, "state": self.state.name, "pid": self.child.pid if self.child and self.state.running
-                else None, "socket": str(self.socket), "public_port": self.spec.public_port,
-                "gpus": list(self.spec.gpus), "endpoint": self.endpoint,
-                "version": self.loaded.version if self.loaded else None,
-                "target": target.version if target else None,
-                "last_good": self.good.version if self.good else None,
-                "incarnation": self.incarnation, "restarts": self.restarts,
-                "state_age_s": round(self.lifecycle.age_s(), 3), "last_error": self.last_error,
-                "last_update": self.last_update.as_dict() if self.last_update else None}
+        return ServerSnapshot(
+            name=self.name, state=self.state, pid=self.child.pid if self.child and self.state.running else None,
+            socket=str(self.socket), public_port=self.spec.public_port, gpus=list(self.spec.gpus),
+            endpoint=self.endpoint, version=self.loaded.version if self.loaded else None,
+            target=target.version if target else None, last_good=self.good.version if self.good else None,
+            incarnation=self.incarnation, restarts=self.restarts, state_age_s=round(self.lifecycle.age_s(), 3),
+            last_error=self.last_error,
+            last_update=LastUpdate.model_validate(self.last_update.as_dict()) if self.last_update else None)
 
 
 async def _reap(tasks: tuple[asyncio.Future, ...]) -> None:
