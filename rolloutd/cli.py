@@ -123,6 +123,7 @@ class ProgressLine:
 
 
 def cmd_publish(args: argparse.Namespace) -> int:
+    from rolloutd.trainer.options import PublishOptions
     from rolloutd.trainer.publish import RegistryHTTP
     token = Path(args.token_file).read_text().strip() if args.token_file else None
     metadata = dict(kv.split("=", 1) for kv in args.metadata)
@@ -146,12 +147,13 @@ def cmd_publish(args: argparse.Namespace) -> int:
             return 2
         store = ObjectStoreSettings(endpoint=args.s3_endpoint, region=args.s3_region,
                                     credentials_file=args.s3_credentials)
+    options = PublishOptions(chunk_bytes=args.chunk_bytes, metadata=metadata, canary=canary, partial=args.partial,
+                             to=args.to, store=store, prune=not args.keep_objects, hash_name=args.hash,
+                             delta=not args.full)
     reg = RegistryHTTP(args.registry, token, timeout_s=args.timeout_s)
     try:
-        manifest = reg.publish_dir(args.version, Path(args.directory), chunk_bytes=args.chunk_bytes,
-                                   metadata=metadata, progress=ProgressLine(f"upload v{args.version}"),
-                                   canary=canary, partial=args.partial, to=args.to, store=store,
-                                   prune=not args.keep_objects, hash_name=args.hash, delta=not args.full)
+        manifest = reg.publish_dir(args.version, Path(args.directory), options,
+                                   progress=ProgressLine(f"upload v{args.version}"))
         how = _how_published(reg, manifest)
     finally:
         reg.close()

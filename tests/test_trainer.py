@@ -446,6 +446,31 @@ def test_publish_async_returns_a_handle_and_the_step_may_change_the_tensors(tmp_
         assert m2.digest != m.digest and reg.latest()["version"] == 2
 
 
+def test_one_options_object_for_every_publish_call(tmp_path, registry):
+    """Every publish call takes one ``PublishOptions``, its fields as keywords, or both (the
+    keywords win), in-process and over HTTP alike; a field no call knows is refused before any
+    byte is written."""
+    from pydantic import ValidationError
+
+    from rolloutd.trainer.options import PublishOptions
+    sd = numpy_state_dict(1)
+    opts = PublishOptions(chunk_bytes=4096, hash_name="blake3", metadata={"step": "1"})
+    with EmbeddedRegistry(port=0) as reg:
+        m1 = reg.publish(1, sd, opts, metadata={"step": "2"})
+        m2 = reg.publish_async(2, numpy_state_dict(2), opts).wait(60)
+        save_shards(numpy_state_dict(3), tmp_path)
+        m3 = reg.publish_dir(3, tmp_path, opts)
+        assert [(m.chunk_bytes, m.hash, m.metadata) for m in (m1, m2, m3)] == [
+            (4096, "blake3", {"step": "2"}), (4096, "blake3", {"step": "1"}), (4096, "blake3", {"step": "1"})]
+        with pytest.raises(ValidationError, match="hash_bytes"):
+            reg.publish(4, sd, hash_bytes=4096)
+        assert [v["version"] for v in reg.versions()] == [1, 2, 3]
+    client = RegistryHTTP(registry.url, registry.service.token)
+    m = client.publish_dir(1, tmp_path, opts, delta=False)
+    assert (m.chunk_bytes, m.hash, registry.manifest(1).delta) == (4096, "blake3", None)
+    client.close()
+
+
 def test_publish_async_runs_in_order_and_a_cancelled_one_leaves_nothing(tmp_path):
     import numpy as np
     sd = {f"model.layers.{i}.w": np.full(1000, i, np.float32) for i in range(4)}

@@ -13,13 +13,14 @@ import logging
 import os
 import time
 from collections import Counter as Tally
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from rolloutd.registry.blobs import DiskStore, MemoryStore, StagingDropped, Upload
+from rolloutd.registry.blobs import DiskStore, MemoryStore, Staged, StagingDropped, Upload
 from rolloutd.registry.canary_check import canary_problems, version_tensors
 from rolloutd.registry.deltas import (
     Chain,
@@ -34,7 +35,7 @@ from rolloutd.registry.settings import RegistrySettings
 from rolloutd.registry.store import Store, Version, VersionState
 from rolloutd.registry.tracker import Tracker
 from rolloutd.wire import errors
-from rolloutd.wire.manifest import Manifest, ManifestError, duplicate_tensors, safetensors_names
+from rolloutd.wire.manifest import MAX_VERSION, Manifest, ManifestError, duplicate_tensors, safetensors_names
 from rolloutd.wire.messages import REPLICA_ID_RE, Announce, Heartbeat
 
 log = logging.getLogger("rolloutd.registry")
@@ -101,6 +102,23 @@ class Metrics:
             self.replica_states.labels(state).set(n)
         for bucket in BEHIND_BUCKETS:
             self.replicas_behind.labels(bucket).set(behind[bucket])
+
+
+@dataclass(frozen=True)
+class Staging:
+    """One version's files staged in-process (the trainer's own process publishing), before
+    :meth:`RegistryService.publish_staged`: written in place or copied, from any thread."""
+
+    blobs: DiskStore | MemoryStore
+    version: int
+
+    def view(self, name: str, size: int) -> Staged:
+        """File ``name`` of ``size`` bytes, to be written in place (then ``finish`` or ``abort``)."""
+        return self.blobs.stage_view(self.version, name, size)
+
+    def copy(self, path: Path) -> None:
+        """A copy of the file at ``path``, named as it is."""
+        self.blobs.stage_file(self.version, path)
 
 
 class RegistryService:
@@ -352,6 +370,31 @@ class RegistryService:
         def names(f) -> list[str] | None:
             return safetensors_names(lambda o, n: self.blobs.read_staged(manifest.version, f.name, o, n), f.size)
         return duplicate_tensors((f.name, names(f)) for f in manifest.files)
+
+    # -- the staged publish: the trainer's embedded registry, in-process --------------------------------
+    @contextlib.contextmanager
+    def staging(self, version: int) -> Iterator[Staging]:
+        """Stage ``version``'s files in-process, then :meth:`publish_staged` them on the loop.
+        Fails before any work for a number that can never be published (one published already may
+        still be the same bytes again, a no-op decided at publish); on any failure nothing of it is
+        left behind."""
+        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_VERSION:
+            raise errors.InvalidRequest(f"version must be an integer from 1 to {MAX_VERSION}, got {version!r:.100}")
+        with contextlib.suppress(errors.VersionConflict):
+            self.store.check_new_number(version)
+        try:
+            yield Staging(self.blobs, version)
+        except BaseException:
+            self.blobs.discard_staging(version)
+            raise
+
+    async def publish_staged(self, manifest: Manifest, *, verify: bool, delta: bool) -> tuple[Version, bool]:
+        """:meth:`publish` what :meth:`staging` staged for ``manifest``; when the same bytes are
+        published already (the check is :meth:`publish`'s), their staged copy is thrown away."""
+        version, created = await self.publish(manifest, verify=verify, delta=delta)
+        if not created:
+            self.blobs.discard_staging(manifest.version)
+        return version, created
 
     def abort_upload(self, version: int) -> None:
         """Drop a version's staged files, unless it is being published: its files are final then

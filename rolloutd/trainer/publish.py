@@ -1,16 +1,17 @@
 """Trainer-side library: publish versions, demand them, and watch the replicas.
 
 ``RegistryHTTP`` talks to any registry over HTTP (a non-Python trainer can do the same with
-the documented routes). ``EmbeddedRegistry`` runs the registry inside the trainer's process
-and publishes by writing each tensor straight into its store (:mod:`~rolloutd.trainer.shards`:
-one copy, hashed as it lands), without a round trip over HTTP; ``publish_async`` does it on a
-thread of its own and returns a :class:`~rolloutd.trainer.handle.PublishHandle` at once.
-torch is imported only when a state dict holds torch tensors.
+the documented routes). ``EmbeddedRegistry`` has a registry service running inside the trainer's
+process and publishes through its staged publish, writing each tensor straight into its store
+(:mod:`~rolloutd.trainer.shards`: one copy, hashed as it lands), without a round trip over HTTP;
+``publish_async`` does it on a thread of its own and returns a
+:class:`~rolloutd.trainer.handle.PublishHandle` at once; its queries go over HTTP like any
+client's. How a version is published is one :class:`~rolloutd.trainer.options.PublishOptions`
+for every call. torch is imported only when a state dict holds torch tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import logging
@@ -34,6 +35,7 @@ from rolloutd.trainer.bucket import (
     version_source,
 )
 from rolloutd.trainer.handle import PublishHandle, PublishState, Turns
+from rolloutd.trainer.options import PublishOptions
 from rolloutd.trainer.shards import (  # noqa: F401 -- the trainer's names for them
     DEFAULT_SHARD_BYTES,
     Cancelled,
@@ -54,10 +56,6 @@ from rolloutd.trainer.shards import (  # noqa: F401 -- the trainer's names for t
 )
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import (
-    DEFAULT_CHUNK_BYTES,
-    DEFAULT_HASH,
-    MAX_VERSION,
-    Canary,
     Delta,
     FileEntry,
     Manifest,
@@ -100,9 +98,11 @@ class VersionRefused(RuntimeError):
 class RegistryHTTP:
     """A synchronous client for the trainer (the daemon uses the async ``client``)."""
 
-    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0):
+    def __init__(self, url: str, token: str | None = None, timeout_s: float = 30.0, *,
+                 why_full: Callable[[Manifest], str | None] | None = None):
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
+        self._why_full = why_full  # the registry's own delta rules, where it runs in this process
         headers = {"authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.Client(base_url=self.url, headers=headers,
                                   timeout=httpx.Timeout(timeout_s, connect=5.0))
@@ -202,42 +202,35 @@ class RegistryHTTP:
             time.sleep(poll_s)
 
     # -- publishing --------------------------------------------------------------------------------
-    def publish(self, version: int, state_dict: Mapping[str, Any], *,
-                shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                store: ObjectStoreSettings | None = None, prune: bool = True,
-                hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
+    def publish(self, version: int, state_dict: Mapping[str, Any], options: PublishOptions | None = None, *,
+                progress: Progress | None = None, **fields: Any) -> Manifest:
         """Publish a state dict (torch tensors or numpy arrays, HF names) as ``version``; or a
         model, whose weights are taken in checkpoint layout (:func:`checkpoint_tensors`). Each
         shard is streamed to the registry from the tensors' own memory (hashed as it goes, no
         file in between), then the manifest is published. Publishing the same tensors again is
-        a no-op. ``to``, ``store`` and ``prune``: as for :meth:`publish_dir` (the shards are
-        written to a local directory first, for the object store's client, and kept there as the
-        base of the next version's delta). ``delta``: as for :meth:`publish_dir`."""
-        shards = plan_shards(state_dict, shard_bytes)
-        if to is not None:
+        a no-op. How: ``options`` and the keywords ``fields`` (:class:`PublishOptions`). With
+        ``to``, as for :meth:`publish_dir` (the shards are written to a local directory first,
+        for the object store's client, and kept there as the base of the next version's delta)."""
+        opts = PublishOptions.of(options, fields)
+        shards = plan_shards(state_dict, opts.shard_bytes)
+        if opts.to is not None:
             work = self._kept.workdir(version)
             try:
                 entries = []
                 for shard in shards:
                     with MappedFile(work / shard.name, shard.size) as dest:
                         entries.append(FileEntry(name=shard.name, size=shard.size,
-                                                 chunks=write_shard(shard, dest, chunk_bytes, hash_name)))
-                manifest = Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=entries,
-                                    metadata=metadata or {}, canary=canary, partial=partial or None,
-                                    source=version_source(to, version)).sealed()
+                                                 chunks=write_shard(shard, dest, opts.chunk_bytes, opts.hash_name)))
+                manifest = _manifest(version, entries, opts, source=version_source(opts.to, version))
             except BaseException:
                 shutil.rmtree(work, ignore_errors=True)
                 raise
-            return self._upload_to_store(manifest, work, to, progress, store, prune, delta)
+            return self._upload_to_store(manifest, work, opts, progress)
 
         def sealed(chunks: list[list[str]] | None) -> Manifest:
             files = [FileEntry(name=sh.name, size=sh.size if c is not None else 0, chunks=c or [])
                      for sh, c in zip(shards, chunks or [None] * len(shards), strict=True)]
-            return Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=files,
-                            metadata=metadata or {},
-                            canary=canary, partial=partial or None).sealed()
+            return _manifest(version, files, opts)
         sealed(None)  # every field but the digests checked before a byte is sent
         total, done = sum(sh.size for sh in shards), 0
 
@@ -247,20 +240,26 @@ class RegistryHTTP:
             if progress:
                 progress(done, total)
         try:
-            manifest = sealed([self._stream_shard(version, sh, chunk_bytes, hash_name, sent) for sh in shards])
+            manifest = sealed([self._stream_shard(version, sh, opts.chunk_bytes, opts.hash_name, sent)
+                               for sh in shards])
         except errors.VersionConflict:  # published already, or being published: the same tensors are a no-op
-            manifest = sealed([hash_shard(sh, chunk_bytes, hash_name) for sh in shards])
-            try:
-                theirs = self.manifest(version).digest
-            except (errors.VersionUnknown, errors.VersionRetired):  # another publish of it under way
-                theirs = None
+            manifest = sealed([hash_shard(sh, opts.chunk_bytes, opts.hash_name) for sh in shards])
+            theirs = self._held_digest(version)
             if theirs is not None and theirs != manifest.digest:
                 raise
             if theirs is None:  # waits for that publish if it is of these tensors; refused if not
-                self._post_manifest(manifest, params=delta_query(delta))
+                self._post_manifest(manifest, params=delta_query(opts.delta))
             return manifest
-        self._post_manifest(manifest, params=delta_query(delta))
+        self._post_manifest(manifest, params=delta_query(opts.delta))
         return manifest
+
+    def _held_digest(self, version: int) -> str | None:
+        """The digest of the version the registry holds under ``version`` (None: none, or one
+        still being published). Publishing the same bytes again is a no-op: this is the check."""
+        try:
+            return self.manifest(version).digest
+        except (errors.VersionUnknown, errors.VersionRetired):
+            return None
 
     def _stream_shard(self, version: int, shard: Shard, chunk_bytes: int, hash_name: str,
                       sent: Callable[[int], None]) -> list[str]:
@@ -319,17 +318,12 @@ class RegistryHTTP:
         token = self._http.headers.get("authorization")
         return [("authorization", token)] if token else []
 
-    def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                    store: ObjectStoreSettings | None = None, prune: bool = True,
-                    hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
+    def publish_dir(self, version: int, path: Path, options: PublishOptions | None = None, *,
+                    progress: Progress | None = None, **fields: Any) -> Manifest:
         """Publish the ``*.safetensors`` files of ``path``: upload each, then the manifest.
-        Publishing the same bytes again is a no-op, so a retry after a lost reply is safe.
-        ``canary`` (:func:`~rolloutd.trainer.canary.make_canary`) is checked by every server
-        that loads the version before it takes traffic again. ``partial``: the files carry only
-        some of the model's tensors on purpose; the rest keeps its weights (without it, a version
-        that lacks a tensor of the served model fails to load, naming it).
+        Publishing the same bytes again is a no-op, so a retry after a lost reply is safe. How:
+        ``options`` and the keywords ``fields`` (:class:`PublishOptions`: canary, partial, hash,
+        delta, object store; each field says what it does).
 
         ``to="s3://bucket/prefix"``: the files go to the object store under ``<prefix>/<version>/``
         instead of the registry, which keeps the manifest (naming that source), the leases and
@@ -339,11 +333,6 @@ class RegistryHTTP:
         deletes the objects of the earlier versions under ``to`` that the registry no longer
         holds (:meth:`prune_store`), so the bucket keeps about ``keep_versions`` versions.
 
-        ``hash_name``: the chunk digest. ``xxh3-128`` (the default) is the fastest, and guards
-        against corruption only: nodes take such a version from its origin, never from their
-        peers. ``blake3`` (or ``sha256``) is cryptographic: publish with it where nodes have peers
-        on (docs/peers.md).
-
         ``delta`` (the default): the registry publishes the version as a delta on its newest live
         version when that is smaller, encoding it itself (docs/deltas.md); ``False``: a full
         version. The manifest returned is the target's either way (``manifest(version)`` gives
@@ -351,20 +340,18 @@ class RegistryHTTP:
         holds none of those bytes) against the last version it put under ``to``, which it keeps on
         local disk (a copy of its files: the caller may overwrite them with the next version):
         see :meth:`_upload_to_store`."""
+        opts = PublishOptions.of(options, fields)
         files = safetensors_files(path)
-        if to is None:
-            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                      partial=partial, hash_name=hash_name)
-            return self._upload(manifest, files, progress, delta=delta)
+        if opts.to is None:
+            return self._upload(_built_manifest(version, files, opts), files, opts, progress)
         work = self._kept.workdir(version)
         try:
             copies = [Path(shutil.copyfile(p, work / p.name)) for p in files]  # hashed as kept and uploaded
-            manifest = build_manifest(version, copies, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                      partial=partial, source=version_source(to, version), hash_name=hash_name)
+            manifest = _built_manifest(version, copies, opts, source=version_source(opts.to, version))
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-        return self._upload_to_store(manifest, work, to, progress, store, prune, delta)
+        return self._upload_to_store(manifest, work, opts, progress)
 
     def prune_store(self, to: str, store: ObjectStoreSettings | None = None, *,
                     below: int | None = None) -> list[int]:
@@ -379,33 +366,27 @@ class RegistryHTTP:
         below = max(held, default=0) if below is None else below
         return prune_versions(to, lambda n: n < below and n not in held, store or ObjectStoreSettings())
 
-    def _upload_to_store(self, manifest: Manifest, work: Path, to: str, progress: Progress | None,
-                         store: ObjectStoreSettings | None, prune: bool, delta: bool) -> Manifest:
-        """Publish ``manifest`` (its source under ``to``, its files in ``work``) through the object
-        store; once published, ``work`` is kept as the base of the next version under ``to``
-        (the one kept before is deleted), else deleted."""
+    def _upload_to_store(self, manifest: Manifest, work: Path, opts: PublishOptions,
+                         progress: Progress | None) -> Manifest:
+        """Publish ``manifest`` (its source under ``opts.to``, its files in ``work``) through the
+        object store; once published, ``work`` is kept as the base of the next version under
+        ``to`` (the one kept before is deleted), else deleted."""
         try:
-            published = self._upload(manifest, [work / f.name for f in manifest.files], progress, store,
-                                      prune_to=to if prune else None, delta=delta, to=to)
+            published = self._upload(manifest, [work / f.name for f in manifest.files], opts, progress)
         except BaseException:
             shutil.rmtree(work, ignore_errors=True)
             raise
-        self._kept.keep(to, manifest, work)
+        self._kept.keep(opts.to, manifest, work)
         return published
 
-    def _upload(self, manifest: Manifest, files: list[Path], progress: Progress | None,
-                store: ObjectStoreSettings | None = None, prune_to: str | None = None,
-                delta: bool = True, to: str | None = None) -> Manifest:
-        """Upload each file (to the object store when the manifest names one, under ``to``), then
-        publish the manifest (a no-op when the registry has it)."""
-        try:
-            if self.manifest(manifest.version).digest == manifest.digest:
-                return manifest
-        except (errors.VersionUnknown, errors.VersionRetired):
-            pass
+    def _upload(self, manifest: Manifest, files: list[Path], opts: PublishOptions,
+                progress: Progress | None) -> Manifest:
+        """Upload each file (to the object store when the manifest names one, under ``opts.to``),
+        then publish the manifest (a no-op when the registry has it)."""
+        if self._held_digest(manifest.version) == manifest.digest:
+            return manifest
         if manifest.source is not None:
-            return self._publish_to_store(manifest, files, store or ObjectStoreSettings(), progress, prune_to,
-                                          delta=delta, to=to)
+            return self._publish_to_store(manifest, files, opts, progress)
         version = manifest.version
         total, done = manifest.total_bytes, 0
         try:
@@ -422,18 +403,18 @@ class RegistryHTTP:
                 self._put_body(f"/v1/uploads/{version}/files/{p.name}", p.stat().st_size, body())
         except errors.VersionConflict:
             pass  # published, or being published, meanwhile: the manifest's POST says whether it is this one
-        self._post_manifest(manifest, params=delta_query(delta))
+        self._post_manifest(manifest, params=delta_query(opts.delta))
         return manifest
 
-    def _publish_to_store(self, manifest: Manifest, files: list[Path], store: ObjectStoreSettings,
-                          progress: Progress | None, prune_to: str | None, *, delta: bool = True,
-                          to: str | None = None) -> Manifest:
+    def _publish_to_store(self, manifest: Manifest, files: list[Path], opts: PublishOptions,
+                          progress: Progress | None) -> Manifest:
         """Files to the object store first, then the manifest: a version is never visible before
         its bytes are where it says. A delta version's delta files are objects beside its own
         files (:meth:`_store_delta`); the target's files go too (a node without the base takes
         the whole version from the store)."""
+        store, to = opts.store or ObjectStoreSettings(), opts.to
         latest = self._call("GET", "/v1/versions/latest")  # fail on a wrong token before uploading gigabytes
-        section = self._store_delta(manifest, files[0].parent, latest, to) if delta and to and files else None
+        section = self._store_delta(manifest, files[0].parent, latest, to) if opts.delta and to and files else None
         extra = [files[0].parent / f.name for f in section.files] if section is not None else []
         total, done = manifest.total_bytes + (section.total_bytes if section is not None else 0), 0
 
@@ -450,8 +431,8 @@ class RegistryHTTP:
         reply = self._post_manifest(manifest.with_delta(section) if section is not None else manifest)
         if section is not None and reply.get("delta") is None:
             self._drop_delta_objects(manifest, section, store)
-        if prune_to is not None:
-            self._prune_after(prune_to, store, manifest.version)
+        if opts.prune and to is not None:
+            self._prune_after(to, store, manifest.version)
         return manifest
 
     def _store_delta(self, manifest: Manifest, work: Path, latest: dict, to: str) -> Delta | None:
@@ -486,8 +467,11 @@ class RegistryHTTP:
 
     def _refuses_delta(self, manifest: Manifest) -> str | None:
         """Why the registry would publish ``manifest`` (an object-store version with a delta
-        section) full, when that is known before uploading: over HTTP, only a delta no smaller than
-        its version (the registry applies its rules to the section it is sent)."""
+        section) full, when that is known before uploading: the registry's own rules where it runs
+        in this process (``why_full``); over HTTP, only a delta no smaller than its version (the
+        registry applies its rules to the section it is sent)."""
+        if self._why_full is not None:
+            return self._why_full(manifest)
         if manifest.delta.total_bytes >= manifest.total_bytes:
             return "its delta is no smaller than it"
         return None
@@ -529,8 +513,33 @@ def delta_query(delta: bool) -> dict[str, str]:
     return {} if delta else {"delta": "false"}
 
 
-class EmbeddedRegistry(RegistryHTTP):
-    """A registry served from a thread of the trainer's process.
+def _manifest(version: int, files: list[FileEntry], opts: PublishOptions, source: str | None = None) -> Manifest:
+    """The sealed manifest of ``files`` published with ``opts``."""
+    return Manifest(version=version, hash=opts.hash_name, chunk_bytes=opts.chunk_bytes, files=files,
+                    metadata=opts.metadata or {}, canary=opts.canary, partial=opts.partial or None,
+                    source=source).sealed()
+
+
+def _built_manifest(version: int, paths: list[Path], opts: PublishOptions, source: str | None = None) -> Manifest:
+    """The sealed manifest of the files at ``paths`` (hashed here) published with ``opts``."""
+    return build_manifest(version, paths, chunk_bytes=opts.chunk_bytes, hash_name=opts.hash_name,
+                          metadata=opts.metadata, canary=opts.canary, partial=opts.partial, source=source)
+
+
+def _over_http(name: str) -> Callable[..., Any]:
+    """The embedded registry's query ``name``: :class:`RegistryHTTP`'s, on its own service."""
+    def query(self: EmbeddedRegistry, *args: Any, **kwargs: Any) -> Any:
+        return getattr(self.http, name)(*args, **kwargs)
+    query.__name__ = query.__qualname__ = name
+    query.__doc__ = getattr(RegistryHTTP, name).__doc__
+    return query
+
+
+class EmbeddedRegistry:
+    """A registry service served from a thread of the trainer's process. Publishing writes the
+    tensors into the service's store through its staged publish (:meth:`RegistryService.staging`,
+    :meth:`RegistryService.publish_staged`); the queries, and publishing to an object store
+    (``to``), go over HTTP to that same service, as any client's (:attr:`http`).
 
     >>> with EmbeddedRegistry(host="0.0.0.0", port=8700, token_file="/etc/rolloutd/registry.token") as reg:
     ...     reg.publish(1, model.state_dict())
@@ -552,7 +561,23 @@ class EmbeddedRegistry(RegistryHTTP):
                                     before_shutdown=[self.service.close],
                                     timeout_keep_alive=self.settings.keep_alive_s)
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        super().__init__(f"http://{shown}:{self._thread.port}", self.service.token)
+        self.http = RegistryHTTP(f"http://{shown}:{self._thread.port}", self.service.token,
+                                 why_full=self._why_full)
+
+    latest = _over_http("latest")
+    manifest = _over_http("manifest")
+    versions = _over_http("versions")
+    replicas = _over_http("replicas")
+    fleet = _over_http("fleet")
+    demand = _over_http("demand")
+    retire = _over_http("retire")
+    replica_counts = _over_http("replica_counts")
+    wait_for_replicas = _over_http("wait_for_replicas")
+    prune_store = _over_http("prune_store")
+
+    @property
+    def url(self) -> str:
+        return self.http.url
 
     @property
     def port(self) -> int:
@@ -570,61 +595,57 @@ class EmbeddedRegistry(RegistryHTTP):
         self.close()
         self._thread.stop()
 
+    def close(self) -> None:
+        """Close the HTTP client (the service stays up until :meth:`stop`)."""
+        self.http.close()
+
     def __enter__(self) -> EmbeddedRegistry:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def publish(self, version: int, state_dict: Mapping[str, Any], *,
-                shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                store: ObjectStoreSettings | None = None, prune: bool = True,
-                hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
+    def publish(self, version: int, state_dict: Mapping[str, Any], options: PublishOptions | None = None, *,
+                progress: Progress | None = None, **fields: Any) -> Manifest:
         """Write each tensor straight into the registry's store (one copy, in the caller's
-        thread, hashed as it lands), then commit on the registry's loop. With ``to``, the files
-        go to the object store (:meth:`RegistryHTTP.publish_dir`). ``delta``: as for
-        :meth:`RegistryHTTP.publish` (the registry encodes it on its own threads)."""
-        if to is not None:
-            return super().publish(version, state_dict, shard_bytes=shard_bytes, chunk_bytes=chunk_bytes,
-                                   metadata=metadata, progress=progress, canary=canary, partial=partial,
-                                   to=to, store=store, prune=prune, hash_name=hash_name, delta=delta)
-        shards = plan_shards(state_dict, shard_bytes)
+        thread, hashed as it lands), then publish it on the registry's loop (the registry encodes
+        a delta on its own threads). With ``to``, the files go to the object store
+        (:meth:`RegistryHTTP.publish`). ``options`` and ``fields``: :class:`PublishOptions`."""
+        opts = PublishOptions.of(options, fields)
+        if opts.to is not None:
+            return self.http.publish(version, state_dict, opts, progress=progress)
+        shards = plan_shards(state_dict, opts.shard_bytes)
         with self._turn.mine():
-            return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
-                                        progress=progress, canary=canary, partial=partial, hash_name=hash_name,
-                                        delta=delta)
+            return self._publish_shards(version, shards, opts, progress=progress)
 
-    def publish_async(self, version: int, state_dict: Mapping[str, Any], *, snapshot: bool = True,
-                      shard_bytes: int = DEFAULT_SHARD_BYTES, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                      metadata: dict[str, str] | None = None, canary: Canary | None = None,
-                      partial: bool = False, hash_name: str = DEFAULT_HASH, delta: bool = True) -> PublishHandle:
+    def publish_async(self, version: int, state_dict: Mapping[str, Any], options: PublishOptions | None = None, *,
+                      snapshot: bool = True, **fields: Any) -> PublishHandle:
         """Publish on a thread of its own; returns a :class:`PublishHandle` at once (``wait``,
         ``cancel``, ``progress``). ``snapshot`` (the default): the tensors are copied to host
         memory first, in the caller's thread (for tensors on an accelerator this is the
         device-to-host copy the publish needs anyway), so the training step may change them as
         soon as this returns. ``snapshot=False``: no copy; the caller must leave the tensors
-        unchanged until the handle is done. ``delta``: as for :meth:`publish`."""
+        unchanged until the handle is done. ``options`` and ``fields``: as for :meth:`publish`,
+        without ``to`` (an object store's publish runs in the caller's thread)."""
+        opts = PublishOptions.of(options, fields)
+        if opts.to is not None:
+            raise ValueError("publish_async publishes into the registry's store; publish to an object store "
+                             "(to=...) with publish")
         tensors = drop_aliases(checkpoint_tensors(state_dict))
         if snapshot:
             tensors = {name: _host_copy(t) for name, t in tensors.items()}
-        shards = plan_shards(tensors, shard_bytes)
+        shards = plan_shards(tensors, opts.shard_bytes)
         total = sum(nbytes(p.tensor) for shard in shards for p in shard.tensors)
 
         def run(handle: PublishHandle) -> Manifest:
-            return self._publish_shards(version, shards, chunk_bytes=chunk_bytes, metadata=metadata,
-                                        canary=canary, partial=partial, handle=handle, hash_name=hash_name,
-                                        delta=delta)
+            return self._publish_shards(version, shards, opts, handle=handle)
         self._pending = {h for h in self._pending if not h.done()}
         handle = PublishHandle(version, total, run, self._turn)
         self._pending.add(handle)
         return handle
 
-    def _publish_shards(self, version: int, shards: list[Shard], *, chunk_bytes: int,
-                        metadata: dict[str, str] | None, canary: Canary | None, partial: bool,
-                        progress: Progress | None = None, handle: PublishHandle | None = None,
-                        hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
+    def _publish_shards(self, version: int, shards: list[Shard], opts: PublishOptions, *,
+                        progress: Progress | None = None, handle: PublishHandle | None = None) -> Manifest:
         total = sum(nbytes(p.tensor) for shard in shards for p in shard.tensors)  # headers come on top
         done = 0
 
@@ -632,11 +653,11 @@ class EmbeddedRegistry(RegistryHTTP):
             if handle is not None:
                 handle.add(n)
         entries: list[FileEntry] = []
-        with self._staging(version):
+        with self.service.staging(version) as staging:
             for shard in shards:
-                staged = self.service.blobs.stage_view(version, shard.name, shard.size)
+                staged = staging.view(shard.name, shard.size)
                 try:
-                    chunks = write_shard(shard, staged.view, chunk_bytes, hash_name, on_bytes=on_bytes,
+                    chunks = write_shard(shard, staged.view, opts.chunk_bytes, opts.hash_name, on_bytes=on_bytes,
                                          cancelled=handle.cancelled if handle else None)
                     staged.finish()
                 except BaseException:
@@ -646,71 +667,41 @@ class EmbeddedRegistry(RegistryHTTP):
                 done += sum(nbytes(p.tensor) for p in shard.tensors)
                 if progress:
                     progress(min(total, done), total)
-            manifest = Manifest(version=version, hash=hash_name, chunk_bytes=chunk_bytes, files=entries,
-                                metadata=metadata or {}, canary=canary, partial=partial or None).sealed()
+            manifest = _manifest(version, entries, opts)
             if handle is not None:
                 handle.set_state(PublishState.COMMITTING)  # refused once a cancel came
-            self._commit(manifest, delta=delta)  # hashed from these very bytes
+            self._publish_staged(manifest, verify=False, delta=opts.delta)  # hashed from these very bytes
         return manifest
 
-    def publish_dir(self, version: int, path: Path, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                    metadata: dict[str, str] | None = None, progress: Progress | None = None,
-                    canary: Canary | None = None, partial: bool = False, to: str | None = None,
-                    store: ObjectStoreSettings | None = None, prune: bool = True,
-                    hash_name: str = DEFAULT_HASH, delta: bool = True) -> Manifest:
-        if to is not None:
-            return super().publish_dir(version, path, chunk_bytes=chunk_bytes, metadata=metadata,
-                                       progress=progress, canary=canary, partial=partial, to=to, store=store,
-                                       prune=prune, hash_name=hash_name, delta=delta)
+    def publish_dir(self, version: int, path: Path, options: PublishOptions | None = None, *,
+                    progress: Progress | None = None, **fields: Any) -> Manifest:
+        """Copy the ``*.safetensors`` files of ``path`` into the registry's store and publish them,
+        each copy checked against the manifest hashed from the originals. With ``to``:
+        :meth:`RegistryHTTP.publish_dir`. ``options`` and ``fields``: :class:`PublishOptions`."""
+        opts = PublishOptions.of(options, fields)
+        if opts.to is not None:
+            return self.http.publish_dir(version, path, opts, progress=progress)
         files = safetensors_files(path)
-        with self._turn.mine(), self._staging(version):
-            manifest = build_manifest(version, files, chunk_bytes=chunk_bytes, metadata=metadata, canary=canary,
-                                      partial=partial, hash_name=hash_name)
+        with self._turn.mine(), self.service.staging(version) as staging:
+            manifest = _built_manifest(version, files, opts)
             done = 0
             for p in files:
-                self.service.blobs.stage_file(version, p)
+                staging.copy(p)
                 done += p.stat().st_size
                 if progress:
                     progress(done, manifest.total_bytes)
-            self._commit(manifest, verify=True, delta=delta)  # the copies are checked, not trusted
+            self._publish_staged(manifest, verify=True, delta=opts.delta)  # the copies are checked, not trusted
         return manifest
 
-    @contextlib.contextmanager
-    def _staging(self, version: int) -> Iterator[None]:
-        """Stage a version's bytes; on any failure nothing of it is left behind."""
-        self._check_new(version)
-        try:
-            yield
-        except BaseException:
-            self.service.blobs.discard_staging(version)
-            raise
+    def _publish_staged(self, manifest: Manifest, *, verify: bool, delta: bool) -> None:
+        """The service's staged publish, on its loop."""
+        self._thread.call(self.service.publish_staged(manifest, verify=verify, delta=delta))
 
-    def _check_new(self, version: int) -> None:
-        """Fail before any work for a number that can never be published (an existing
-        number may still be an identical, no-op re-publish: that is decided on commit)."""
-        if isinstance(version, bool) or not isinstance(version, int) or not 1 <= version <= MAX_VERSION:
-            raise errors.InvalidRequest(f"version must be an integer from 1 to {MAX_VERSION}, got {version!r:.100}")
-        try:
-            self.service.store.check_new_number(version)
-        except errors.VersionConflict:
-            pass
-
-    def _refuses_delta(self, manifest: Manifest) -> str | None:
-        """The registry's own rules, asked before the delta files are uploaded."""
+    def _why_full(self, manifest: Manifest) -> str | None:
+        """The registry's own delta rules, asked on its loop before the delta files are uploaded."""
         async def ask() -> str | None:
             return self.service.why_full_sent(manifest, True)
         return self._thread.call(ask())
-
-    def _commit(self, manifest: Manifest, verify: bool = False, delta: bool = True) -> None:
-        service = self.service
-
-        async def publish_staged() -> None:
-            if service.store.check_publishable(manifest):
-                service.blobs.discard_staging(manifest.version)  # the same bytes are published already
-                return
-            await service.publish(manifest, verify=verify, delta=delta)
-
-        self._thread.call(publish_staged())
 
 
 def _host_copy(t: Any) -> Any:
