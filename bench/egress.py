@@ -24,7 +24,10 @@ Runs, one after the other, each on a fresh registry and fresh mirrors:
    every packet counted) and for version 1 per version byte (``egress_ratio``); publish (the
    version visible) to every node serving it, version 2's over version 1's
    (``delta_vs_full_time``), and the same to every mirror holding it; each node's pull kind
-   (every one must be ``delta``), bytes fetched and rebuild time.
+   (every one must be ``delta``), bytes fetched and rebuild time; and the bytes the machine
+   wrote to the disk that holds the mirrors meanwhile (``disk_write_bytes``, from
+   ``/proc/diskstats``, all processes), with its rate: every node writes the whole version
+   into its mirror, a delta version too, so N nodes on one disk write N versions at once.
 
 Every mirror is compared with the published files (sha256 of every file). The last line of
 stdout is one JSON object: ``nodes``, ``egress_ratio``, ``all_nodes_time_ratio`` and the rest.
@@ -263,12 +266,13 @@ def run_delta(fleet: Fleet, full: Path, delta: Path, sums: tuple[dict, dict], si
     wait_serving(daemons)
     out: dict = {"nodes": nodes}
     for version, data in ((1, full), (2, delta)):
-        trainer0, served0 = fleet.tx_bytes("trainer"), fleet.served_bytes()
+        trainer0, served0, disk0 = fleet.tx_bytes("trainer"), fleet.served_bytes(), disk_written(fleet.dir)
         began = time.monotonic()
         visible = fleet.publish(version, data, chunk_bytes=chunk)
         mirrors = fleet.wait_mirrors(daemons, version, timeout_s)
         serving = wait_all_serving(daemons, version, timeout_s)
         tx, served = fleet.tx_bytes("trainer") - trainer0, fleet.served_bytes() - served0
+        disk = disk_written(fleet.dir) - disk0
         manifest = httpx.get(f"{fleet.registry_url}/v1/versions/{version}", headers=fleet.auth, timeout=30).json()
         statuses = [d.status() for d in daemons]
         pulls = [st["pull"] for st in statuses]
@@ -281,7 +285,8 @@ def run_delta(fleet: Fleet, full: Path, delta: Path, sums: tuple[dict, dict], si
                "reconstruct_s": sorted(p["reconstruct_s"] for p in pulls if p["reconstruct_s"] is not None),
                "pull_s_max": max(p["seconds"] for p in pulls),
                "bytes_from_peers": sum(st["pull_sources"]["last_pull"].get("peers", 0) for st in statuses),
-               "not_identical": identical(fleet, daemons, version, sums[version - 1])}
+               "not_identical": identical(fleet, daemons, version, sums[version - 1]),
+               "disk_write_bytes": disk, "disk_write_mb_s": round(disk / 1e6 / max(serving - began, 1e-9), 1)}
         if version == 2:
             if manifest.get("delta") is None:
                 raise RuntimeError("version 2 was published full: the registry made no delta of it")
@@ -298,6 +303,17 @@ def run_delta(fleet: Fleet, full: Path, delta: Path, sums: tuple[dict, dict], si
                delta_vs_full_time=round(v2["to_all_serving_s"] / v1["to_all_serving_s"], 4),
                delta_vs_full_mirror_time=round(v2["to_all_mirrors_s"] / v1["to_all_mirrors_s"], 4))
     return out
+
+
+def disk_written(path: Path) -> int:
+    """Bytes written so far to the block device that holds ``path`` (every process's writes;
+    0 where /proc/diskstats does not list it, e.g. on tmpfs)."""
+    dev = os.stat(path).st_dev
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if (int(f[0]), int(f[1])) == (os.major(dev), os.minor(dev)):
+            return int(f[9]) * 512  # sectors written; the kernel counts them in 512 bytes
+    return 0
 
 
 def load() -> str:
