@@ -21,7 +21,7 @@ from rolloutd.wire.messages import Heartbeat, PullReport
 from .browser import chromium, full_screenshot, wait_for
 
 TOKEN = "fleet-page-token"
-STATIC = Path(__file__).parent.parent / "rolloutd" / "registry" / "server" / "static"
+STATIC = Path(__file__).parent.parent / "rolloutd" / "registry" / "static"
 RESULTS = Path(__file__).parent.parent / "bench" / "results"
 
 
