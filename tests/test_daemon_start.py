@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.config import Config
+from rolloutd.config import Config, ConfigError
+from rolloutd.gateway.relay import GatewayError
 from rolloutd.node.daemon import Daemon
+from rolloutd.rollout.peerserve import PeerServerError
 
 from .daemon_harness import config
 
@@ -52,21 +54,21 @@ def peer_port_taken(raw: dict, tmp: Path, taken: socket.socket) -> None:
     raw["peers"] = {"enabled": True, "host": "127.0.0.1", "port": taken.getsockname()[1]}
 
 
-@pytest.mark.parametrize(("fail", "made"), [
-    (state_dir_is_a_file, 0),
-    (admin_port_taken, 2),
-    (peer_token_gone, 4),
-    (second_public_port_taken, 6),
-    (peer_port_taken, 7),
+@pytest.mark.parametrize(("fail", "made", "error"), [
+    (state_dir_is_a_file, 0, OSError),
+    (admin_port_taken, 2, OSError),
+    (peer_token_gone, 4, ConfigError),
+    (second_public_port_taken, 6, GatewayError),
+    (peer_port_taken, 7, PeerServerError),
 ])
-async def test_a_start_that_fails_releases_what_it_made_before_in_reverse(tmp_path, caplog, fail, made):
+async def test_a_start_that_fails_releases_what_it_made_before_in_reverse(tmp_path, caplog, fail, made, error):
     raw = config(tmp_path, "http://127.0.0.1:9", [{"name": "s0", "model": "fake-model"},
                                                   {"name": "s1", "model": "fake-model"}], fake=True)
     with listening() as taken:
         fail(raw, tmp_path, taken)
         daemon = Daemon(Config.model_validate(raw))
         caplog.set_level(logging.DEBUG, logger="rolloutd")
-        with pytest.raises(Exception) as failed:
+        with pytest.raises(error) as failed:
             await daemon.run()
     released = [r.getMessage().removeprefix("release ") for r in caplog.records
                 if r.name == "rolloutd" and r.getMessage().startswith("release ")]
