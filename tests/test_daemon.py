@@ -323,16 +323,17 @@ def test_killed_servers_come_back_through_backoff_on_the_newest_version(node):
     assert died == {"ERROR", "WARNING"}, died
 
 
-def test_registry_away_for_30_s_then_back_as_a_new_instance(node):
+def test_registry_away_for_12_s_then_back_as_a_new_instance(node):
+    """Away for more than two long polls (5 s) and several retries at their cap (2 s)."""
     old_instance = node.daemon.status()["registry"]["instance"]
     node.registry.stop()
     time.sleep(3)
     st = node.daemon.status()
     assert st["registry"]["reachable"] is False
-    t_end = time.monotonic() + 27
+    t_end = time.monotonic() + 9
     while time.monotonic() < t_end:  # the servers keep generating
         assert node.outputs("gpu0") == node.reference(8)
-        time.sleep(5)
+        time.sleep(3)
     assert node.daemon.proc.poll() is None
     assert all(s["state"] == "SERVING" and s["version"] == 8 for s in node.daemon.status()["servers"])
     # back on the same port, as a new instance with different numbers and weights
