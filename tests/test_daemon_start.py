@@ -23,8 +23,8 @@ from .daemon_harness import config
 pytestmark = pytest.mark.timeout(60)
 
 # What a start makes, in order, and releases on the way out (each a "release ..." line at DEBUG).
-MADE = ["the record of shared memory", "the mirror", "the admin API", "the registry client", "the updater",
-        "the gateway of s0", "the gateway of s1", "the peer listener"]
+MADE = ["the socket to systemd", "the record of shared memory", "the mirror", "the admin API", "the registry client",
+        "the updater", "the gateway of s0", "the gateway of s1", "the peer listener"]
 
 
 def listening() -> socket.socket:
@@ -55,11 +55,11 @@ def peer_port_taken(raw: dict, tmp: Path, taken: socket.socket) -> None:
 
 
 @pytest.mark.parametrize(("fail", "made", "error"), [
-    (state_dir_is_a_file, 0, OSError),
-    (admin_port_taken, 2, OSError),
-    (peer_token_gone, 4, ConfigError),
-    (second_public_port_taken, 6, GatewayError),
-    (peer_port_taken, 7, PeerServerError),
+    (state_dir_is_a_file, 1, OSError),
+    (admin_port_taken, 3, OSError),
+    (peer_token_gone, 5, ConfigError),
+    (second_public_port_taken, 7, GatewayError),
+    (peer_port_taken, 8, PeerServerError),
 ])
 async def test_a_start_that_fails_releases_what_it_made_before_in_reverse(tmp_path, caplog, fail, made, error):
     raw = config(tmp_path, "http://127.0.0.1:9", [{"name": "s0", "model": "fake-model"},
@@ -75,7 +75,7 @@ async def test_a_start_that_fails_releases_what_it_made_before_in_reverse(tmp_pa
     assert released == MADE[:made][::-1], failed.value
     # What it made is gone, not only said to be: every port it bound is free again...
     ports = [raw["admin"]["port"]] + [s["public_port"] for s in raw["servers"]]
-    for port in ports if made > 2 else []:
+    for port in ports if made > 3 else []:
         with socket.socket() as again:
             again.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             again.bind(("127.0.0.1", port))  # OSError: the start left it bound

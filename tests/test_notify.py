@@ -66,6 +66,19 @@ def test_each_message_arrives_exactly(listener_and_address):
     listener.assert_empty()
 
 
+def test_close_closes_the_socket_and_a_later_message_opens_another(listener_and_address):
+    listener, address = listener_and_address
+    n = Notifier({"NOTIFY_SOCKET": address})
+    before = set(os.listdir("/proc/self/fd"))
+    n.ready()
+    assert listener.recv() == b"READY=1" and set(os.listdir("/proc/self/fd")) - before, "a socket is open"
+    n.close()
+    assert set(os.listdir("/proc/self/fd")) - before == set(), "the socket to systemd is closed"
+    n.stopping()
+    assert listener.recv() == b"STOPPING=1"
+    n.close()
+
+
 def test_status_is_sent_only_when_it_changed(listener_and_address):
     listener, address = listener_and_address
     n = Notifier({"NOTIFY_SOCKET": address})

@@ -161,6 +161,7 @@ class Daemon:
         """Make what the daemon runs on, in order, each release on ``stack`` as it is made; the
         public ports (gateways, peers) are bound here, before anything is spawned."""
         cfg = self.cfg
+        _release(stack, "the socket to systemd", self.notifier.close)  # opened at the first message
         registry_token, admin_token = read_token(cfg.registry.token_file), action_token(cfg)
         self.gateway_token = read_token(cfg.gateway.token_file)
         self.containment = contain(cfg.state_dir)

@@ -86,6 +86,13 @@ class Notifier:
         """Seconds between ``watchdog()`` calls (half the deadline), or None when no watchdog is asked."""
         return self._watchdog_s
 
+    def close(self) -> None:
+        """Close the socket to systemd if one is open (the daemon's run ends); a later message
+        opens another."""
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
     def _send(self, message: str) -> None:
         if not self.enabled:
             return
