@@ -173,9 +173,10 @@ class Applier:
         finally:
             figure = record.gate.max_abs_dlogprob if record.gate else None
             gauge.set(math.nan if figure is None else figure)
-        log.info("gate %s: version %d passed (%s)", self.name, target.version,
+        log.info("gate %s: version %d passed (%s%s)", self.name, target.version,
                  f"canary, max |dlogprob| {record.gate.max_abs_dlogprob:.3g} <= {record.gate.tolerance:g}"
-                 if record.gate.canary else "probe only: the version has no canary")
+                 if record.gate.canary else "probe only: the version has no canary",
+                 f"; each of {self.engines} data-parallel engines" if self.engines > 1 else "")
 
     async def _load(self, target: Target, record: UpdateRecord) -> Target:
         """start → update → finish, re-applied after a failure; never returns half-loaded."""
