@@ -147,9 +147,11 @@ class Cases:
         return int(n * self.share)
 
 
-@pytest.fixture(params=[pytest.param(0.1, id="quick"), pytest.param(1.0, id="thorough", marks=pytest.mark.slow)])
+@pytest.fixture(params=[pytest.param(0.1, id="quick"),
+                        pytest.param(1.0, id="thorough", marks=[pytest.mark.slow, pytest.mark.parallel])])
 def cases(request) -> Cases:
-    """Every fuzzer runs twice: ``[quick]`` in the fast tier, ``[thorough]`` (its full count) in the slow one."""
+    """Every fuzzer runs twice: ``[quick]`` in the fast tier, ``[thorough]`` (its full count) in the slow one,
+    beside other such tests."""
     return Cases(request.param)
 
 

@@ -478,6 +478,7 @@ def schemathesis() -> str:
 
 
 @pytest.mark.slow  # a schemathesis process: seconds to start, then a few hundred requests
+@pytest.mark.parallel
 def test_admin_api_survives_fuzzing(url, tmp_path):
     (tmp_path / "schemathesis.toml").write_text(FUZZ_CONFIG)
     out = subprocess.run(

@@ -270,6 +270,7 @@ expected-statuses = ["2xx", "404"]
 
 
 @pytest.mark.slow
+@pytest.mark.parallel
 def test_admin_api_of_a_real_daemon_survives_fuzzing(tmp_path):
     """schemathesis on the admin API of ``rolloutd run`` (its servers are the fake vLLM, its registry
     real and token-protected): no 5xx, no traceback in the daemon's log, the daemon still serving, and

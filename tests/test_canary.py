@@ -168,6 +168,7 @@ def by_hand(model, ids: list[int]) -> float:
 
 
 @pytest.mark.slow  # torch and transformers: seconds of imports, then a model
+@pytest.mark.parallel
 def test_make_canary_matches_a_computation_by_hand(hf_model):
     import torch
     prompt = [1, 17, 42, 99, 250, 7]

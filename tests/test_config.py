@@ -434,7 +434,8 @@ def check_config(path: Path) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize("where", [pytest.param("process", marks=pytest.mark.slow), "in-process"])
+@pytest.mark.parametrize("where", [pytest.param("process", marks=[pytest.mark.slow, pytest.mark.parallel]),
+                                   "in-process"])
 def test_check_config_valid(tmp_path, capsys, where):
     token = tmp_path / "registry.token"
     token.write_text("top-secret-token\n")

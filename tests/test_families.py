@@ -19,8 +19,8 @@ SEEDS = (0, 1, 2)
 
 
 def builds_models(test):
-    """A test that builds torch models: slow, on one torch thread."""
-    return pytest.mark.slow(pytest.mark.usefixtures("one_torch_thread")(test))
+    """A test that builds torch models: slow, on one torch thread, beside other such tests."""
+    return pytest.mark.slow(pytest.mark.parallel(pytest.mark.usefixtures("one_torch_thread")(test)))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from rolloutd.gateway.policy import ROUTES
 from .conftest import free_port
 from .gateway_harness import GatewayThread, socket_path
 
-pytestmark = pytest.mark.slow  # thousands of requests: not the fast tier
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # thousands of requests: not the fast tier
 
 TOKEN = "fuzz-gw-token"
 LIMIT = 4096

@@ -22,7 +22,7 @@ from rolloutd.rollout.swarm import Swarm, SwarmSettings
 from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import verify_file
 
-pytestmark = pytest.mark.slow  # a real SeaweedFS per module: about 2 s to start and 2 s to stop
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # a real SeaweedFS per module: about 2 s to start and 2 s to stop
 
 CHUNK = 256 << 10
 

@@ -17,7 +17,7 @@ import pytest
 from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.trainer import EmbeddedRegistry
 
-pytestmark = pytest.mark.slow  # thousands of requests: not the fast tier
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # thousands of requests: not the fast tier
 
 SEED = 20261129
 CONFIG = Path(__file__).with_name("schemathesis.toml")

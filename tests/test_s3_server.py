@@ -10,7 +10,7 @@ import pytest
 
 from .vllm_server import group_pids
 
-pytestmark = pytest.mark.slow  # a real SeaweedFS: about 2 s to start, 2 s to stop
+pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # a real SeaweedFS: about 2 s to start, 2 s to stop
 
 
 def test_s3_answers_signed_requests_with_ranges(s3):

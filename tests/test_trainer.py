@@ -66,6 +66,7 @@ def read_version(url: str, manifest, headers=None) -> dict:
 
 
 @pytest.mark.slow  # torch: seconds to import (the fast tier never loads it)
+@pytest.mark.parallel
 def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path):
     import torch
     sd = torch_state_dict(1)
@@ -87,6 +88,7 @@ def test_publish_torch_state_dict_round_trips_in_layer_order(registry, tmp_path)
 
 
 @pytest.mark.slow  # torch, as above
+@pytest.mark.parallel
 @pytest.mark.parametrize("publisher", ["embedded", "http"])
 def test_publish_a_state_dict_with_tied_fused_and_strided_tensors(registry, publisher):
     """What ``model.state_dict()`` of a real model holds: one tensor under two names (tied
@@ -217,6 +219,7 @@ def test_cli_publish_errors_are_one_line_in_process(tmp_path, registry, capsys):
 
 
 @pytest.mark.slow  # real processes: a standalone registry and the command, each a new Python
+@pytest.mark.parallel
 def test_cli_publish_to_a_standalone_registry_with_a_token(standalone, tmp_path):
     import torch
     (tmp_path / "token").write_text("tok-Never-Logged\n")
@@ -245,6 +248,7 @@ def test_cli_publish_to_a_standalone_registry_with_a_token(standalone, tmp_path)
 
 
 @pytest.mark.slow  # real processes
+@pytest.mark.parallel
 def test_no_descriptor_is_closed_twice_in_a_standalone_registry_life(standalone, tmp_path):
     """The registry's process under strace (every thread): versions uploaded over HTTP, read back
     whole and in ranges from its disk store (sendfile), then SIGTERM; no ``close`` of it may fail
@@ -271,6 +275,7 @@ def test_no_descriptor_is_closed_twice_in_a_standalone_registry_life(standalone,
 
 
 @pytest.mark.slow  # real processes, as above
+@pytest.mark.parallel
 def test_cli_publish_errors_are_one_line(tmp_path, standalone):
     url, _ = standalone()
     empty = tmp_path / "empty"
@@ -490,6 +495,7 @@ def test_publish_async_runs_in_order_and_a_cancelled_one_leaves_nothing(tmp_path
 
 
 @pytest.mark.slow  # torch, as above
+@pytest.mark.parallel
 def test_http_publish_streams_from_the_tensors_and_a_retry_is_a_no_op(registry, monkeypatch):
     """``RegistryHTTP.publish`` sends each shard from the tensors' own memory (no file in
     between: making one fails here), in pieces, with progress; the same tensors again are a
@@ -524,6 +530,7 @@ def test_http_publish_streams_from_the_tensors_and_a_retry_is_a_no_op(registry, 
 
 
 @pytest.mark.slow  # a registry process of its own
+@pytest.mark.parallel
 def test_a_standalone_registry_holds_more_connections_than_its_soft_open_files_limit(tmp_path):
     """Started with a soft limit of 256 open files (the hard one higher, as systemd and most
     shells leave it), ``rolloutd registry`` still answers 400 nodes on connections all open at
