@@ -23,7 +23,7 @@ from .daemon_harness import config
 from .test_process import alive_in_group
 from .waiting import until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.parallel, pytest.mark.timeout(120)]  # fake vLLM: beside other such tests
 S = ServerState
 
 

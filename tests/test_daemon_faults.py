@@ -26,7 +26,7 @@ from .cgroup_harness import cgroup_of, delegated_cgroup, inside, label
 from .daemon_harness import DaemonProcess, alive, config, failed_closes, tagged_pids, wait_until
 from .registry_proxy import RegistryProxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.parallel, pytest.mark.timeout(120)]  # fake vLLM: beside other such tests
 
 
 @pytest.fixture(scope="module")

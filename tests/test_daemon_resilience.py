@@ -28,7 +28,7 @@ from .conftest import free_port
 from .daemon_harness import DaemonProcess, alive
 from .registry_proxy import RegistryProxy
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.parallel, pytest.mark.timeout(120)]  # fake vLLM: beside other such tests
 
 
 @pytest.fixture(scope="module")

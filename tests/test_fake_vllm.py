@@ -21,7 +21,7 @@ from rolloutd.wire.manifest import build_manifest
 from .daemon_harness import uds_client
 
 # Real processes (each fake is a new Python): the slow tier, beside the tests that use the fake.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.slow, pytest.mark.parallel, pytest.mark.timeout(60)]  # fake vLLM: beside other such tests
 
 FAKE = Path(__file__).with_name("fake_vllm.py")
 

@@ -25,7 +25,7 @@ from rolloutd.trainer import EmbeddedRegistry
 
 from .daemon_harness import DaemonProcess, alive, wait_until
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.slow, pytest.mark.parallel, pytest.mark.timeout(120)]  # fake vLLM: beside other such tests
 
 
 class Versions:
