@@ -114,6 +114,7 @@ def test_another_user_reaches_no_vllm_route_while_the_gateway_serves(tmp_path):
     assert paused == {"is_paused": False}
 
 
+@pytest.mark.parallel  # the fake vLLM as child
 def test_a_child_holds_no_listening_socket_of_the_daemon(daemons):
     """The daemon's own listeners (admin API, gateways) stay the daemon's: a child that inherited
     one would hold it open (and accept on it) for as long as it lives. The fake vLLM as child."""
