@@ -1,0 +1,363 @@
+"""TRL's trainers generating on the fleet (rolloutd.trainer.integrations.trl).
+
+The fast tests check how TRL's generation settings map onto a request, the per-request seeds,
+the logprobs' shape and order, and the staleness check. The slow ones train a tiny tied Qwen2
+policy with the real ``GRPOTrainer`` and ``RLOOTrainer`` from the package index, generating only
+through one daemon's two real CPU ``vllm serve`` (shared by both tests): each step publishes a
+version, and the servers serve exactly that version's weights (greedy tokens equal to
+transformers' on the trainer's weights of that step).
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from rolloutd.fleet import Generation, Sampling, Span
+from rolloutd.trainer.integrations.batches import (
+    Batch,
+    StaleSample,
+    UnsupportedSetting,
+    check_batch,
+    logprob_rows,
+    request_seed,
+    sampling_of,
+)
+
+# -- the settings -----------------------------------------------------------------------------------
+
+
+def test_trl_settings_map_onto_one_sampling():
+    s, seed = sampling_of(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, repetition_penalty=1.1,
+                          max_completion_length=33, logprobs=0,
+                          generation_kwargs={"seed": 5, "presence_penalty": 0.5, "stop_token_ids": [2, 9]})
+    assert (s.temperature, s.top_p, s.top_k, s.min_p, s.max_tokens) == (0.7, 0.9, 20, 0.05, 33)
+    assert s.extra == {"repetition_penalty": 1.1, "presence_penalty": 0.5}
+    assert s.stop_token_ids == (2, 9) and s.logprobs and s.top_logprobs == 0
+    assert seed == 5
+    params = s.params(33)
+    assert params["repetition_penalty"] == 1.1 and params["logprobs"] == 0  # the sampled token's logprob only
+
+
+def test_trl_defaults_and_none_map_to_off():
+    s, seed = sampling_of(top_k=None, min_p=None)  # GRPOConfig's min_p default is None
+    assert (s.top_k, s.min_p, s.extra, seed) == (0, 0.0, {}, None)
+
+
+def test_generation_kwargs_override_the_trainer_settings_as_in_trl():
+    s, _ = sampling_of(temperature=1.0, max_completion_length=8, repetition_penalty=1.2,
+                       generation_kwargs={"temperature": 0.5, "max_tokens": 4, "repetition_penalty": 1.0})
+    assert (s.temperature, s.max_tokens, s.extra) == (0.5, 4, {})
+
+
+@pytest.mark.parametrize(("settings", "words"), [
+    ({"generation_kwargs": {"n": 4}}, "n"),
+    ({"generation_kwargs": {"stop": ["</s>"]}}, "stop_token_ids"),
+    ({"generation_kwargs": {"structured_outputs": {"regex": "a+"}}}, "structured outputs"),
+    ({"generation_kwargs": {"best_of": 2}}, "supported:"),
+    ({"structured_outputs_regex": "a+"}, "structured"),
+    ({"logprobs": 25}, "at most 19"),
+    ({"top_p": 0.0}, "top_p"),
+    ({"temperature": -1.0}, "temperature"),
+])
+def test_a_setting_the_fleet_cannot_honour_is_an_error(settings, words):
+    with pytest.raises(UnsupportedSetting, match=words):
+        sampling_of(**settings)
+
+
+def test_request_seeds_differ_per_sample_call_and_process():
+    seeds = {request_seed(0, p, c, i) for p in range(2) for c in range(3) for i in range(64)}
+    assert len(seeds) == 2 * 3 * 64 and all(0 <= s < 2**31 for s in seeds)
+    assert request_seed(7, 0, 1, 2) == request_seed(7, 0, 1, 2)
+
+
+# -- one batch's checks ----------------------------------------------------------------------------------
+
+def gen(tokens: list[int], spans: list[Span], top=None) -> Generation:
+    return Generation([1], tokens, [-0.1 * (i + 1) for i in range(len(tokens))], top, "length", spans, ["n.cpu0"])
+
+
+def test_samples_within_the_bound_are_taken_and_their_staleness_logged():
+    batch, metrics = check_batch([gen([3, 4], [Span(4, 0, 1), Span(5, 1, 2)]), gen([3], [Span(5, 0, 1)])], 5, 1)
+    assert metrics == {"rolloutd/version": 5.0, "rolloutd/oldest_version": 4.0, "rolloutd/staleness": 1.0,
+                       "rolloutd/replicas": 1.0}
+    assert batch == Batch(5, 4, [[4, 5], [5]], [["n.cpu0"], ["n.cpu0"]], [[3, 4], [3]])
+
+
+@pytest.mark.parametrize("spans", [[Span(3, 0, 2)], [Span(5, 0, 1), Span(3, 1, 2)], [Span(None, 0, 2)]])
+def test_a_sample_older_than_the_bound_is_refused(spans):
+    with pytest.raises(StaleSample, match="below 4"):
+        check_batch([gen([3, 4], [Span(5, 0, 2)]), gen([3, 4], spans)], 5, 1)
+
+
+def test_logprobs_put_the_sampled_token_first_then_the_top_k_others():
+    lps, ids = logprob_rows(gen([7, 8], [Span(1, 0, 2)], top=[[(9, -0.05), (7, -0.1)], [(8, -0.2), (11, -1.0)]]))
+    assert ids == [[7, 9], [8, 11]] and lps == [[-0.1, -0.05], [-0.2, -1.0]]
+    lps, ids = logprob_rows(gen([7, 8], [Span(1, 0, 2)]))
+    assert ids == [[7], [8]] and lps == [[-0.1], [-0.2]]  # TRL's shape with logprobs=0: one per position
+
+
+# -- real TRL trainers ------------------------------------------------------------------------------------
+
+def policy(directory: Path) -> Path:
+    """demo rl's tiny tied Qwen2 policy and its word-level tokenizer, with a pad token for TRL."""
+    import json
+
+    from rolloutd.demo import rl
+    rl.build_policy(directory, seed=0)
+    cfg = json.loads((directory / "tokenizer_config.json").read_text())
+    (directory / "tokenizer_config.json").write_text(json.dumps({**cfg, "pad_token": "<unk>"}))
+    return directory
+
+
+def prompts_dataset(n: int, seed: int = 0):
+    """Prompts of demo rl's task as text, with the token the answer should repeat."""
+    from datasets import Dataset
+
+    from rolloutd.demo import rl
+    rng = random.Random(seed)
+    rows = [rl.make_prompt(rng) for _ in range(n)]
+    names = {d: f"d{i}" for i, d in enumerate(rl.DIGITS)}
+    return Dataset.from_list([{"prompt": "<s> " + " ".join(names[t] for t in p[1:-1]) + " =", "first": p[1]}
+                              for p in rows])
+
+
+def task_reward(prompts, completions, completion_ids, first, **_):
+    """Dense, so that every group has spread and every step changes the weights: the share of low
+    token ids (``first`` is there only for the demo's task)."""
+    return [sum(t < 32 for t in ids) / max(len(ids), 1) for ids in completion_ids]
+
+
+def trl_args(kind: str, out: Path, steps: int, **kw):
+    import trl
+    config = {"grpo": trl.GRPOConfig, "rloo": trl.RLOOConfig}[kind]
+    return config(output_dir=str(out), use_cpu=True, bf16=False, per_device_train_batch_size=8, num_generations=4,
+                  max_completion_length=4, max_steps=steps, learning_rate=3e-3, logging_steps=1, report_to=[],
+                  save_strategy="no", seed=0, temperature=1.0, disable_tqdm=True, dataloader_num_workers=0, **kw)
+
+
+@pytest.mark.slow  # imports TRL (10 s or more) and builds a real trainer
+def test_a_setting_the_fleet_cannot_honour_fails_the_trainer_build(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rolloutd.trainer.integrations.trl import FleetConfig, GRPOTrainer
+    with pytest.raises(ValueError, match="max_staleness"):
+        FleetConfig(max_staleness=-1)
+    model_dir = policy(tmp_path / "policy")
+    args = trl_args("grpo", tmp_path / "out", 1, generation_kwargs={"n": 4})
+    with pytest.raises(UnsupportedSetting, match=r"generation_kwargs\['n'\]"):
+        GRPOTrainer(AutoModelForCausalLM.from_pretrained(model_dir), task_reward, args=args,
+                    processing_class=AutoTokenizer.from_pretrained(model_dir), train_dataset=prompts_dataset(8),
+                    fleet=FleetConfig(registry_url="http://127.0.0.1:9"))
+
+
+class Fleet:
+    """One daemon (``rolloutd run``) with two real ``vllm serve`` on the tiny policy, and the
+    registry it follows, embedded here; shared by the trainer tests of this module."""
+
+    def __init__(self, work: Path):
+        from rolloutd.demo import rl
+        from rolloutd.demo.serve import default_vllm
+        from rolloutd.trainer import EmbeddedRegistry
+        from tests.support.vllm_server import require_vllm
+        require_vllm()
+        self.model_dir = policy(work / "policy")
+        self.reg = EmbeddedRegistry(port=0).start()
+        self.node = None
+        try:
+            from transformers import AutoModelForCausalLM
+            self.reg.publish(1, AutoModelForCausalLM.from_pretrained(self.model_dir).state_dict())
+            self.node = rl.Node(work, rl.node_config(work, self.reg.url, default_vllm(), self.model_dir)).start()
+            self.wait_serving(1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_serving(self, version: int, timeout_s: float = 900) -> None:
+        from rolloutd.fleet import FleetSync
+        with FleetSync(self.reg.url, refresh_s=0.25) as fleet:
+            fleet.wait_for(version, 2, timeout_s)
+
+    def stop(self) -> None:
+        try:
+            if self.node is not None:
+                self.node.stop()
+        finally:
+            self.reg.stop()
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    fleet = Fleet(tmp_path_factory.mktemp("trl"))
+    yield fleet
+    fleet.stop()
+
+
+class ServedExactly:
+    """A callback that checks, at each step, that the fleet serves the version the step published
+    with the trainer's weights of that step: the transformers greedy continuation of a probe,
+    taken when the step begins (the weights the step publishes), equals the fleet's, asked of
+    that version once the step ended."""
+
+    PROBE = [1, 3, 5, 4, 6, 7]
+
+    def __init__(self, generation):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, model=None, **kw):
+                outer.reference = outer.greedy_of(model)
+
+            def on_step_end(self, args, state, control, **kw):
+                outer.check()
+
+        self.callback, self.generation = Callback(), generation
+        self.checked: list[tuple[int, list[int], float]] = []  # version, greedy tokens, max |dlogprob|
+
+    @staticmethod
+    def greedy_of(model, n: int = 6) -> tuple[list[int], list[float]]:
+        import torch
+        ids = list(ServedExactly.PROBE)
+        lps = []
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                lp = torch.log_softmax(logits, -1)
+                ids.append(int(lp.argmax()))
+                lps.append(float(lp.max()))
+        return ids[len(ServedExactly.PROBE):], lps
+
+    def check(self) -> None:
+        version = self.generation.version  # published at this step's generation
+        tokens, lps = self.reference
+        out = self.generation.client.generate(self.PROBE, Sampling(max_tokens=len(tokens), temperature=0.0,
+                                                                   ignore_eos=True), min_version=version)
+        assert out.versions == [version], out.weight_versions  # the newest: nothing newer exists yet
+        assert out.token_ids == tokens, (version, out.token_ids, tokens)
+        gap = max(abs(a - b) for a, b in zip(out.logprobs, lps, strict=True))
+        assert gap < 1e-3, gap
+        self.checked.append((version, tokens, gap))
+
+
+def run_trainer(kind: str, fleet: Fleet, tmp_path: Path, steps: int, k: int):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rolloutd.trainer.integrations import trl as integration
+    from rolloutd.trainer.integrations.trl import FleetConfig
+    torch.set_num_threads(1)  # the servers have the cores
+    model = AutoModelForCausalLM.from_pretrained(fleet.model_dir, dtype=torch.float32, attn_implementation="eager")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
+    cls = {"grpo": integration.GRPOTrainer, "rloo": integration.RLOOTrainer}[kind]
+    before = fleet.reg.latest()["version"]
+    config = FleetConfig(registry=fleet.reg, max_staleness=k, fleet_options={"wait_s": 300, "refresh_s": 0.25})
+    trainer = cls(model, task_reward, args=trl_args(kind, tmp_path / "out", steps),
+                  processing_class=AutoTokenizer.from_pretrained(fleet.model_dir), train_dataset=prompts_dataset(64),
+                  fleet=config)
+    served = ServedExactly(trainer.vllm_generation)
+    trainer.add_callback(served.callback)
+    try:
+        trainer.train()
+    finally:
+        trainer.vllm_generation.close()
+    gen = trainer.vllm_generation
+    assert gen.published == list(range(before + 1, before + 1 + steps))  # a version per step
+    assert [v for v, _, _ in served.checked] == gen.published
+    batches = list(gen.batches)
+    assert [b.version for b in batches] == gen.published  # one batch per step, each after its publish
+    for b in batches:
+        assert all(v is not None and b.version - k <= v <= b.version for s in b.versions for v in s), b
+    groups = [batches[0].completions[i:i + 4] for i in range(0, len(batches[0].completions), 4)]
+    assert all(len({tuple(c) for c in g}) > 1 for g in groups), groups  # seeded apart: a group is not copies
+    replicas = {r for b in batches for s in b.replicas for r in s}
+    assert len(replicas) == 2, replicas  # both servers generated
+    logs = [e for e in trainer.state.log_history if "rolloutd/staleness" in e]
+    assert len(logs) == steps and all(0 <= e["rolloutd/staleness"] <= k for e in logs), logs
+    assert all(e["rolloutd/oldest_version"] >= e["rolloutd/version"] - k for e in logs), logs
+    return trainer, served, logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_grpo_trains_on_the_fleet_a_version_per_step_served_exactly(two_servers, tmp_path):
+    trainer, served, logs = run_trainer("grpo", two_servers, tmp_path, steps=3, k=0)
+    for e in logs:  # on-policy: TRL's sampling logprobs are the trainer's up to the servers' numerics
+        assert e["sampling/sampling_logp_difference/max"] < 1e-3, e
+        assert e["rolloutd/staleness"] == 0
+    print("grpo", [(e["rolloutd/version"], e["sampling/sampling_logp_difference/max"]) for e in logs],
+          "greedy gaps", [g for _, _, g in served.checked])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_rloo_trains_on_the_fleet_within_the_staleness_bound(two_servers, tmp_path):
+    trainer, served, logs = run_trainer("rloo", two_servers, tmp_path, steps=2, k=1)
+    print("rloo", [(e["rolloutd/version"], e["rolloutd/oldest_version"]) for e in logs])
+
+
+def test_the_daemon_and_the_cli_import_no_trainer_library():
+    import subprocess
+    import sys
+    code = ("import sys\nimport rolloutd.cli, rolloutd.node.daemon, rolloutd.fleet, rolloutd.registry\n"
+            "print(sorted(m for m in ('trl', 'torch', 'vllm', 'accelerate', 'transformers') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_trainer_processes_generate_each_and_only_the_main_one_publishes(two_servers, tmp_path):
+    """torchrun, two CPU processes (gloo): each process generates its own share of the batch on
+    the fleet, both count the same versions, and each version is published once (by the main)."""
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import free_port
+    before = two_servers.reg.latest()["version"]
+    run = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
+                          "--master_port", str(free_port()),
+                          str(Path(__file__).parents[2] / "support" / "trl_processes.py"),
+                          two_servers.reg.url, str(two_servers.model_dir), str(tmp_path), "2"],
+                         capture_output=True, text=True, timeout=540)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
+    procs = [json.loads((tmp_path / f"process-{i}.json").read_text()) for i in range(2)]
+    assert [p["processes"] for p in procs] == [2, 2] and [p["main"] for p in procs] == [True, False]
+    versions = list(range(before + 1, before + 3))
+    assert all(p["synced"] == versions for p in procs)  # both count the main's versions ...
+    assert two_servers.reg.latest()["version"] == versions[-1]  # ... which it published once each
+    for p in procs:
+        assert [b["version"] for b in p["batches"]] == versions
+        assert all(v == [b["version"]] for b in p["batches"] for v in b["versions"])  # k = 0
+    ours, theirs = ([c for b in p["batches"] for c in b["completions"]] for p in procs)
+    assert ours != theirs  # each process generated its own samples
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_demo_trl_learns_through_the_fleet_and_not_with_updates_off(two_servers, tmp_path):
+    """``rolloutd demo trl``'s two runs (shorter), on this module's servers: from the starting
+    weights, reward rises with a version per step and stays flat with the fleet held."""
+    import argparse
+
+    from transformers import AutoModelForCausalLM
+
+    from rolloutd.demo import rl
+    from rolloutd.demo import trl as demo
+    parser = argparse.ArgumentParser()
+    demo.add_parser(parser.add_subparsers())
+    args = parser.parse_args(["trl", "--steps", "12"])
+    start = two_servers.reg.latest()["version"] + 1  # the starting weights, after the other tests' versions
+    two_servers.reg.publish(start, AutoModelForCausalLM.from_pretrained(two_servers.model_dir).state_dict())
+    two_servers.wait_serving(start)
+    summary = demo.both_runs(args, tmp_path, two_servers.reg, two_servers.model_dir)
+    print("demo trl", summary)
+    assert summary["reward_first"] < 0.1, summary  # the untrained policy fails the task
+    assert rl.learned(summary), summary  # up with updates, flat with the fleet held
+    assert summary["max_staleness"] <= summary["k"] == 1
+    assert start <= summary["versions_served"][0] <= start + 1 and len(summary["versions_served"]) >= 10, summary
