@@ -7,13 +7,10 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 from rolloutd.wire import delta
 from tests.integration.test_bench_delta import REPO
 
 
-@pytest.mark.slow
 def test_a_tiny_run_rebuilds_every_step_exactly_and_ends_with_its_summary(tmp_path):
     out = tmp_path / "delta.json"
     proc = subprocess.run([sys.executable, str(REPO / "bench" / "delta.py"), "--hidden", "64", "--layers", "2",

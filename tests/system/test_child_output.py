@@ -20,7 +20,6 @@ shm = rest.shm
 pytestmark = pytest.mark.timeout(60)
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(400)
 async def test_a_stopped_tensor_parallel_vllm_leaves_none_of_the_segments_it_held(children, caplog, tmp_path):
     """The real CPU ``vllm serve --tensor-parallel-size 2``, learnt once healthy and stopped as the

@@ -24,7 +24,7 @@ from rolloutd.trainer import EmbeddedRegistry
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server
 from tests.system.test_model_matrix import generate, reference
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 
 FAMILY = "qwen2"
 MISSING = "model.layers.1.self_attn.k_proj.weight"

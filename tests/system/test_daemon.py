@@ -37,7 +37,7 @@ from tests.support.registry_proxy import RegistryProxy
 from tests.support.vllm_server import VllmServer, engine_core, group_pids
 from tests.system.test_vllm_plugin import put_on, tokens
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 TOKEN = "admin-secret-7f3a"
 SEED = {v: 10 + v for v in range(1, 10)}  # version -> weights seed; the servers start on seed 0

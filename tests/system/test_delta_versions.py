@@ -44,7 +44,7 @@ from tests.support.daemon_harness import DaemonProcess, config, vllm_server
 from tests.support.vllm_server import require_vllm
 from tests.system.test_model_matrix import NEW_TOKENS, generate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
 TIED, UNTIED = "qwen2", "llama"
 # A delta of an RL-like step (2 % of the elements changed) is ~5 % of the version; "well below"

@@ -10,7 +10,7 @@ import pytest
 
 from tests.support.vllm_server import ROOT, VLLM, require_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.timeout(420)]
 
 
 def test_demo_serves_three_versions_of_a_tied_model_exactly_the_third_as_a_delta_and_leaves_nothing(tmp_path):

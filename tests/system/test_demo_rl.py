@@ -12,7 +12,7 @@ import pytest
 
 from tests.support.vllm_server import ROOT, VLLM, require_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.timeout(1500)]
 
 STEPS = 20
 

@@ -20,7 +20,7 @@ from tests.support.netns_fleet import Fleet
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import egress  # noqa: E402
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 MiB = 1 << 20
 SIZE_MIB, NODES = 48, 3

@@ -28,7 +28,7 @@ from tests.support.daemon_harness import DaemonProcess, config, vllm_server, wai
 from tests.support.vllm_server import group_pids
 from tests.system.test_daemon import _engine_core
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 
 def shm_mapped(pids: list[int]) -> set[str]:

@@ -26,7 +26,6 @@ from tests.support.browser import chromium, full_screenshot, wait_for
 reg = rest.reg
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_chromium_shows_a_running_daemon_live_and_nothing_for_a_wrong_token(tmp_path, daemons):
     from rolloutd.demo.tinymodel import llama_state_dict
@@ -100,7 +99,6 @@ def test_chromium_shows_a_running_daemon_live_and_nothing_for_a_wrong_token(tmp_
             assert status == 401
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_chromium_shows_how_each_nodes_last_pull_came_and_what_it_fetched(tmp_path, reg):
     import asyncio
@@ -131,7 +129,6 @@ def test_chromium_shows_how_each_nodes_last_pull_came_and_what_it_fetched(tmp_pa
     assert delta_tip == "v7 as a delta on v6: 20.5 KiB fetched of 976.6 KiB in 500 ms; rebuilt from the base in 125 ms"
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_chromium_pages_and_filters_a_fleet_of_10000_replicas(tmp_path, clock):
 

@@ -26,7 +26,7 @@ from rolloutd.wire import version_contract as contract
 from tests.support.daemon_harness import DaemonProcess, config, uds_client, vllm_server, wait_until
 from tests.support.vllm_server import require_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [pytest.mark.timeout(1800)]
 
 SHAPE = tinymodel.Shape(max_positions=2048)
 MAX_MODEL_LEN = 2048

@@ -16,7 +16,6 @@ from tests.integration.rollout.test_gate import PROMPT, Hammer, generate, hf, me
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_bad_version_is_refused_and_the_server_serves_its_last_good_version_then_the_next(tmp_path):
     start = tinymodel.build(tmp_path / "m0", seed=0)

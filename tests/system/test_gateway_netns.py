@@ -24,7 +24,7 @@ from tests.conftest import free_port
 from tests.integration.gateway.test_gateway import DEV_ROUTES, TRICKS
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 TOKEN = "netns-gw-token-91c2"
 

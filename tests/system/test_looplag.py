@@ -7,12 +7,10 @@ import re
 import time
 
 import httpx
-import pytest
 
 from rolloutd.demo import tinymodel
 
 
-@pytest.mark.slow
 def test_a_running_daemon_samples_its_loop(daemons, registry):
     registry.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
     d = daemons()

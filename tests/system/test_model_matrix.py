@@ -39,7 +39,7 @@ from rolloutd.demo import families
 from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "models.md"

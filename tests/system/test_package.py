@@ -23,7 +23,7 @@ import yaml
 from rolloutd.config import Shutdown
 from tests.support.nspawn import ROOT, Machine, debian_root
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 UNIT = "rolloutd.service"
 APT = {"DEBIAN_FRONTEND": "noninteractive"}

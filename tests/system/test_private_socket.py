@@ -15,7 +15,7 @@ from rolloutd.trainer import EmbeddedRegistry
 from tests.integration.node.test_private_socket import OTHER_USER, SYSTEM_PYTHON, listening_tcp_ports
 from tests.support.daemon_harness import AS_NOBODY, DaemonProcess, config, socket_probe, vllm_server
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 
 def test_another_user_reaches_no_vllm_route_while_the_gateway_serves(tmp_path):

@@ -9,7 +9,6 @@ import logging
 import tempfile
 
 import obstore
-import pytest
 from safetensors.numpy import load_file
 
 from rolloutd.rollout.mirror import Mirror
@@ -21,7 +20,6 @@ from tests.integration.test_objstore import in_bucket, pull, served, version_dir
 from tests.integration.test_s3_delta import CHUNK, assert_same_files, checkpoint, settings, weights
 
 
-@pytest.mark.slow
 def test_the_next_version_in_the_bucket_is_a_delta_a_node_with_the_base_rebuilds_exactly(s3, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     to, store = f"s3://{s3.bucket}/delta", settings(s3)
@@ -73,7 +71,6 @@ def test_the_next_version_in_the_bucket_is_a_delta_a_node_with_the_base_rebuilds
     assert "publish version 2 as a delta on 1" in caplog.text
 
 
-@pytest.mark.slow
 def test_delta_false_a_new_publisher_and_a_newer_registry_version_publish_full(s3, tmp_path):
     to, store = f"s3://{s3.bucket}/full", settings(s3)
     w = weights(seed=3)
@@ -99,7 +96,6 @@ def test_delta_false_a_new_publisher_and_a_newer_registry_version_publish_full(s
         assert not [k for k in in_bucket(s3, "full/") if k.endswith(".delta") and not k.startswith("full/3/")]
 
 
-@pytest.mark.slow
 def test_a_delta_the_registry_would_not_take_is_not_uploaded(s3, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     to, store = f"s3://{s3.bucket}/big", settings(s3)
@@ -111,7 +107,6 @@ def test_a_delta_the_registry_would_not_take_is_not_uploaded(s3, tmp_path, caplo
     assert ".delta to s3://" not in caplog.text  # never uploaded
 
 
-@pytest.mark.slow
 def test_anchors_apply_a_refused_delta_leaves_no_objects_and_one_version_is_kept(s3, tmp_path, monkeypatch,
                                                                                   caplog):
     """The registry's own rules decide (here an anchor every 3rd version): over HTTP once the
@@ -140,7 +135,6 @@ def test_anchors_apply_a_refused_delta_leaves_no_objects_and_one_version_is_kept
     assert "upload model.safetensors.delta to s3://rolloutd-test/anchor/4/" in caplog.text
 
 
-@pytest.mark.slow
 def test_a_failed_encode_publishes_full_and_leaves_no_delta_file(s3, tmp_path, monkeypatch, caplog):
     import rolloutd.wire.delta as codec
 
@@ -162,7 +156,6 @@ def test_a_failed_encode_publishes_full_and_leaves_no_delta_file(s3, tmp_path, m
     assert "encode version 2 against version 1 failed: fake: out of memory mid-encode; publish it full" in caplog.text
 
 
-@pytest.mark.slow
 def test_an_embedded_registrys_rules_are_asked_before_the_upload(s3, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     to, store = f"s3://{s3.bucket}/embedded", settings(s3)
@@ -176,7 +169,6 @@ def test_an_embedded_registrys_rules_are_asked_before_the_upload(s3, tmp_path, c
     assert ".delta to s3://rolloutd-test/embedded/3/" not in caplog.text
 
 
-@pytest.mark.slow
 def test_prune_removes_a_delta_versions_objects_with_it(s3, tmp_path):
     to, store = f"s3://{s3.bucket}/prune", settings(s3)
     w = weights(seed=9)

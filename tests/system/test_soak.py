@@ -16,7 +16,7 @@ import pytest
 from bench.soak_faults import KINDS
 from tests.support.vllm_server import ROOT, require_vllm
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2700)]
+pytestmark = [pytest.mark.timeout(2700)]
 
 
 def test_five_minutes_of_chaos_serve_no_wrong_output_and_leave_nothing_behind(tmp_path):

@@ -30,7 +30,7 @@ from tests.support.nspawn import ROOT, Machine, enabled_host_units, host_root
 from tests.support.vllm_server import VLLM, require_vllm
 from tests.system.test_vllm_plugin import generate
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.timeout(600)]
 
 UNIT = "rolloutd.service"
 SEED_V1 = 11

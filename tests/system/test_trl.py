@@ -17,7 +17,7 @@ from tests.integration.trainer.test_trl import policy, prompts_dataset, run_trai
 two_servers = rest.two_servers
 
 
-@pytest.mark.slow  # imports TRL (10 s or more) and builds a real trainer
+# imports TRL (10 s or more) and builds a real trainer
 def test_a_setting_the_fleet_cannot_honour_fails_the_trainer_build(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,7 +32,6 @@ def test_a_setting_the_fleet_cannot_honour_fails_the_trainer_build(tmp_path):
                     fleet=FleetConfig(registry_url="http://127.0.0.1:9"))
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_grpo_trains_on_the_fleet_a_version_per_step_served_exactly(two_servers, tmp_path):
     trainer, served, logs = run_trainer("grpo", two_servers, tmp_path, steps=3, k=0)
@@ -43,14 +42,12 @@ def test_grpo_trains_on_the_fleet_a_version_per_step_served_exactly(two_servers,
           "greedy gaps", [g for _, _, g in served.checked])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_rloo_trains_on_the_fleet_within_the_staleness_bound(two_servers, tmp_path):
     trainer, served, logs = run_trainer("rloo", two_servers, tmp_path, steps=2, k=1)
     print("rloo", [(e["rolloutd/version"], e["rolloutd/oldest_version"]) for e in logs])
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_trainer_processes_generate_each_and_only_the_main_one_publishes(two_servers, tmp_path):
     """torchrun, two CPU processes (gloo): each process generates its own share of the batch on
@@ -79,7 +76,6 @@ def test_two_trainer_processes_generate_each_and_only_the_main_one_publishes(two
     assert ours != theirs  # each process generated its own samples
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_demo_trl_learns_through_the_fleet_and_not_with_updates_off(two_servers, tmp_path):
     """``rolloutd demo trl``'s two runs (shorter), on this module's servers: from the starting

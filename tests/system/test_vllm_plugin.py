@@ -29,7 +29,7 @@ from rolloutd.trainer import EmbeddedRegistry
 from tests.conftest import free_port
 from tests.support.vllm_server import ROOT, VllmServer, client, pip_install_rolloutd
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.timeout(900)]
 
 SEED_A, SEED_B = 0, 1
 PROMPTS = [[1, 5, 9, 13, 40], [1, 300, 22], [1, 7, 7, 7, 100, 250, 31]]

@@ -3,14 +3,11 @@ the rest, and the helpers and fixtures they share, are in tests/integration/node
 
 from __future__ import annotations
 
-import pytest
-
 from rolloutd.demo import tinymodel
 from rolloutd.node.wakeup import SLICE_NS, current_slice_ns
 from tests.support.daemon_harness import tagged_pids
 
 
-@pytest.mark.slow
 def test_a_running_daemon_has_the_short_slice_on_its_loop_alone(daemons, registry):
     registry.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
     d = daemons()
