@@ -1,4 +1,4 @@
-"""One process of a TRL trainer launched by ``torchrun`` (tests/integration/trainer/test_trl.py): every process builds
+"""One process of a TRL trainer launched by ``torchrun`` (tests/system/test_trl.py): every process builds
 the same GRPOTrainer on the fleet, trains, and writes what its generation object saw to
 ``OUT/process-RANK.json``. ``python trl_processes.py REGISTRY_URL MODEL_DIR OUT STEPS``."""
 

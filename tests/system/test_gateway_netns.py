@@ -5,7 +5,7 @@ lists.
 The daemon (``rolloutd run``) runs one real ``vllm serve`` (CPU build), its gateway on all
 addresses with a token. From the other host: the allow-listed routes work with the token and
 fail without it; every vLLM dev route is 404; the admin API's port refuses the connection (vLLM
-listens on no port at all: tests/integration/node/test_private_socket.py).
+listens on no port at all: tests/system/test_private_socket.py).
 """
 
 from __future__ import annotations
