@@ -60,7 +60,7 @@ def test_two_trainer_processes_generate_each_and_only_the_main_one_publishes(two
     before = two_servers.reg.latest()["version"]
     run = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2",
                           "--master_port", str(free_port()),
-                          str(Path(__file__).parents[2] / "support" / "trl_processes.py"),
+                          str(Path(__file__).parents[1] / "support" / "trl_processes.py"),
                           two_servers.reg.url, str(two_servers.model_dir), str(tmp_path), "2"],
                          capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, (run.stdout + run.stderr)[-6000:]
