@@ -1,5 +1,5 @@
 """Trainer egress and fleet time with the chunk swarm: N nodes, each its own host (network
-namespaces, ``tests/netns_fleet.py``), the trainer's link shaped with ``tc`` so its NIC is the
+namespaces, ``tests/support/netns_fleet.py``), the trainer's link shaped with ``tc`` so its NIC is the
 bottleneck, one version of ``--size-mib``.
 
 Runs, one after the other, each on a fresh registry and fresh mirrors:
@@ -13,7 +13,7 @@ Runs, one after the other, each on a fresh registry and fresh mirrors:
 3. ``--no-peers`` adds the same N nodes without peers (today's behaviour), for the baseline.
 4. ``--s3``: the version published to a real S3 server (SeaweedFS) on a shaped host of its own;
    the registry's link should carry about the manifest only.
-5. ``--faults``: N nodes, peers on, a FAKE peer (``tests/fake_peer.py``) claiming every chunk
+5. ``--faults``: N nodes, peers on, a FAKE peer (``tests/support/fake_peer.py``) claiming every chunk
    and serving wrong bytes, one node killed once the pull is under way, and the registry killed
    and restarted (on its data directory) mid-pull: every surviving node must end with the version.
 6. ``--delta`` (instead of 1-2; the size defaults to 2 GiB): N nodes, peers on, one registry:
@@ -56,7 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 import httpx  # noqa: E402
 
-from tests.netns_fleet import Fleet  # noqa: E402
+from tests.support.netns_fleet import Fleet  # noqa: E402
 
 MiB = 1 << 20
 
@@ -202,7 +202,7 @@ def run_faults(fleet: Fleet, data: Path, sums, size: int, *, nodes: int, chunk: 
     fleet.start_registry(data_dir=reg_data)
     daemons = fleet.start_nodes(nodes, peers=True)
     wait_serving(daemons)
-    liar = fleet.spawn("trainer", [sys.executable, str(ROOT / "tests" / "fake_peer.py"), "--registry",
+    liar = fleet.spawn("trainer", [sys.executable, str(ROOT / "tests" / "support" / "fake_peer.py"), "--registry",
                                    fleet.registry_url, "--token-file", str(fleet.token_file), "--node", "liar",
                                    "--host", fleet.address("trainer"), "--port", "9399", "--version", "1"],
                        fleet.dir / "fake_peer.log")

@@ -76,7 +76,7 @@ import httpx  # noqa: E402
 from rolloutd.demo import tinymodel  # noqa: E402
 from rolloutd.supervise.plugin_path import install_plugin  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-from tests.vllm_server import VllmServer  # noqa: E402
+from tests.support.vllm_server import VllmServer  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 PROMPT = [1, 5, 9, 13, 40]

@@ -48,7 +48,7 @@ from rolloutd.rollout.puller import Puller, PullSettings  # noqa: E402
 from rolloutd.rollout.registry_client import RegistryClient  # noqa: E402
 from rolloutd.supervise.plugin_path import install_plugin  # noqa: E402
 from rolloutd.trainer.publish import RegistryHTTP  # noqa: E402
-from tests.vllm_server import VllmServer, client  # noqa: E402
+from tests.support.vllm_server import VllmServer, client  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results"
 SHAPES = {"bench": tinymodel.BENCH, "tiny": tinymodel.TINY}

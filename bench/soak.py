@@ -29,7 +29,7 @@ Progress lines go to stdout; the last line is one JSON object. Exit status 1 whe
 missed (``goals_missed`` in the JSON says which). From the repository root::
 
     .venv/bin/python bench/soak.py --minutes 60          # about 65 minutes
-    .venv/bin/python bench/soak.py --minutes 5 --seed 1  # what tests/test_soak.py runs
+    .venv/bin/python bench/soak.py --minutes 5 --seed 1  # what tests/system/test_soak.py runs
 """
 
 from __future__ import annotations
@@ -61,9 +61,9 @@ from bench.soak_check import FAMILY, PROMPTS, Checker, Claim, Trainer  # noqa: E
 from bench.soak_faults import KINDS, Chaos, FakeFaultyPath, RegistryProcess, daemon_metrics, over_lives  # noqa: E402
 from rolloutd.demo import families  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
-from tests.daemon_harness import DaemonProcess, config, tagged_pids, vllm_server  # noqa: E402
-from tests.test_engine_kill import shm_mapped  # noqa: E402
-from tests.vllm_server import require_vllm  # noqa: E402
+from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, vllm_server  # noqa: E402
+from tests.support.vllm_server import require_vllm  # noqa: E402
+from tests.system.test_engine_kill import shm_mapped  # noqa: E402
 
 SERVERS = 2
 

@@ -50,9 +50,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.soak_check import MISSING, Trainer
 from tests.conftest import wait_healthy
-from tests.daemon_harness import DaemonProcess, tagged_pids
-from tests.registry_proxy import RegistryProxy
-from tests.vllm_server import ROOT, engine_core
+from tests.support.daemon_harness import DaemonProcess, tagged_pids
+from tests.support.registry_proxy import RegistryProxy
+from tests.support.vllm_server import ROOT, engine_core
 
 KINDS = ("kill_group", "kill_engine", "kill_engine_mid_load", "registry_restart", "corrupt_chunk", "slow_pull",
          "reload", "bad_version", "daemon_crash")
@@ -62,7 +62,7 @@ LEFTOVERS_STOPPED_S = 120.0  # the new daemon stops what the dead one left befor
 
 
 class FakeFaultyPath(RegistryProxy):
-    """A fake network path from the daemon to the registry (``tests/registry_proxy.py``), which
+    """A fake network path from the daemon to the registry (``tests/support/registry_proxy.py``), which
     can also flip a byte of the next Range reply (``corrupt_next``). Its ``byte_delay_s``
     throttles every byte transfer."""
 

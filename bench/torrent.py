@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 from egress import MiB, identical, load, make_version  # noqa: E402
 
-from tests.netns_fleet import Fleet  # noqa: E402
+from tests.support.netns_fleet import Fleet  # noqa: E402
 
 PORT = 6881
 

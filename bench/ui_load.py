@@ -148,7 +148,7 @@ def view_cost(replicas: int, repeats: int = 20) -> dict:
     from rolloutd.registry.fleet import FleetQuery, FleetView
     from rolloutd.registry.store import Store
     from rolloutd.wire.messages import Heartbeat
-    from tests.test_store import manifest
+    from tests.unit.registry.test_store import manifest
     store = Store(keep_versions=3)
     for v in (1, 2, 3):
         store.publish(manifest(v), {})
@@ -186,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         if not find_tool(tool):
             print(f"ui_load: needs {tool} (apt-get install -y util-linux)", file=sys.stderr)
             return 1
-    from tests.browser import chromium, full_screenshot, wait_for
+    from tests.support.browser import chromium, full_screenshot, wait_for
     # This script, and so the browser it starts, on the load generator's CPU: the registry's own
     # CPU (taskset) stays the registry's.
     os.sched_setaffinity(0, {args.load_cpu})

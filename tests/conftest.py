@@ -117,7 +117,7 @@ def registry_log(tmp_path: Path) -> str:
 @pytest.fixture(scope="session")
 def debs(tmp_path_factory) -> dict[str, Path]:
     """The .deb built by packaging/build-deb, as revisions 1 and 2 (for upgrades)."""
-    from .nspawn import build_deb
+    from tests.support.nspawn import build_deb
     out = tmp_path_factory.mktemp("debs")
     return {"1": build_deb(out, "1"), "2": build_deb(out, "2")}
 
@@ -181,7 +181,7 @@ def children():
 
 
 def _alive_in_group(pgid: int) -> list[int]:
-    from .vllm_server import group_pids
+    from tests.support.vllm_server import group_pids
     return group_pids(pgid)
 
 
@@ -189,7 +189,7 @@ def _alive_in_group(pgid: int) -> list[int]:
 def daemons(tmp_path, registry):
     """Start ``rolloutd run`` processes whose servers are the fake vLLM (with ``faults``), on the
     module's ``registry``; whatever a test leaves is killed and must be gone."""
-    from .daemon_harness import DaemonProcess, config, tagged_pids, wait_until
+    from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, wait_until
     started = []
 
     def start(faults: str = "", *, servers: int = 1, directory=None, registry_url: str | None = None,
@@ -214,6 +214,6 @@ def daemons(tmp_path, registry):
 def s3(tmp_path_factory):
     """A real S3 server (SeaweedFS, ``weed mini``) on loopback free ports, one bucket, credentials
     in ``s3.credentials_file``; stopped after the module."""
-    from .s3_server import SeaweedS3
+    from tests.support.s3_server import SeaweedS3
     with SeaweedS3(tmp_path_factory.mktemp("s3")) as server:
         yield server

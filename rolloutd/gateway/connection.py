@@ -7,7 +7,7 @@
 actions (:class:`Do`) for the adapter (relay.py) to carry out on the socket. It parses with
 llhttp (``httptools``), reads no clock and touches no socket, so each arrow of its states
 (:class:`Reading`, the allowed arrows in ``ARROWS``; any other raises :class:`IllegalArrow`) and
-each bound is tested without sockets (tests/test_gateway_connection.py).
+each bound is tested without sockets (tests/unit/gateway/test_connection.py).
 
 Bounded: at most ``PIPELINE_MAX`` requests read ahead of the one being answered, and request
 bytes held beyond the one being answered stay near ``max_body_bytes``; past that, the rest of

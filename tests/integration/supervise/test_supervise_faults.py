@@ -1,0 +1,164 @@
+"""Supervision faults around updates, with the fake vLLM (tests/support/fake_vllm.py) as the daemon's
+children: a pause that keeps failing (the server serves on, on the weights it holds, and the
+update is retried with growing delays), a server that dies or stops answering in the middle of
+a load (BACKOFF within a few probes, not after ``update.load_timeout_s``), a restart asked while
+a stop waits out its grace period (one stop, whose end the restart waits for), and the failure
+counters of each step.
+
+Faults are set on a running fake through ``POST /fake/faults``, so a server first syncs cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from rolloutd.demo import tinymodel
+from rolloutd.trainer import EmbeddedRegistry
+from tests.support.daemon_harness import DaemonProcess, alive, wait_until
+
+pytestmark = [pytest.mark.slow, pytest.mark.parallel, pytest.mark.timeout(120)]  # fake vLLM: beside other such tests
+
+
+class Versions:
+    """A registry of its own, so that the tests here can publish new versions freely."""
+
+    def __init__(self, reg: EmbeddedRegistry):
+        self.reg, self.newest = reg, 0
+        self.publish()
+
+    @property
+    def url(self) -> str:
+        return self.reg.url
+
+    def publish(self) -> int:
+        self.newest += 1
+        self.reg.publish(self.newest, tinymodel.state_dict(tinymodel.TINY, self.newest), shard_bytes=600_000,
+                         chunk_bytes=1 << 16)
+        return self.newest
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with EmbeddedRegistry(port=0) as reg:
+        yield Versions(reg)
+
+
+def s0(d: DaemonProcess) -> dict:
+    return d.status()["servers"][0]
+
+
+def fake(d: DaemonProcess, route: str, body: dict) -> None:
+    with d.vllm("s0", timeout=5) as c:  # on the server's socket, as the daemon reaches it
+        c.post(route, json=body).raise_for_status()
+
+
+def failures(d: DaemonProcess) -> dict[str, float]:
+    text = httpx.get(d.url + "/metrics", timeout=10).text
+    return {k: float(v) for k, v in re.findall(r'^rolloutd_update_failures_total\{kind="(\w+)"\} (\S+)$', text,
+                                               re.M)}
+
+
+def metric(d: DaemonProcess, name: str) -> float:
+    text = httpx.get(d.url + "/metrics", timeout=10).text
+    return float(re.search(rf'^rolloutd_{name}\{{server="s0"\}} (\S+)$', text, re.M).group(1))
+
+
+def serving(d: DaemonProcess, version: int, timeout_s: float = 30) -> dict:
+    return d.wait_versions({"s0": version}, timeout_s)["servers"][0]
+
+
+# -- 5: a failed pause ----------------------------------------------------------------------------
+def test_a_failing_pause_keeps_the_version_and_retries_with_growing_delays(daemons, registry):
+    d = daemons(restart={"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_factor": 2,
+                         "backoff_max_s": 0.8, "max_retries": 2})
+    held = serving(d, registry.newest)["version"]
+    fake(d, "/fake/faults", {"faults": "fail=/pause"})
+    new = registry.publish()
+    wait_until(lambda: d.log_text().count(f"retry s0: update to version {new} again") >= 4, 30, "four retries")
+    st = s0(d)
+    assert st["state"] in ("SERVING", "UPDATING") and st["version"] == held, st  # untouched weights
+    assert st["incarnation"] == 1 and "pause failed" in st["last_error"]
+    assert metric(d, "server_version") == held
+    assert held in d.status()["mirror"]["versions"], "the version a server holds was collected"
+    delays = [float(x) for x in re.findall(rf"retry s0: update to version {new} again in ([\d.]+) s", d.log_text())]
+    assert delays[:4] == [0.2, 0.4, 0.8, 0.8], delays  # growing, then capped at backoff_max_s
+    assert failures(d)["pause"] >= 4
+    fake(d, "/fake/faults", {"faults": ""})
+    assert serving(d, new)["incarnation"] == 1  # loaded once the pause works again, no restart
+
+
+# -- 9: nothing left unwatched during an update ---------------------------------------------------
+def wait_updating(d: DaemonProcess, route: str) -> dict:
+    st = d.wait(lambda s: s["servers"][0]["state"] == "UPDATING", 20, "UPDATING")
+    wait_until(lambda: f"{route} -> never answered" in d.log_text(), 10, f"the fake holding {route}")
+    return st["servers"][0]
+
+
+@pytest.mark.parametrize("how", ["engine_dies", "unhealthy"])
+def test_a_server_that_dies_mid_update_is_in_backoff_within_seconds(daemons, registry, how):
+    """As vLLM when its engine core is killed mid-load: the API process lives on with its listener
+    closed and never answers the request in flight (or, alive, it fails /health)."""
+    d = daemons("spawn_child", update={"load_timeout_s": 300})
+    serving(d, registry.newest)
+    fake(d, "/fake/faults", {"faults": "hang=/update_weights"})
+    new = registry.publish()
+    pid = wait_updating(d, "/update_weights")["pid"]
+    t0 = time.monotonic()
+    if how == "engine_dies":
+        fake(d, "/fake/engine_dies", {})
+    else:
+        fake(d, "/fake/health", {"ok": False})  # as vLLM's API server with a dead engine: /health fails
+    d.wait(lambda s: s["servers"][0]["state"] == "BACKOFF", 10, "BACKOFF")
+    to_backoff = time.monotonic() - t0
+    assert to_backoff < 4.0, to_backoff  # health 0.5 s x 3 probes; not update.load_timeout_s
+    st = serving(d, new, 30)  # the new process has no faults: it syncs to the new version
+    assert st["incarnation"] == 2 and not alive(pid)
+    assert f"/health failed 3 times in a row while loading version {new}" in d.log_text()
+    print(f"{how}: BACKOFF after {to_backoff:.2f} s, SERVING after {time.monotonic() - t0:.2f} s")
+
+
+def test_a_server_that_dies_while_waiting_for_its_first_sync_is_restarted(daemons, registry, tmp_path):
+    """SYNCING is watched too: here the registry is unreachable, so the first sync waits."""
+    d = daemons(registry={"url": "http://127.0.0.1:9", "retry_initial_s": 0.2, "retry_max_s": 0.5})
+    st = d.wait(lambda s: s["servers"][0]["state"] == "SYNCING", 20, "SYNCING")["servers"][0]
+    os.kill(st["pid"], signal.SIGKILL)
+    d.wait(lambda s: s["servers"][0]["incarnation"] == 2, 10, "a restart")
+    assert "exited: killed by SIGKILL" in d.log_text()
+    assert failures(d)["sync"] >= 1
+
+
+# -- 6: one stop per child -------------------------------------------------------------------------
+def test_a_restart_during_a_stop_waits_for_that_stop_and_keeps_the_new_record(daemons, registry):
+    d = daemons("ignore_term", restart={"start_timeout_s": 10, "backoff_initial_s": 0.2, "failed_grace_s": 4})
+    old = serving(d, registry.newest)["pid"]
+    fake(d, "/fake/health", {"ok": False})
+    wait_until(lambda: f"stop s0[{old}]: SIGTERM to process group" in d.log_text(), 10, "the stop's SIGTERM")
+    r = d.action("/servers/s0/restart")  # mid-grace: the stop is hurried to SIGKILL, and waited for
+    assert r.status_code == 200, r.text
+    assert not alive(old), "the restart returned while the old process group was still alive"
+    new = serving(d, registry.newest)["pid"]
+    time.sleep(4.5)  # past the first stop's grace period: nothing of it may act any more
+    record = json.loads((Path(d.cfg["state_dir"]) / "children" / "s0.json").read_text())
+    assert record["pid"] == new, "the record of the new child was removed by the old one's stop"
+    assert s0(d)["pid"] == new and s0(d)["state"] == "SERVING"
+    assert d.log_text().count(f"stop s0[{old}]: SIGTERM to process group") == 1, "a second stop ran"
+    assert f"stop s0[{old}]: cancelled during the grace period" in d.log_text()
+
+
+# -- 10: every step's failure counted ---------------------------------------------------------------
+@pytest.mark.parametrize("route, kind", [("/pause", "pause"), ("/weight_info", "check"), ("/resume", "resume")])
+def test_failures_of_each_step_are_counted(daemons, registry, route, kind):
+    d = daemons(f"fail={route}", restart={"start_timeout_s": 10, "backoff_initial_s": 0.1, "backoff_max_s": 0.1,
+                                          "max_retries": 1})
+    d.wait(lambda s: s["servers"][0]["state"] == "FATAL", 60, "FATAL")
+    got = failures(d)
+    assert got[kind] >= 2, got  # each of the two processes failed its first sync on this step
+    assert got["sync"] == 2, got

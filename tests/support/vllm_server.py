@@ -1,0 +1,139 @@
+"""Real ``vllm serve`` processes (CPU build, from .venv-vllm) with rolloutd's plugin, for tests
+and benchmarks.
+
+Each server runs in its own session (process group): API server, engine core and workers go
+together, and :meth:`VllmServer.stop` signals the whole group (TERM, grace, KILL), checks
+that nothing of it is left, and removes the shared memory it left as the daemon does.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from rolloutd.supervise.leftovers import remove_shm_leftovers, shm_held_by, shm_names
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
+# Flags that start a small model fast on CPU (docs/plugin.md, "Testing on a machine without a GPU").
+FAST_CPU_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
+                  "--kv-cache-memory-bytes", str(64 << 20)]
+
+
+def require_vllm() -> None:
+    if not VLLM.exists():
+        raise RuntimeError(f"{VLLM} is missing: run scripts/bootstrap (it installs vLLM's CPU build)")
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live processes of a group (zombies are dead: whoever adopted them has yet to reap them)."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
+    return [int(p) for p, g, stat in (line.split() for line in out.splitlines())
+            if int(g) == pgid and not stat.startswith("Z")]
+
+
+def engine_core(pgid: int) -> int | None:
+    """The pid of vLLM's engine-core process in group ``pgid``, if one is alive."""
+    for pid in group_pids(pgid):
+        try:
+            if "EngineCore" in Path(f"/proc/{pid}/comm").read_text() + Path(f"/proc/{pid}/cmdline").read_text():
+                return pid
+        except OSError:
+            continue
+    return None
+
+
+class VllmServer:
+    """One ``vllm serve`` with the plugin reached through ``pythonpath``, listening where ``listen``
+    says: a loopback port (an int), or a UNIX socket (a Path: ``--uds``, as rolloutd starts its
+    servers); ``cpus`` are the cores its compute threads are bound to (``"0"``, ``"0-1"``)."""
+
+    def __init__(self, model: Path, listen: int | Path, log: Path, *, pythonpath: list[Path], cpus: str = "0",
+                 extra_args: list[str] = (), extra_env: dict[str, str] | None = None):
+        require_vllm()
+        self.model, self.log = model, log
+        if isinstance(listen, Path):
+            self.port, self.socket, self.url = None, listen, "http://localhost"
+            where = ["--uds", str(listen)]
+        else:
+            self.port, self.socket, self.url = listen, None, f"http://127.0.0.1:{listen}"
+            where = ["--host", "127.0.0.1", "--port", str(listen)]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   VLLM_CPU_OMP_THREADS_BIND=cpus, PYTHONPATH=os.pathsep.join(map(str, pythonpath)),
+                   **(extra_env or {}))
+        self.cmd = [str(VLLM), "serve", str(model), *where,
+                    *FAST_CPU_FLAGS, "--weight-transfer-config", '{"backend": "rolloutd"}',
+                    "--enable-scale-out", *extra_args]
+        self._log = open(log, "ab")
+        self._shm_before = shm_names()
+        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 240.0) -> VllmServer:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} before it was healthy:\n"
+                                   + self.log_tail())
+            try:
+                with self.client(timeout=2) as c:
+                    if c.get("/health").status_code == 200:
+                        return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"vllm serve not healthy after {timeout_s} s:\n{self.log_tail()}")
+
+    def client(self, **kw) -> httpx.Client:
+        """A client of this server (on its socket or its port), as :func:`client` makes them."""
+        return client(self.socket or self.url, **kw)
+
+    def log_tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, grace_s: float = 15.0) -> None:
+        """TERM the group, KILL it after ``grace_s``, and check that no process of it is left."""
+        pgid = self.proc.pid
+        held = shm_held_by(group_pids(pgid))  # as the daemon learns them: what no name gives away goes too
+        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                pass
+            deadline = time.monotonic() + wait_s
+            while time.monotonic() < deadline:
+                self.proc.poll()
+                if not group_pids(pgid):
+                    break
+                time.sleep(0.1)
+            if not group_pids(pgid):
+                break
+        self.proc.wait(5)
+        self._log.close()
+        if left := group_pids(pgid):
+            raise RuntimeError(f"processes {left} of vllm serve's group outlived SIGKILL")
+        remove_shm_leftovers(self._shm_before, held)  # a SIGKILLed group's resource tracker unlinked nothing
+
+
+def client(url: str | Path, **kw) -> httpx.Client:
+    """A client of a server at ``url``, or on the UNIX socket ``url`` when it is a Path. No
+    keep-alive: vLLM closes the connection after a route raised (HTTP 500), and a reused
+    connection would then fail the next call."""
+    kw.setdefault("timeout", 120)
+    if isinstance(url, Path):
+        kw["transport"], url = httpx.HTTPTransport(uds=str(url)), "http://localhost"
+    return httpx.Client(base_url=url, limits=httpx.Limits(max_keepalive_connections=0), **kw)
+
+
+def pip_install_rolloutd(target: Path) -> Path:
+    """rolloutd installed by pip (no dependencies) into ``target``, for vLLM's interpreter."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--target", str(target), str(ROOT)], check=True, capture_output=True)
+    return target

@@ -1,0 +1,60 @@
+"""The tests of test_child_output.py that run one at a time in the slow tier (slow by this folder);
+the rest, and the helpers and fixtures they share, are in tests/integration/supervise/test_child_output.py."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import httpx
+import pytest
+
+from rolloutd.supervise import leftovers
+from tests.integration.supervise import test_child_output as rest
+from tests.integration.supervise.test_child_output import _held_decoy, until_healthy
+
+# the module's fixtures, by name, for the tests below
+info_logs = rest.info_logs
+shm = rest.shm
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.mark.timeout(400)
+async def test_a_stopped_tensor_parallel_vllm_leaves_none_of_the_segments_it_held(children, caplog, tmp_path):
+    """The real CPU ``vllm serve --tensor-parallel-size 2``, learnt once healthy and stopped as the
+    daemon stops it: nothing it held is left in /dev/shm, and another program's segments (one
+    there before it, one made while it runs, named like its own) are untouched."""
+    from rolloutd.demo import tinymodel
+    from tests.conftest import free_port
+    from tests.support.vllm_server import FAST_CPU_FLAGS, VLLM, require_vllm
+
+    require_vllm()
+    model = tinymodel.build(tmp_path / "model", seed=0)
+    shm, tag = leftovers.SHM_DIR, uuid.uuid4().hex[:8]
+    before, during = f"rolloutd-test-decoy-{tag}", f"vllm_dist_{tag}-decoy-cpushm_0"
+    decoys = [_held_decoy(shm, before)]
+    url = f"http://127.0.0.1:{free_port()}"
+    child = children("vllm", [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
+                              *FAST_CPU_FLAGS, "--tensor-parallel-size", "2"])
+    child.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    child.env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    try:
+        await child.spawn()
+        async with httpx.AsyncClient(base_url=url, timeout=2) as client:
+            await until_healthy(client, child)
+        decoys.append(_held_decoy(shm, during))
+        await child.note_shm()  # as the supervisor does once healthy
+        held = {n for n in child._shm_held if "/" not in n and (shm / n).exists()}
+        assert held, "a TP=2 server holds shared memory of its own while it runs"
+        assert not held & {before, during}
+        await child.stop(grace_s=20)
+        assert not [n for n in held if (shm / n).exists()]
+        assert (shm / before).exists() and (shm / during).exists()
+    finally:
+        for decoy in decoys:
+            decoy.kill()
+            decoy.wait(10)
+            decoy.stdout.close()
+        for name in (before, during):
+            (shm / name).unlink(missing_ok=True)
