@@ -46,13 +46,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from rolloutd.demo import tinymodel  # noqa: E402
+from rolloutd.demo.cpu_vllm import CPU_ENV, cpu_args  # noqa: E402
 from rolloutd.trainer import EmbeddedRegistry  # noqa: E402
 
 RSS_LIMIT_MIB = 150.0
 IDLE_CPU_LIMIT = 0.005  # of one core
 TICKS = os.sysconf("SC_CLK_TCK")
-FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
-         "--kv-cache-memory-bytes", str(64 << 20)]
 
 
 def free_port() -> int:
@@ -121,8 +120,7 @@ def measure(args: argparse.Namespace, work: Path, daemon_root: Path, label: str)
     cfg = {"registry": {"url": ""}, "admin": {"port": admin_port}, "gateway": {"host": "127.0.0.1"},
            "state_dir": str(run_dir / "state"),
            "mirror": {"dir": str(run_dir / "mirror"), "max_bytes": "1GiB"},
-           "vllm": {"command": [str(vllm), "serve"], "args": FLAGS,
-                    "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
+           "vllm": {"command": [str(vllm), "serve"], "args": cpu_args(), "env": dict(CPU_ENV)},
            "servers": [{"name": f"s{i}", "model": str(model), "public_port": free_port(),
                         "env": {"VLLM_CPU_OMP_THREADS_BIND": str(i % os.cpu_count())}}
                        for i in range(args.servers)]}

@@ -74,6 +74,7 @@ sys.path.insert(0, str(ROOT))
 import httpx  # noqa: E402
 
 from rolloutd.demo import tinymodel  # noqa: E402
+from rolloutd.demo.cpu_vllm import CPU_ENV, cpu_args  # noqa: E402
 from rolloutd.supervise.plugin_path import install_plugin  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.support.vllm_server import VllmServer  # noqa: E402
@@ -459,9 +460,7 @@ def during_pull(args: argparse.Namespace) -> int:
         cfg = {"registry": {"url": reg.url}, "admin": {"port": admin_port}, "state_dir": str(work / "state"),
                "mirror": {"dir": str(work / "mirror"), "max_bytes": f"{int(3 * args.pull_gib + 1)}GiB"},
                "vllm": {"command": [str(ROOT / ".venv-vllm" / "bin" / "vllm"), "serve"],
-                        "args": ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8",
-                                 "--enforce-eager", "--kv-cache-memory-bytes", str(64 << 20)],
-                        "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_OMP_THREADS_BIND": "0"}},
+                        "args": cpu_args(), "env": {**CPU_ENV, "VLLM_CPU_OMP_THREADS_BIND": "0"}},
                # every process of vLLM on core 0 (its engine core polls: unbound, it takes the
                # other core from the daemon and the client), as a node's config would put it
                "servers": [{"name": "s0", "model": str(model), "public_port": gw_port, "cpus": [0]}]}

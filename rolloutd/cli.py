@@ -212,9 +212,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     import faulthandler
 
     from rolloutd.config import ConfigError, load_config
+    from rolloutd.node import stacks
     from rolloutd.node.daemon import run_daemon
     # A frozen daemon gets SIGABRT from systemd's watchdog: its Python stacks go to the journal.
     faulthandler.enable()
+    stacks.threads_only()  # SIGUSR1 shows them too, and never kills it
     try:
         cfg = load_config(args.config, check_files=True)
     except ConfigError as e:

@@ -65,6 +65,10 @@ OWNED_FLAGS = {
 # state_dir/<SCRATCH>/<random>/: one running server's TMPDIR, with the /dev/shm names its processes were
 # seen holding, removed once it stopped, or at the next start after a crash.
 SCRATCH = "scratch"
+# state_dir/<COMPILE_CACHE>/: torch's compile cache, shared by the servers and kept across their starts.
+# Its default lives in TMPDIR, which is each server's own scratch directory: every start would
+# compile again what the one before compiled.
+COMPILE_CACHE = "compile-cache"
 # vLLM's flags of a data-parallel server spread over several nodes (or of a node serving some of its
 # engines): the pause and the update would reach only this node's part of it.
 SPANNING_FLAGS = {"--nnodes", "-n", "--node-rank", "-r", "--headless", "--data-parallel-size-local", "-dpl",
@@ -618,8 +622,10 @@ class Config(_Section):
     state_dir: LaxPath = Field(Path("/var/lib/rolloutd"), description="the daemon's own state: records of "
                                "running servers and of /dev/shm at its start (to clean after a crash), the "
                                "plugin copy servers import, sockets/ (mode 0700), where each server's "
-                               "vLLM listens, and scratch/: a directory per running server (its TMPDIR, with "
-                               "the names of the /dev/shm segments it holds), removed once it stopped")
+                               "vLLM listens, scratch/: a directory per running server (its TMPDIR, with "
+                               "the names of the /dev/shm segments it holds), removed once it stopped, and "
+                               "compile-cache/: torch's compile cache (TORCHINDUCTOR_CACHE_DIR unless env "
+                               "sets it), kept across the servers' starts")
     mirror: Mirror = Field(default_factory=Mirror, description="the node's host mirror of pulled versions")
     pull: Pull = Field(default_factory=Pull, description="how a version is pulled into the mirror")
     peers: Peers = Field(default_factory=Peers, description="the chunk swarm: chunks from and to other nodes")
@@ -733,6 +739,11 @@ class Config(_Section):
     def scratch_dir(self) -> Path:
         """Where each running server gets a directory of its own (:data:`SCRATCH`)."""
         return self.state_dir / SCRATCH
+
+    @property
+    def compile_cache_dir(self) -> Path:
+        """``TORCHINDUCTOR_CACHE_DIR`` of every server unless its env sets it (:data:`COMPILE_CACHE`)."""
+        return self.state_dir / COMPILE_CACHE
 
     @property
     def socket_dir(self) -> Path:

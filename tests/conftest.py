@@ -114,12 +114,24 @@ def registry_log(tmp_path: Path) -> str:
     return "\n".join(p.read_text(errors="replace") for p in tmp_path.glob("registry-*.log"))
 
 
+class Debs:
+    """The .deb built by packaging/build-deb, by revision ("1"; "2" for upgrades), each built
+    the first time a run asks for it (about 35 s of CPU), into one folder per state of the
+    package's sources (tests.support.nspawn.deb_folder), kept for the next runs and workers: a
+    guest that binds the folder sees a revision built after it booted."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+
+    def __getitem__(self, revision: str) -> Path:
+        from tests.support.nspawn import build_deb_once
+        return build_deb_once(self.folder, revision)
+
+
 @pytest.fixture(scope="session")
-def debs(tmp_path_factory) -> dict[str, Path]:
-    """The .deb built by packaging/build-deb, as revisions 1 and 2 (for upgrades)."""
-    from tests.support.nspawn import build_deb
-    out = tmp_path_factory.mktemp("debs")
-    return {"1": build_deb(out, "1"), "2": build_deb(out, "2")}
+def debs() -> Debs:
+    from tests.support.nspawn import deb_folder
+    return Debs(deb_folder())
 
 
 @pytest.fixture(scope="module")

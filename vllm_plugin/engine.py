@@ -42,6 +42,7 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
 from .checkpoint import Tensor, checkpoint_names, describe_missing, in_layer_order, missing, open_version, tie
+from .wire import RELOAD_UNSUPPORTED
 
 # A child of vLLM's logger, so lines appear in the server's log with vLLM's format.
 log = logging.getLogger("vllm.rolloutd")
@@ -177,7 +178,9 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
 
 
 class ReloadUnsupported(RuntimeError):
-    """This vLLM cannot reload the served model exactly: refuse before touching a layer."""
+    """This vLLM cannot reload the served model exactly: refuse before touching a layer. Its text
+    starts with the tag the daemon reads (wire.RELOAD_UNSUPPORTED): the server is untouched, and
+    no version will load into it."""
 
 
 def refuse_inexact_reload(model: torch.nn.Module) -> None:
@@ -192,7 +195,8 @@ def refuse_inexact_reload(model: torch.nn.Module) -> None:
     experts = [name for name, m in model.named_modules()
                if isinstance(getattr(m, "w13_weight", None), torch.nn.Parameter)]
     if experts:
-        raise ReloadUnsupported(f"vLLM's CPU build does not reload mixture-of-experts layers exactly "
+        raise ReloadUnsupported(f"{RELOAD_UNSUPPORTED} vLLM's CPU build does not reload mixture-of-experts "
+                                "layers exactly "
                                 f"({experts[0]} and {len(experts) - 1} more): refusing to load a version "
                                 "into this server; a server started on the version serves it exactly")
 

@@ -55,6 +55,7 @@ import httpx
 import yaml
 
 from rolloutd.demo import families
+from rolloutd.demo.cpu_vllm import CPU_ENV, cpu_args
 from rolloutd.demo.serve import _free_port, default_vllm
 from rolloutd.demo.tinymodel import BOS_ID, EOS_ID, SPECIAL_TOKENS
 from rolloutd.fleet import Fleet, Generation, Sampling
@@ -202,9 +203,7 @@ def node_config(work: Path, registry_url: str, vllm: str, model: Path) -> dict:
         "health": {"interval_s": 1},
         "restart": {"start_timeout_s": 900},
         "vllm": {"command": [vllm, "serve"],
-                 "args": ["--dtype", "float32", "--max-model-len", "64", "--max-num-seqs", "64", "--enforce-eager",
-                          "--kv-cache-memory-bytes", str(64 << 20)],
-                 "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
+                 "args": cpu_args(max_model_len=64, max_num_seqs=64), "env": dict(CPU_ENV)},
         "servers": servers,
     }
 

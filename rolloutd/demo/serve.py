@@ -28,6 +28,7 @@ import httpx
 
 from rolloutd.config import Config
 from rolloutd.demo import families
+from rolloutd.demo.cpu_vllm import CPU_ENV, cpu_args
 from rolloutd.node.adminctl import render_status
 from rolloutd.node.daemon import Daemon
 from rolloutd.trainer.publish import EmbeddedRegistry
@@ -67,9 +68,7 @@ def demo_config(work: Path, registry_url: str, vllm: str, model: Path) -> Config
         "health": {"interval_s": 1},
         "restart": {"start_timeout_s": 300},
         "vllm": {"command": [vllm, "serve"],
-                 "args": ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
-                          "--kv-cache-memory-bytes", str(64 << 20)],
-                 "env": {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
+                 "args": cpu_args(), "env": dict(CPU_ENV)},
         "servers": [{"name": "cpu0", "model": str(model), "public_port": _free_port()}],
     })
 

@@ -16,7 +16,8 @@ The main loop ticks the systemd watchdog (so a frozen loop is restarted by syste
 keeps ``READY=1`` / ``STATUS=`` true; it never waits on anything else, so ``/healthz`` and the
 watchdog stay true while servers stop. Signal handlers only set events: SIGTERM or SIGINT asks
 for the ordered shutdown, a second one kills every server's process group at once; SIGHUP asks
-the reloader task for a reload.
+the reloader task for a reload; SIGUSR1 writes every thread's and task's stack to the log
+(:mod:`rolloutd.node.stacks`).
 
 A probe of the loop's own lateness (:mod:`rolloutd.node.looplag`) runs beside them.
 
@@ -61,6 +62,7 @@ from rolloutd import __version__
 from rolloutd.config import Config, ConfigError, load_config, read_token
 from rolloutd.gateway.relay import Gateway, GatewayError
 from rolloutd.metrics import Metrics
+from rolloutd.node import stacks
 from rolloutd.node.admin import AdminServer, action_token, create_app
 from rolloutd.node.heartbeat import Heartbeater
 from rolloutd.node.looplag import LoopLag
@@ -84,7 +86,6 @@ from rolloutd.wire.status import (
     MirrorStatus,
     NodeStatus,
     PullSources,
-    RefusedStatus,
     ReloadStatus,
     ServerStatus,
     TargetStatus,
@@ -245,9 +246,11 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop)
         loop.add_signal_handler(signal.SIGHUP, self._reload.set)
+        stacks.install(loop)
 
     def _unhandle_signals(self) -> None:
         loop = asyncio.get_running_loop()
+        stacks.uninstall(loop)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             loop.remove_signal_handler(sig)
 
@@ -310,6 +313,8 @@ class Daemon:
     def _on_state(self, name: str, old: ServerState, new: ServerState) -> None:
         if self._tg is not None and not self._stop.is_set():
             self._report()
+        if (running := self.servers.get(name)) is not None:
+            running.heartbeater.state_changed()
 
     # -- servers ----------------------------------------------------------------------------------------
     async def _open_gateway(self, spec) -> Gateway:
@@ -525,7 +530,7 @@ class Daemon:
             mirror=MirrorStatus(dir=str(self.mirror.dir), max_bytes=self.mirror.max_bytes,
                                 usage_bytes=self.mirror.usage_bytes(), spare_bytes=self.mirror.spare_bytes(),
                                 versions=self.mirror.versions()),
-            servers=servers, refused=[RefusedStatus.model_validate(r) for r in self.refusals.as_list()])
+            servers=servers, refused=self.refusals.status())
 
     def _pull_sources(self) -> PullSources:
         """Bytes of the last pull by kind of source, and what this node served its peers."""

@@ -5,7 +5,9 @@ target, incarnation, endpoint, last update's phase durations and gate, the node'
 time, whether it came whole or as a delta and on which base, the bytes it fetched against the
 version's size), the versions the node refused, and the server's last error (the registry's fleet
 view shows them). The task only reads the supervisor's fields, so a pull or an update never delays
-it. The reply's newest version and demand go to the updater. A failed beat is counted and logged
+it. A change of the server's state (SERVING on a new version above all) is beaten at once rather
+than at the next tick, so that a trainer waiting for replicas on a version learns it as soon as it
+is served. The reply's newest version and demand go to the updater. A failed beat is counted and logged
 when the registry is lost and when it is back, not on every beat; beats go on at the same
 interval. Cancelling the task deregisters the replica (bounded by ``shutdown.deregister_timeout_s``).
 """
@@ -30,7 +32,6 @@ from rolloutd.wire.messages import (
     GateReport,
     Heartbeat,
     PullReport,
-    RefusedVersion,
 )
 
 log = logging.getLogger("rolloutd.rollout.heartbeat")
@@ -45,6 +46,7 @@ class Heartbeater:
         self._failing = False
         self._refused: set[str] = set()  # newer fields a registry from before them refuses: left out
         self._last_pull: PullReport | None = None  # kept while the next pull runs
+        self._changed = asyncio.Event()  # the server's state changed since the last beat began
 
     def age_s(self) -> float | None:
         return None if self.last_ok is None else time.monotonic() - self.last_ok
@@ -60,20 +62,26 @@ class Heartbeater:
         refused = self.server.refusals.for_heartbeat()
         optional = {"gate": GateReport(**last.gate.model_dump()) if last and last.gate else None,
                     "last_error": _clip(snap.last_error),
-                    "refused": [RefusedVersion(**r) for r in refused] if refused else None,
+                    "refused": refused or None,
                     "last_pull": self._last_pull}
         return Heartbeat(node=cfg.node_name, server=self.server.name, state=snap.state, endpoint=snap.endpoint,
                          version=snap.version, target=snap.target, incarnation=snap.incarnation,
                          registry_instance=self._updater.registry.instance, timings=timings,
                          **{k: v for k, v in optional.items() if k not in self._refused})
 
+    def state_changed(self) -> None:
+        """The server's state changed: beat now, not at the next tick."""
+        self._changed.set()
+
     async def run(self) -> None:
         try:
             while True:
                 started = time.monotonic()
+                self._changed.clear()  # a change while beating is beaten next
                 await self.beat()
                 interval = self._conf().heartbeat.interval_s
-                await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._changed.wait(), max(0.0, interval - (time.monotonic() - started)))
         except asyncio.CancelledError:
             await asyncio.shield(self.deregister())
             raise

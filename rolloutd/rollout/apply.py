@@ -38,6 +38,7 @@ from rolloutd.metrics import Metrics
 from rolloutd.rollout.gate import GateFailed, GateResult, read_canary, run_gate
 from rolloutd.rollout.updater import Target
 from rolloutd.rollout.vllm_http import VllmClient, VllmError
+from rolloutd.wire.status import LastUpdate
 
 log = logging.getLogger("rolloutd.rollout.apply")
 
@@ -52,11 +53,14 @@ class ApplyFailed(Exception):
     canary the server cannot score: neither loading it again nor a restart can help);
     ``maybe_version``, the version's or the server's (its bytes loaded, ``/update_weights``, or
     its gate, answered); neither, the server's (pause, start, finish, check, resume: steps the
-    version's bytes play no part in; or no answer in time)."""
+    version's bytes play no part in; or no answer in time). ``unloadable``: the plugin refused to
+    load anything into this server, which is untouched and resumed (no version will load: each
+    is refused, and the server serves what it holds)."""
 
-    def __init__(self, message: str, *, restart: bool, version_fault: bool = False, maybe_version: bool = False):
+    def __init__(self, message: str, *, restart: bool, version_fault: bool = False, maybe_version: bool = False,
+                 unloadable: bool = False):
         super().__init__(message)
-        self.restart, self.version_fault = restart, version_fault
+        self.restart, self.version_fault, self.unloadable = restart, version_fault, unloadable
         self.maybe_version = maybe_version or version_fault
 
 
@@ -71,10 +75,10 @@ class UpdateRecord:
     error: str | None = None
     gate: GateResult | None = None  # the last gate run for this update
 
-    def as_dict(self) -> dict:
-        return {"version": self.version, "ok": self.ok, "at_unix": self.at_unix,
-                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()}, "error": self.error,
-                "gate": self.gate.as_dict() if self.gate else None}
+    def status(self) -> LastUpdate:
+        return LastUpdate(version=self.version, ok=self.ok, at_unix=self.at_unix,
+                          phases_s={k: round(v, 4) for k, v in self.phases_s.items()}, error=self.error,
+                          gate=self.gate.status() if self.gate else None)
 
 
 class Applier:
@@ -186,6 +190,8 @@ class Applier:
                 return target
             step, e = failed
             self._failed(step, e)
+            if step == "start" and e.reload_unsupported:  # the same answer at every attempt, and nothing touched
+                await self._unloadable(target, record, e)
             target = await self._again(target, record, e, attempt, attempts, step="apply",
                                        failed=f"loading version {target.version} failed",
                                        meanwhile="the server stays paused",
@@ -225,6 +231,21 @@ class Applier:
         label = await self.vllm.weight_version(self.policy.finish_timeout_s)
         if label != str(target.version):
             raise ApplyFailed(f"/weight_info says {label!r} after loading version {target.version}", restart=True)
+
+    async def _unloadable(self, target: Target, record: UpdateRecord, error: VllmError) -> None:
+        """The plugin refused to load anything into this server (before touching a layer): resume
+        it on the weights it holds, and say so (ApplyFailed ``unloadable``); a resume that fails
+        leaves it paused: a restart."""
+        record.error = str(error)
+        log.error("start %s: version %d: this server cannot load versions in place: %s; resuming it on the "
+                  "weights it holds", self.name, target.version, error)
+        try:
+            await self.vllm.resume(self.policy.resume_timeout_s)
+        except VllmError as e:
+            self._failed("resume", e)
+            raise ApplyFailed(f"resume after a refused load failed: {e}", restart=True) from None
+        raise ApplyFailed(f"this server cannot load versions in place: {error}", restart=False,
+                          unloadable=True)
 
     async def _resume_untouched(self, record: UpdateRecord) -> None:
         try:

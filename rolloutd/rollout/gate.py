@@ -37,6 +37,7 @@ from pathlib import Path
 
 from rolloutd.rollout.vllm_http import VllmClient, VllmError
 from rolloutd.wire.manifest import DEFAULT_CANARY_TOLERANCE, MAX_CANARY_TOLERANCE, Canary, Manifest
+from rolloutd.wire.status import GateStatus
 
 # Small ids: in the vocabulary of every real tokenizer (the daemon does not know the vocabulary).
 PROBE_IDS = (1, 2, 3, 4, 5)
@@ -68,11 +69,11 @@ class GateResult:
     tokens: int = 0                     # positions scored
     error: str | None = None
 
-    def as_dict(self) -> dict:
+    def status(self) -> GateStatus:
         """For status and heartbeats: JSON-safe (a non-finite figure is null, with ok false)."""
         figure = self.max_abs_dlogprob
-        return {"ok": self.ok, "canary": self.canary, "tokens": self.tokens, "tolerance": self.tolerance,
-                "max_abs_dlogprob": round(figure, 6) if figure is not None and math.isfinite(figure) else None}
+        return GateStatus(ok=self.ok, canary=self.canary, tokens=self.tokens, tolerance=self.tolerance,
+                          max_abs_dlogprob=round(figure, 6) if figure is not None and math.isfinite(figure) else None)
 
 
 def read_canary(version_dir: Path, digest: str) -> Canary | None:

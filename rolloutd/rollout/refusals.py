@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 from rolloutd.metrics import Metrics
 from rolloutd.rollout.updater import Target
-from rolloutd.wire.messages import MAX_ERROR_CHARS, MAX_REFUSED
+from rolloutd.wire.messages import MAX_ERROR_CHARS, MAX_REFUSED, RefusedVersion
+from rolloutd.wire.status import RefusedStatus
 
 log = logging.getLogger("rolloutd.rollout.refusals")
 
@@ -35,9 +36,9 @@ class Refusal:
     server: str     # the server whose failures refused it
     at_unix: float
 
-    def as_dict(self) -> dict:
-        return {"version": self.version, "digest": self.digest, "reason": self.reason, "server": self.server,
-                "at_unix": self.at_unix}
+    def status(self) -> RefusedStatus:
+        return RefusedStatus(version=self.version, digest=self.digest, reason=self.reason, server=self.server,
+                             at_unix=self.at_unix)
 
 
 class Refusals:
@@ -75,11 +76,12 @@ class Refusals:
         if self._discard is not None:
             await self._discard(target)
 
-    def as_list(self) -> list[dict]:
-        return [r.as_dict() for r in self._refused.values()]
+    def status(self) -> list[RefusedStatus]:
+        """Oldest first, as /status shows them."""
+        return [r.status() for r in self._refused.values()]
 
-    def for_heartbeat(self) -> list[dict]:
-        return [{"version": r.version, "digest": r.digest, "reason": r.reason} for r in self._refused.values()]
+    def for_heartbeat(self) -> list[RefusedVersion]:
+        return [RefusedVersion(version=r.version, digest=r.digest, reason=r.reason) for r in self._refused.values()]
 
 
 def _clip(reason: str) -> str:

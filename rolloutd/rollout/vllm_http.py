@@ -15,13 +15,18 @@ from typing import Any
 
 import aiohttp
 
+from vllm_plugin.wire import RELOAD_UNSUPPORTED
+
 
 class VllmError(Exception):
-    """``status``: the HTTP status vLLM answered (None: no answer); ``timed_out``: none came in time."""
+    """``status``: the HTTP status vLLM answered (None: no answer); ``timed_out``: none came in time;
+    ``reload_unsupported``: the plugin refused to load anything into this server, untouched."""
 
-    def __init__(self, route: str, message: str, *, status: int | None = None, timed_out: bool = False):
+    def __init__(self, route: str, message: str, *, status: int | None = None, timed_out: bool = False,
+                 reload_unsupported: bool = False):
         super().__init__(f"{route}: {message}")
         self.route, self.status, self.timed_out = route, status, timed_out
+        self.reload_unsupported = reload_unsupported
 
 
 class VllmClient:
@@ -47,7 +52,9 @@ class VllmClient:
                     total=timeout_s), **kw) as r:
                 body = await r.json(content_type=None) if r.content_length != 0 else None
                 if r.status >= 400:
-                    raise VllmError(route, f"HTTP {r.status}: {_message(body)}", status=r.status)
+                    text = _message(body)
+                    raise VllmError(route, f"HTTP {r.status}: {text}", status=r.status,
+                                    reload_unsupported=RELOAD_UNSUPPORTED in text)
                 return body
         except VllmError:
             raise

@@ -31,6 +31,10 @@
   whose start model fails the gate's probe too is broken, toward FATAL); a process that dies
   twice while loading the same version refuses it too. The next version is taken as usual. If
   the last good version cannot be loaded again, the server restarts on its start model.
+- A server whose plugin refuses to load anything into it (vLLM's CPU build and mixture-of-experts
+  layers: ``vllm_plugin.engine.refuse_inexact_reload``) is untouched: each version is refused at
+  once, the server resumed on what it holds, never restarted for it (a new process would refuse
+  the same way, and going FATAL would take a healthy server out of traffic).
 - Cancelling :meth:`run` is how a server is stopped: STOPPING, TERM to all its processes, grace, KILL,
   every process reaped, STOPPED; the child is never left behind on any path.
 """
@@ -63,7 +67,7 @@ from rolloutd.supervise.containment import Containment
 from rolloutd.supervise.plugin_path import child_env
 from rolloutd.supervise.sockets import SocketDirError, remove_stale
 from rolloutd.wire.states import Lifecycle, ServerState
-from rolloutd.wire.status import LastUpdate, ServerSnapshot
+from rolloutd.wire.status import ServerSnapshot
 
 log = logging.getLogger("rolloutd.server")
 S = ServerState
@@ -103,6 +107,7 @@ def child_environ(cfg: Config, server: ServerConfig, plugin_dir: Path, base: dic
     env = {k: v for k, v in (os.environ if base is None else base).items() if k not in _PRIVATE_ENV}
     env.update(cfg.vllm.env)
     env.update(server.env)
+    env.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cfg.compile_cache_dir))  # not in its TMPDIR, gone at its stop
     if server.cuda_visible_devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = server.cuda_visible_devices
     if (bind := cfg.omp_threads_bind(server)) is not None:  # else every worker binds to the same cores
@@ -331,6 +336,10 @@ class Supervisor:
             await self._apply(target)
             return
         except ApplyFailed as e:
+            if e.unloadable:  # the server is untouched and resumed: refuse the version, serve on, no restart
+                self._refuse(target, str(e))
+                await self.refusals.discard(target)
+                return
             if not e.restart:
                 raise  # the weights are untouched: tried again later
             if not e.maybe_version:
@@ -450,7 +459,7 @@ class Supervisor:
         except ApplyFailed as e:
             if e.restart:  # half-loaded, or weights that failed the gate: not what it held before
                 self._hold(None)
-            raise  # else the pause failed: the weights are untouched, it holds what it held
+            raise  # else the pause failed, or the plugin refused: the weights are untouched, it holds what it held
         finally:
             self.loading = None
         self.metrics.updates.labels(server=self.name).inc()
@@ -545,7 +554,7 @@ class Supervisor:
             target=target.version if target else None, last_good=self.good.version if self.good else None,
             incarnation=self.incarnation, restarts=self.restarts, state_age_s=round(self.lifecycle.age_s(), 3),
             last_error=self.last_error,
-            last_update=LastUpdate.model_validate(self.last_update.as_dict()) if self.last_update else None)
+            last_update=self.last_update.status() if self.last_update else None)
 
 
 async def _reap(tasks: tuple[asyncio.Future, ...]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -21,7 +22,8 @@ from pathlib import Path
 import httpx
 import yaml
 
-from tests.support.vllm_server import FAST_CPU_FLAGS, ROOT, VLLM, client
+from rolloutd.demo.cpu_vllm import CPU_ENV
+from tests.support.vllm_server import FAST_CPU_FLAGS, ROOT, VLLM, client, worker_cores
 
 FAKE_VLLM = ROOT / "tests" / "support" / "fake_vllm.py"
 
@@ -58,6 +60,7 @@ def vllm_server(name: str, model: Path, cpus: str, **extra) -> dict:
     """A config entry for a real ``vllm serve`` (CPU build) on ``cpus`` ("0", "0-1"): its worker
     threads bound there, and all its processes kept there. Unconfined, its engine core's polling
     loop takes whatever core is left, and the daemon and the test wait behind it for seconds."""
+    cpus = worker_cores(cpus)
     return {"name": name, "model": str(model), "public_port": _free_port(), "cpus": cpu_list(cpus),
             "env": {"VLLM_CPU_OMP_THREADS_BIND": cpus}, **extra}
 
@@ -108,11 +111,13 @@ def config(tmp: Path, registry_url: str, servers: list[dict], *, fake: bool = Fa
         "state_dir": str(tmp / "state"),
         "mirror": {"dir": str(tmp / "mirror"), "max_bytes": "1GiB"},
         "heartbeat": {"interval_s": 0.5, "timeout_s": 2},
-        "health": {"interval_s": 0.5, "timeout_s": 2, "failures": 3},
+        # A real vLLM's /health can wait seconds behind a first request on a busy machine: 2 s
+        # three times restarted a healthy server in the middle of a test. The fake answers at once.
+        "health": {"interval_s": 0.5, "timeout_s": 2 if fake else 10, "failures": 3},
         "restart": {"start_timeout_s": 240, "backoff_initial_s": 0.5, "backoff_max_s": 2, "max_retries": 3},
         "shutdown": {"server_grace_s": 10, "kill_wait_s": 10},
         "vllm": {"command": command, "args": [] if fake else list(FAST_CPU_FLAGS),
-                 "env": {"ROLLOUTD_TEST_TAG": tag, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1"}},
+                 "env": {"ROLLOUTD_TEST_TAG": tag, **CPU_ENV}},
         "servers": [{"public_port": _free_port(), **s} for s in servers],
     }
     for section, values in sections.items():
@@ -220,8 +225,13 @@ class DaemonProcess:
         try:
             return self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
+            self.signal(signal.SIGUSR1)  # its threads' and tasks' stacks, into the log (node/stacks.py)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(3)
             self.kill_everything()
-            raise AssertionError(f"rolloutd did not stop within {timeout_s} s\n{self.tail()}") from None
+            # The daemon's own lines first: the servers' output would push them out of a CI excerpt.
+            raise AssertionError(f"rolloutd did not stop within {timeout_s} s\n{self.own_lines()}\n"
+                                 f"--- the log's last lines:\n{self.tail()}") from None
 
     def kill_everything(self) -> None:
         """Last resort for a failed test: nothing of this daemon outlives it."""
@@ -238,6 +248,15 @@ class DaemonProcess:
         if not self.log.exists():
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def own_lines(self, lines: int = 80) -> str:
+        """The daemon's last lines without its servers' output (``rolloutd.server.<name>``), and
+        whatever it wrote that is not a log record (a stack dump), in order."""
+        if not self.log.exists():
+            return ""
+        own = [line for line in self.log.read_text(errors="replace").splitlines()
+               if not re.match(r"\S+ \S+ \w+ rolloutd\.server\.", line)]
+        return "\n".join(own[-lines:])
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")

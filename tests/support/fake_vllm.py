@@ -29,7 +29,8 @@ Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen
 ``exit_at_start=CODE``, ``exit_after=SECONDS`` (status 1), ``ignore_term``,
 ``slow_start=SECONDS`` (before it listens), ``rank_logprob=RANK:X`` (engine RANK scores
 every position X: an engine left on other weights), ``hang=/route``, ``fail=/route``,
-``fail_once=/route``, ``crash_on=/route`` (exits with status 1), ``spawn_child`` (a ``sleep``
+``fail_once=/route``, ``crash_on=/route`` (exits with status 1), ``reload_unsupported``
+(``/start_weight_update`` answers as the plugin refusing to load into this server), ``spawn_child`` (a ``sleep``
 in its process group, as vLLM's engine core is; it inherits an ignored SIGTERM), ``escape_child``
 (a ``sleep`` in a session of its own: out of the fake's process group, in its cgroup still).
 
@@ -53,9 +54,11 @@ from aiohttp import web
 
 try:
     from vllm_plugin.checkpoint import MirrorError, check_version
+    from vllm_plugin.wire import RELOAD_UNSUPPORTED
 except ImportError:  # run from a checkout where rolloutd is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from vllm_plugin.checkpoint import MirrorError, check_version
+    from vllm_plugin.wire import RELOAD_UNSUPPORTED
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -146,6 +149,9 @@ class FakeVllm:
         return web.json_response({"is_paused": self.paused})
 
     async def start_weight_update(self, request: web.Request) -> web.Response:
+        if "reload_unsupported" in self.faults:  # the plugin's refusal, as vLLM hands a worker's error on
+            return error(f"Call to collective_rpc method failed: Worker failed with error '{RELOAD_UNSUPPORTED} "
+                         "this server cannot reload its layers (fault reload_unsupported)'")
         self.updating = True
         return web.json_response({"message": "Weight update started"})
 

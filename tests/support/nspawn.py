@@ -268,3 +268,43 @@ def build_deb(out: Path, revision: str = "1") -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"packaging/build-deb failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return Path(done.stdout.strip().splitlines()[-1])
+
+
+# What packaging/build-deb puts in the package: a change to any of them is a new package.
+PACKAGE_SOURCES = ("pyproject.toml", "rolloutd", "vllm_plugin", "systemd", "etc", "packaging", "README.md", "docs")
+DEBS = ROOT / "build" / "test-debs"
+
+
+def deb_folder() -> Path:
+    """``build/test-debs/<digest>``: the digest of the package's sources as they are now (the
+    files git tracks or would, under PACKAGE_SOURCES), so that a package is built once per
+    state of them, not once per run and worker."""
+    import hashlib
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "--", *PACKAGE_SOURCES],
+                           cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    digest = hashlib.sha256()
+    for name in sorted(n for n in names if n):
+        path = ROOT / name.decode()
+        if path.is_file():
+            digest.update(name + b"\0" + path.read_bytes() + b"\0")
+    return DEBS / digest.hexdigest()[:16]
+
+
+def build_deb_once(folder: Path, revision: str) -> Path:
+    """The package of ``revision`` in ``folder``, built there unless it is already; one builder
+    at a time (a lock file beside the folder), so two workers asking together build it once.
+    Packages of other states of the sources, an hour old, are removed."""
+    import fcntl
+    DEBS.mkdir(parents=True, exist_ok=True)
+    with open(DEBS / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        built = sorted(folder.glob(f"rolloutd_*-{revision}_*.deb"))
+        if built:
+            return built[0]
+        for stale in DEBS.iterdir():  # an hour old: not one a guest of a run going on still binds
+            if stale.is_dir() and stale != folder and time.time() - stale.stat().st_mtime > 3600:
+                shutil.rmtree(stale, ignore_errors=True)
+        folder.mkdir(exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=DEBS) as scratch:  # no half-written package is ever found
+            deb = build_deb(Path(scratch), revision)
+            return deb.rename(folder / deb.name)

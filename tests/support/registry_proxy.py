@@ -1,5 +1,8 @@
 """Fake network paths to the registry, for tests.
 
+- ``ThreadedProxy`` is an aiohttp server on its own event loop in a thread (so a synchronous
+  test or bench drives it) that hands every request to ``_handle``; the proxies below, and
+  bench/roundtrips.py's counting proxy, are built on it.
 - ``RegistryProxy`` forwards every request to the registry on ``upstream_port``, and can slow
   down byte transfers (``byte_delay_s`` before each byte range) or answer each with an error
   (``error_body``: a 404 with that body). When the registry behind it is
@@ -20,12 +23,12 @@ from aiohttp import web
 _FORWARD = ("authorization", "range", "content-type")
 
 
-class RegistryProxy:
-    def __init__(self, upstream_port: int):
-        self.upstream = f"http://127.0.0.1:{upstream_port}"
-        self.byte_delay_s = 0.0
-        self.byte_requests = 0
-        self.error_body: bytes | None = None
+class ThreadedProxy:
+    """Forwards to ``upstream`` through ``_handle`` (a subclass's), with ``self._session``, an
+    aiohttp client session made by ``_new_session`` on the proxy's loop."""
+
+    def __init__(self, upstream: str):
+        self.upstream = upstream
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -34,7 +37,7 @@ class RegistryProxy:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> RegistryProxy:
+    def start(self):
         self._thread.start()
         asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
         return self
@@ -44,11 +47,14 @@ class RegistryProxy:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
+    def _new_session(self) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
     async def _start(self) -> None:
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+        self._session = self._new_session()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5)
+        self._runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -57,6 +63,21 @@ class RegistryProxy:
     async def _stop(self) -> None:
         await self._runner.cleanup()
         await self._session.close()
+        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]  # a long-poll's handler
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+class RegistryProxy(ThreadedProxy):
+    def __init__(self, upstream_port: int):
+        super().__init__(f"http://127.0.0.1:{upstream_port}")
+        self.byte_delay_s = 0.0
+        self.byte_requests = 0
+        self.error_body: bytes | None = None
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         if "/files/" in request.path and request.method == "GET":

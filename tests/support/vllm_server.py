@@ -17,13 +17,22 @@ from pathlib import Path
 
 import httpx
 
+from rolloutd.demo.cpu_vllm import CPU_ENV, cpu_args
 from rolloutd.supervise.leftovers import remove_shm_leftovers, shm_held_by, shm_names
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
 # Flags that start a small model fast on CPU (docs/plugin.md, "Testing on a machine without a GPU").
-FAST_CPU_FLAGS = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "8", "--enforce-eager",
-                  "--kv-cache-memory-bytes", str(64 << 20)]
+FAST_CPU_FLAGS = cpu_args()
+
+
+def worker_cores(cpus: str) -> str:
+    """The cores a test asking for ``cpus`` gets: scripts/test runs the system tier two files at a
+    time, and its second worker swaps cores 0 and 1, so that two tests side by side, each with a
+    server on "core 0", take a core each. Other specs ("0-1") are kept."""
+    if os.environ.get("PYTEST_XDIST_WORKER") != "gw1":
+        return cpus
+    return {"0": "1", "1": "0"}.get(cpus, cpus)
 
 
 def require_vllm() -> None:
@@ -57,6 +66,7 @@ class VllmServer:
     def __init__(self, model: Path, listen: int | Path, log: Path, *, pythonpath: list[Path], cpus: str = "0",
                  extra_args: list[str] = (), extra_env: dict[str, str] | None = None):
         require_vllm()
+        cpus = worker_cores(cpus)
         self.model, self.log = model, log
         if isinstance(listen, Path):
             self.port, self.socket, self.url = None, listen, "http://localhost"
@@ -65,7 +75,7 @@ class VllmServer:
             self.port, self.socket, self.url = listen, None, f"http://127.0.0.1:{listen}"
             where = ["--host", "127.0.0.1", "--port", str(listen)]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(VLLM_SERVER_DEV_MODE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+        env.update(CPU_ENV, VLLM_SERVER_DEV_MODE="1",
                    VLLM_CPU_OMP_THREADS_BIND=cpus, PYTHONPATH=os.pathsep.join(map(str, pythonpath)),
                    **(extra_env or {}))
         self.cmd = [str(VLLM), "serve", str(model), *where,

@@ -26,6 +26,7 @@ async def test_a_stopped_tensor_parallel_vllm_leaves_none_of_the_segments_it_hel
     daemon stops it: nothing it held is left in /dev/shm, and another program's segments (one
     there before it, one made while it runs, named like its own) are untouched."""
     from rolloutd.demo import tinymodel
+    from rolloutd.demo.cpu_vllm import CPU_ENV
     from tests.conftest import free_port
     from tests.support.vllm_server import FAST_CPU_FLAGS, VLLM, require_vllm
 
@@ -38,7 +39,7 @@ async def test_a_stopped_tensor_parallel_vllm_leaves_none_of_the_segments_it_hel
     child = children("vllm", [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
                               *FAST_CPU_FLAGS, "--tensor-parallel-size", "2"])
     child.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    child.env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
+    child.env.update(CPU_ENV, VLLM_CPU_OMP_THREADS_BIND="0|1")
     try:
         await child.spawn()
         async with httpx.AsyncClient(base_url=url, timeout=2) as client:

@@ -28,7 +28,8 @@ from tests.support.daemon_harness import DaemonProcess, config, vllm_server, wai
 from tests.support.vllm_server import group_pids
 from tests.system.test_daemon import _engine_core
 
-pytestmark = [pytest.mark.timeout(600)]
+# alone: the server must be back within 15 s of its vLLM's start, a deadline raced against the machine
+pytestmark = [pytest.mark.timeout(600), pytest.mark.alone]
 
 
 def shm_mapped(pids: list[int]) -> set[str]:

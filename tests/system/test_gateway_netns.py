@@ -11,6 +11,8 @@ listens on no port at all: tests/system/test_private_socket.py).
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -33,13 +35,24 @@ def ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
 
 
+def remove_stale_namespaces() -> None:
+    """Remove the namespaces of test runs that were killed before their fixture's end (SIGKILL):
+    ``rtest-<pid>-<tag>`` whose pid is gone. Deleting a namespace deletes the veth pair with it."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    for name in names:
+        if (m := re.fullmatch(r"rtest-(\d+)-[0-9a-f]+", name)) and not os.path.exists(f"/proc/{m.group(1)}"):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
 @pytest.fixture
 def other_host():
     """A network namespace linked to this host by a veth pair: (namespace, host address)."""
     if sys.platform != "linux":
         pytest.fail("network namespaces need Linux")
+    remove_stale_namespaces()
     tag = uuid.uuid4().hex[:6]
-    ns, here, there = f"rtest-{tag}", f"vh-{tag}", f"vn-{tag}"
+    # The creator's pid in the name: a later run removes what a killed one left (remove_stale_namespaces).
+    ns, here, there = f"rtest-{os.getpid()}-{tag}", f"vh-{tag}", f"vn-{tag}"
     subnet = f"10.{200 + int(tag[:2], 16) % 50}.{int(tag[2:4], 16)}"
     ip("netns", "add", ns)
     try:
@@ -54,6 +67,21 @@ def other_host():
     finally:
         subprocess.run(["ip", "link", "del", here], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_the_namespaces_of_a_killed_run_are_removed_and_a_live_runs_kept():
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid is gone (reaped): a run killed before its fixture's end
+    stale, live = f"rtest-{dead.pid}-0badc0", f"rtest-{os.getpid()}-0badc1"
+    for ns in (stale, live):
+        ip("netns", "add", ns)
+    try:
+        remove_stale_namespaces()
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        assert stale not in names and live in names, names
+    finally:
+        for ns in (stale, live):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
 # Runs inside the other namespace: every probe, results as JSON on stdout.

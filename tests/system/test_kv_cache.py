@@ -31,7 +31,8 @@ from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.wire.manifest import build_manifest
 from tests.support.vllm_server import VllmServer
 
-pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
+# alone: a request must still be generating when the pause reaches it, a race with the machine's speed
+pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread"), pytest.mark.alone]
 
 LONG = [1] + [(i * 37) % 500 + 3 for i in range(150)]  # 151 tokens: more than one 128-token block
 SEEDS = range(10)

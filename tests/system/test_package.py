@@ -15,12 +15,12 @@ import json
 import re
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 import yaml
 
 from rolloutd.config import Shutdown
+from tests.conftest import Debs
 from tests.support.nspawn import ROOT, Machine, debian_root
 
 pytestmark = [pytest.mark.timeout(900)]
@@ -40,7 +40,7 @@ def guest(tmp_path_factory, debs):
         machine.halt()
 
 
-def pkg(debs: dict[str, Path], revision: str) -> str:
+def pkg(debs: Debs, revision: str) -> str:
     return f"/mnt/pkg/{debs[revision].name}"
 
 

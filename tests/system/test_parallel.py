@@ -32,7 +32,10 @@ from tests.support.vllm_server import group_pids, require_vllm
 from tests.system.test_engine_kill import shm_mapped
 from tests.system.test_model_matrix import NEW_TOKENS
 
-pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
+# alone: its servers take both cores, a rank on each, and each rank waits spinning for the
+# other; beside another file, both took two to three times as long (the soak beside it: 750 s
+# instead of 393).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread"), pytest.mark.alone]
 
 FAMILY = "qwen2"  # tied embeddings: the output head must follow the embedding on every worker
 SEED = {v: 10 + v for v in range(1, 7)}  # version -> weights seed; the servers start on seed 0 (A)

@@ -35,6 +35,20 @@ def test_the_system_folder_marks_each_of_its_files_slow(path):
     assert [m.name for m in item.marks] == ["slow"]
 
 
+def test_every_system_file_has_its_seconds_and_the_longest_files_come_first():
+    """scripts/test hands the system tier's files to two workers in this order."""
+    paths = tier_files("system")
+    assert sorted(system_conftest.SECONDS) == sorted(p.name for p in paths)
+    other = tier_files("unit")[:2]
+    items = [SimpleNamespace(path=p, marks=[], add_marker=lambda m: None, n=n)
+             for p in [*paths, *other] for n in range(2)]
+    system_conftest.pytest_collection_modifyitems(items)
+    assert [i.path for i in items[:4]] == [other[0], other[0], other[1], other[1]]
+    seconds = [system_conftest.SECONDS[i.path.name] for i in items[4:]]
+    assert seconds == sorted(seconds, reverse=True) and seconds[0] == max(system_conftest.SECONDS.values())
+    assert [i.n for i in items[4:6]] == [0, 1]  # a file's tests keep their order
+
+
 def test_the_system_folder_marks_nothing_elsewhere():
     for path in tier_files("unit") + tier_files("integration"):
         item = SimpleNamespace(path=path, marks=[])

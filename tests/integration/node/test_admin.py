@@ -203,7 +203,7 @@ def test_status_model_takes_what_the_daemon_parts_produce():
     doc["pull"] = progress.status()
     doc["registry"] = RegistryView("http://trainer:8700").status(time.monotonic())
     doc["servers"][0]["last_update"] = UpdateRecord(version=3, phases_s={"pause": 0.001}, gate=GateResult(
-        canary=False, ok=True, tokens=4)).as_dict()
+        canary=False, ok=True, tokens=4)).status().model_dump()
     sup = Supervisor(Config.model_validate(CONFIG).servers[0], lambda: Config.model_validate(CONFIG),
                      SimpleNamespace(target=None), slots=asyncio.Semaphore, containment=None, plugin_dir=Path("/p"),
                      metrics=Metrics())

@@ -345,28 +345,35 @@ def test_a_restart_while_the_registry_is_down_serves_the_mirror_only_when_asked(
     first = daemons(directory=node)
     first.wait_versions({"s0": 1}, 30)  # version 1 is now complete in the node's mirror
     assert first.stop(30) == 0
-    port = free_port()  # the registry is down: nothing listens there
-    d = daemons(directory=node, registry_url=f"http://127.0.0.1:{port}",
-                update={"serve_mirror_when_registry_down": serve_mirror})
-    if serve_mirror:
-        st = d.wait_versions({"s0": 1}, 30)
-        assert st["registry"]["reachable"] is False and st["target"]["version"] == 1
-        assert "serve version 1 from the mirror: the registry is unreachable at start" in d.log_text()
-    else:
-        d.wait(lambda s: s["servers"][0]["state"] == "SYNCING" and s["registry"]["last_error"], 30,
-               "SYNCING, the registry unreachable")
-        for _ in range(10):  # retries every 0.2-2 s meanwhile; the server keeps waiting for the registry
-            assert d.server("s0")["state"] == "SYNCING" and d.status()["target"] is None
-            time.sleep(0.2)
-    # The registry comes back with the same version 1: served, and never loaded twice.
-    with EmbeddedRegistry(port=port) as back:
-        back.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
-        d.wait(lambda s: metric(d, "pulls_total", result="reused") == 1, 30,
-               "the registry's version 1 found in the mirror (the updater's step done, its target published)")
-        d.wait_versions({"s0": 1}, 30)  # (wait: the first sync is under way)
-        for _ in range(10):  # a server that took it for new weights would be UPDATING within milliseconds
-            st = d.status()
-            assert (st["servers"][0]["state"], st["servers"][0]["version"]) == ("SERVING", 1)
-            assert "-> UPDATING" not in d.log_text(), "the same weights were loaded again"
-            time.sleep(0.1)
-        assert d.stop(30) == 0
+    # The registry is down: the daemon's registry address is a proxy to a port nothing listens on.
+    way_in = RegistryProxy(free_port()).start()
+    try:
+        d = daemons(directory=node, registry_url=way_in.url,
+                    update={"serve_mirror_when_registry_down": serve_mirror})
+        if serve_mirror:
+            st = d.wait_versions({"s0": 1}, 30)
+            assert st["registry"]["reachable"] is False and st["target"]["version"] == 1
+            assert "serve version 1 from the mirror: the registry is unreachable at start" in d.log_text()
+        else:
+            d.wait(lambda s: s["servers"][0]["state"] == "SYNCING" and s["registry"]["last_error"], 30,
+                   "SYNCING, the registry unreachable")
+            for _ in range(10):  # retries every 0.2-2 s meanwhile; the server keeps waiting for the registry
+                assert d.server("s0")["state"] == "SYNCING" and d.status()["target"] is None
+                time.sleep(0.2)
+        # The registry comes back with the same version 1: served, and never loaded twice. It is
+        # reachable only once version 1 is in it: a registry that answers "no version yet" is rightly
+        # a decision to serve the start model, and then loading version 1 is no second load.
+        with EmbeddedRegistry(port=0) as back:
+            back.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
+            way_in.upstream = back.url
+            d.wait(lambda s: metric(d, "pulls_total", result="reused") == 1, 30,
+                   "the registry's version 1 found in the mirror (the updater's step done, its target published)")
+            d.wait_versions({"s0": 1}, 30)  # (wait: the first sync is under way)
+            for _ in range(10):  # a server that took it for new weights would be UPDATING within milliseconds
+                st = d.status()
+                assert (st["servers"][0]["state"], st["servers"][0]["version"]) == ("SERVING", 1)
+                assert "-> UPDATING" not in d.log_text(), "the same weights were loaded again"
+                time.sleep(0.1)
+            assert d.stop(30) == 0
+    finally:
+        way_in.stop()

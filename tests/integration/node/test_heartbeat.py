@@ -227,3 +227,29 @@ def test_the_registry_names_the_fields_it_refuses_in_the_error_not_only_in_its_w
     with EmbeddedRegistry(port=0) as reg:
         r = httpx.put(reg.url + "/v1/replicas/n.s", json={**hb, "state": "", "bogus": 1}, timeout=10)
     assert r.status_code == 422 and r.json()["error"]["fields"] == ["state", "bogus"]
+
+
+@pytest.mark.slow  # a daemon on the fake vLLM: about 5 s
+@pytest.mark.parallel
+def test_a_server_serving_a_new_version_is_told_to_the_registry_at_once_not_at_the_next_beat(daemons, registry):
+    """With beats 60 s apart, the registry still hears of SERVING on version 2 within a second
+    of the daemon: the change of state is beaten at once."""
+    from rolloutd.demo import tinymodel
+
+    registry.publish(1, tinymodel.state_dict(tinymodel.TINY, 1), shard_bytes=600_000, chunk_bytes=1 << 16)
+    d = daemons(heartbeat={"interval_s": 60, "timeout_s": 2})
+    d.wait_versions({"s0": 1}, 30)
+
+    def registry_says(version: int) -> bool:
+        return [(r["state"], r["version"]) for r in registry.replicas()] == [("SERVING", version)]
+
+    deadline = time.monotonic() + 5
+    while not registry_says(1):  # its first beat may have said STARTING
+        assert time.monotonic() < deadline, registry.replicas()
+        time.sleep(0.05)
+    registry.publish(2, tinymodel.state_dict(tinymodel.TINY, 2), shard_bytes=600_000, chunk_bytes=1 << 16)
+    d.wait_versions({"s0": 2}, 30)
+    served = time.monotonic()
+    while not registry_says(2):
+        assert time.monotonic() - served < 1.0, registry.replicas()
+        time.sleep(0.02)

@@ -331,6 +331,8 @@ def test_sendfile_bytes_on_one_connection_a_client_that_leaves_and_a_reclaimed_v
 STALLED = 70  # more clients stalled mid-body than a pool of 64 sending threads would have had
 
 
+@pytest.mark.slow  # 70 stalled clients: 9 s
+@pytest.mark.parallel
 def test_ranges_sent_at_once_each_arrive_whole_and_stalled_clients_hold_up_none(tmp_path, monkeypatch, caplog):
     """One thread sends every range: eight clients reading ranges at once each get exactly
     theirs while 70 others have stopped reading mid-body; the stalled ones are dropped after

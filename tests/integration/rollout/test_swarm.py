@@ -535,6 +535,8 @@ async def delta_fleet(reg, tmp_path, count: int, hash_name: str = "blake3"):
     return nodes, m2
 
 
+@pytest.mark.slow  # models made, published as deltas and rebuilt: 7-14 s
+@pytest.mark.parallel
 async def test_nodes_pulling_a_delta_together_take_about_one_copy_of_the_delta_from_the_registry(reg, tmp_path):
     nodes, m2 = await delta_fleet(reg, tmp_path, 4)
     delta_bytes = m2.delta.total_bytes
@@ -569,6 +571,8 @@ async def holders(reg: EmbeddedRegistry) -> dict:
     return r.json()["versions"]
 
 
+@pytest.mark.slow  # models made, published as deltas and rebuilt: 7-14 s
+@pytest.mark.parallel
 async def test_a_node_pulling_a_delta_after_another_committed_it_takes_every_delta_chunk_from_that_node(reg, tmp_path):
     """No overlap at all, so no timing: node "first" pulls version 2 from its delta and commits;
     only then "late" pulls it, and takes every delta chunk from "first" (the registry sends it
@@ -607,6 +611,8 @@ async def test_a_node_pulling_a_delta_after_another_committed_it_takes_every_del
             await n.close()
 
 
+@pytest.mark.slow  # models made, published as deltas and rebuilt: 7-14 s
+@pytest.mark.parallel
 async def test_a_delta_pull_that_falls_back_to_the_whole_version_keeps_no_delta_file(reg, tmp_path, caplog):
     """With peers on, a rebuild that fails (the base changed on disk after it was checked: every
     rebuilt chunk of that file differs) removes the delta files with the partial directory, as
@@ -630,6 +636,8 @@ async def test_a_delta_pull_that_falls_back_to_the_whole_version_keeps_no_delta_
             await n.close()
 
 
+@pytest.mark.slow  # models made, published as deltas and rebuilt: 7-14 s
+@pytest.mark.parallel
 async def test_a_peer_serving_bad_delta_bytes_is_dropped_and_the_delta_pull_still_succeeds(reg, tmp_path):
     """The liar claims every delta chunk of version 2: its bytes fail the delta files' chunk
     digests, it is dropped, and the pull ends from the delta all the same (no fall back)."""

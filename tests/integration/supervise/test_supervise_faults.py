@@ -71,6 +71,13 @@ def metric(d: DaemonProcess, name: str) -> float:
     return float(re.search(rf'^rolloutd_{name}\{{server="s0"\}} (\S+)$', text, re.M).group(1))
 
 
+def replica(registry: Versions, d: DaemonProcess) -> dict:
+    """``d``'s server in the registry's directory (its latest heartbeat); the module's other
+    daemons may be listed too."""
+    (mine,) = [r for r in registry.reg.http.replicas() if r["endpoint"] == s0(d)["endpoint"]]
+    return mine
+
+
 def serving(d: DaemonProcess, version: int, timeout_s: float = 30) -> dict:
     return d.wait_versions({"s0": version}, timeout_s)["servers"][0]
 
@@ -93,6 +100,35 @@ def test_a_failing_pause_keeps_the_version_and_retries_with_growing_delays(daemo
     assert failures(d)["pause"] >= 4
     fake(d, "/fake/faults", {"faults": ""})
     assert serving(d, new)["incarnation"] == 1  # loaded once the pause works again, no restart
+
+
+# -- a server the plugin will not load into -------------------------------------------------------
+def test_a_server_the_plugin_will_not_load_into_refuses_each_version_and_serves_on_unrestarted(daemons, registry):
+    """vLLM's CPU build with mixture-of-experts layers: the plugin refuses at the start of the load,
+    before touching a layer. Each new version is refused on the node at once (no re-apply, no
+    restart, never FATAL), and the server goes on serving what it holds; the refusals reach the
+    heartbeat, so a trainer waiting for the version hears why."""
+    d = daemons()
+    held = serving(d, registry.newest)["version"]
+    fake(d, "/fake/faults", {"faults": "reload_unsupported"})
+    first, second = registry.publish(), registry.publish()  # B then C: the second one is refused too
+    # refused, and back to SERVING (the refusal is recorded a moment before the server leaves UPDATING)
+    st = d.wait(lambda s: [r["version"] for r in s["refused"]] in ([second], [first, second])
+                and s["servers"][0]["state"] == "SERVING", 30, "refused, and serving")
+    server = st["servers"][0]
+    assert (server["state"], server["version"], server["incarnation"], server["restarts"]) == ("SERVING", held, 1, 0)
+    assert "cannot load versions in place" in server["last_error"] and "reload unsupported" in server["last_error"]
+    assert d.log_text().count("POST /start_weight_update -> 500") == len(st["refused"]), "a refusal was re-applied"
+    assert d.log_text().count("POST /resume -> 200") >= len(st["refused"]), "left paused"
+    assert failures(d)["start"] == len(st["refused"])
+    with d.vllm("s0", timeout=5) as c:
+        assert c.get("/is_paused").json() == {"is_paused": False}
+    refused = [r["version"] for r in st["refused"]]
+    wait_until(lambda: [r["version"] for r in replica(registry, d)["refused"] or []] == refused, 15,
+               "the refusals in the registry's directory")  # the heartbeat carries them to trainers
+    fake(d, "/fake/faults", {"faults": ""})
+    newest = registry.publish()  # a version the server can take again (a new process, say): taken, no restart
+    assert serving(d, newest)["incarnation"] == 1
 
 
 # -- 9: nothing left unwatched during an update ---------------------------------------------------

@@ -639,7 +639,7 @@ def test_a_version_that_fails_the_gate_is_loaded_again_then_the_server_restarted
 # -- a bad version: refused, the last good version served again ------------------------------------------------
 
 def refused(rig: Rig) -> list[tuple[int, str]]:
-    return [(r["version"], r["reason"]) for r in rig.sup.refusals.as_list()]
+    return [(r.version, r.reason) for r in rig.sup.refusals.status()]
 
 
 def test_a_canary_the_server_cannot_score_refuses_the_version_at_once_and_the_server_serves_the_last_good_one(
@@ -776,7 +776,7 @@ def test_a_version_refused_by_one_server_is_never_loaded_by_another_waiting_for_
         for rig in rigs:
             await serving(rig, 1)
         await updater.publish(rigs[0].version(2))
-        await until(lambda: refusals.as_list() and all(r.sup.state is S.SERVING for r in rigs), 10, "refused")
+        await until(lambda: refusals.status() and all(r.sup.state is S.SERVING for r in rigs), 10, "refused")
         await asyncio.sleep(30)
         held = [r.sup.loaded.version for r in rigs]
         for rig in rigs:
@@ -785,7 +785,7 @@ def test_a_version_refused_by_one_server_is_never_loaded_by_another_waiting_for_
 
     rigs, refusals, held = run(scenario())
     assert sorted(r.vllm.loaded.count("2") for r in rigs) == [0, 1], "loaded by the first server only"
-    assert [r["version"] for r in refusals.as_list()] == [2] and held == [1, 1]
+    assert [r.version for r in refusals.status()] == [2] and held == [1, 1]
 
 
 def test_a_step_the_version_plays_no_part_in_is_the_servers_failure_never_a_refusal(tmp_path):
@@ -1002,3 +1002,14 @@ def test_each_worker_of_a_server_gets_its_own_cores():
     binds = [child_environ(cfg, s, Path("/p"), base={"VLLM_CPU_OMP_THREADS_BIND": "daemon's"}).get(
         "VLLM_CPU_OMP_THREADS_BIND") for s in cfg.servers]
     assert binds == ["2|3", "0,1", "daemon's", "nobind"]
+
+
+def test_every_server_keeps_torchs_compile_cache_in_the_state_dir_unless_its_env_says_otherwise():
+    """torch's compile cache defaults to TMPDIR, which is each server's own scratch directory,
+    removed at its stop: without a cache of its own every start would compile again."""
+    servers = [{"name": "s0", "model": "m", "public_port": 9001},
+               {"name": "s1", "model": "m", "public_port": 9002, "env": {"TORCHINDUCTOR_CACHE_DIR": "/c/s1"}}]
+    cfg = config(servers=servers)
+    dirs = [child_environ(cfg, s, Path("/p"), base={}).get("TORCHINDUCTOR_CACHE_DIR") for s in cfg.servers]
+    assert dirs == [str(cfg.state_dir / "compile-cache"), "/c/s1"]
+    assert cfg.scratch_dir not in Path(dirs[0]).parents
