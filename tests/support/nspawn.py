@@ -270,17 +270,17 @@ def build_deb(out: Path, revision: str = "1") -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-# What packaging/build-deb puts in the package: a change to any of them is a new package.
-PACKAGE_SOURCES = ("pyproject.toml", "rolloutd", "vllm_plugin", "systemd", "etc", "packaging", "README.md", "docs")
 DEBS = ROOT / "build" / "test-debs"
 
 
 def deb_folder() -> Path:
     """``build/test-debs/<digest>``: the digest of the package's sources as they are now (the
-    files git tracks or would, under PACKAGE_SOURCES), so that a package is built once per
-    state of them, not once per run and worker."""
+    files git tracks or would, under the paths ``packaging/build-deb --sources`` names), so that a
+    package is built once per state of them, not once per run and worker."""
     import hashlib
-    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "--", *PACKAGE_SOURCES],
+    sources = subprocess.run([ROOT / "packaging" / "build-deb", "--sources"], capture_output=True, text=True,
+                             check=True).stdout.split()
+    names = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "--", *sources],
                            cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
     digest = hashlib.sha256()
     for name in sorted(n for n in names if n):
