@@ -175,6 +175,25 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.slow)
 
 
+def pytest_terminal_summary(terminalreporter, config):
+    """With ``--durations``: each file's seconds (its tests' setup, call and teardown, summed), the
+    longest first. Within a run a file's tests run one after another, so this is the file's time
+    there: what the system tier's order (tests/system/conftest.py, ``SECONDS``) should follow."""
+    if config.option.durations is None:
+        return
+    seconds: dict[str, float] = {}
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport):
+                name = r.nodeid.split("::")[0]
+                seconds[name] = seconds.get(name, 0.0) + r.duration
+    longest = sorted(seconds.items(), key=lambda kv: -kv[1])[:15]
+    if longest:
+        terminalreporter.write_sep("=", f"longest {len(longest)} files (seconds)")
+        for name, s in longest:
+            terminalreporter.write_line(f"{s:8.1f} {name}")
+
+
 @pytest.fixture
 def children():
     """Children (:class:`rolloutd.supervise.child.Child`) a test spawns; whatever is left of their groups
