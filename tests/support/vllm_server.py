@@ -47,15 +47,32 @@ def group_pids(pgid: int) -> list[int]:
             if int(g) == pgid and not stat.startswith("Z")]
 
 
-def engine_core(pgid: int) -> int | None:
-    """The pid of vLLM's engine-core process in group ``pgid``, if one is alive."""
+def engine_core(pgid: int) -> int:
+    """The pid of vLLM's engine-core process in group ``pgid``, which must be alive."""
     for pid in group_pids(pgid):
         try:
             if "EngineCore" in Path(f"/proc/{pid}/comm").read_text() + Path(f"/proc/{pid}/cmdline").read_text():
                 return pid
         except OSError:
             continue
-    return None
+    raise AssertionError(f"no EngineCore process in group {pgid}")
+
+
+def shm_mapped(pids: list[int]) -> set[str]:
+    """``/dev/shm`` names that the given processes map or hold open."""
+    names = set()
+    for pid in pids:
+        try:
+            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+                if "/dev/shm/" in line:
+                    names.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
+            for fd in os.scandir(f"/proc/{pid}/fd"):
+                target = os.readlink(fd.path)
+                if target.startswith("/dev/shm/"):
+                    names.add(target.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
+        except OSError:
+            continue
+    return names
 
 
 class VllmServer:

@@ -22,7 +22,7 @@ import pytest
 from rolloutd.demo import families
 from rolloutd.trainer import EmbeddedRegistry
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server
-from tests.system.test_model_matrix import generate, reference
+from tests.support.served import generate, reference
 
 pytestmark = [pytest.mark.timeout(600), pytest.mark.usefixtures("one_torch_thread")]
 

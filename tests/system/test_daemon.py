@@ -274,12 +274,6 @@ def server_lines(log: str, name: str, pid: int) -> list[tuple[str, str]]:
     return re.findall(rf"^\S+ \S+ (\w+) rolloutd\.server\.{name}: {name}\[{pid}\]: (.*)$", log, re.M)
 
 
-def _engine_core(pgid: int) -> int:
-    core = engine_core(pgid)
-    assert core is not None, f"no EngineCore process in group {pgid}"
-    return core
-
-
 def test_killed_servers_come_back_through_backoff_on_the_newest_version(node):
     """Both servers are killed (one whole group, one engine core alone), and the mirror copy of
     the version they held is damaged meanwhile (a dtype of another width: the plugin refuses it
@@ -290,7 +284,7 @@ def test_killed_servers_come_back_through_backoff_on_the_newest_version(node):
     pids = {s["name"]: s["pid"] for s in st["servers"]}
     damage_header(Path(node.cfg["mirror"]["dir"]) / "8", b'"F32"', b'"F16"')
     os.killpg(pids["gpu1"], signal.SIGKILL)                     # the whole group of gpu1
-    os.kill(_engine_core(pids["gpu0"]), signal.SIGKILL)         # gpu0's engine core alone
+    os.kill(engine_core(pids["gpu0"]), signal.SIGKILL)         # gpu0's engine core alone
     seen: set[tuple[str, str]] = set()
 
     def back(s: dict) -> bool:

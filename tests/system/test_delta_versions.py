@@ -40,9 +40,9 @@ from rolloutd.demo import families
 from rolloutd.registry.blobs import DiskBlob
 from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import Manifest
-from tests.support.daemon_harness import DaemonProcess, config, vllm_server
+from tests.support.daemon_harness import vllm_server
+from tests.support.served import NEW_TOKENS, Node, OneAtATime, generate
 from tests.support.vllm_server import require_vllm
-from tests.system.test_model_matrix import NEW_TOKENS, generate
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
@@ -50,12 +50,6 @@ TIED, UNTIED = "qwen2", "llama"
 # A delta of an RL-like step (2 % of the elements changed) is ~5 % of the version; "well below"
 DELTA_AT_MOST = 0.15
 HOLD = {"min_version_lag": 1000, "max_update_delay_s": 86400}  # moves only when asked (POST /update)
-
-
-@dataclass
-class Node:
-    daemon: DaemonProcess
-    gateway: str
 
 
 @dataclass
@@ -90,58 +84,42 @@ class World:
         return self.reg.manifest(version)
 
     def close(self) -> None:
-        for d in [self.node.daemon, *([self.second.daemon] if self.second else [])]:
-            try:
-                d.stop()
-            finally:
-                d.kill_everything()
-        self.reg.stop()
+        with contextlib.ExitStack() as closing:  # the nodes first (the second, then the first), then the registry
+            closing.callback(self.reg.stop)
+            for node in [self.node, *([self.second] if self.second else [])]:
+                closing.callback(node.close)
 
 
-def start_node(world_tmp: Path, registry_url: str, model: Path, name: str, cpus: str, **sections) -> Node:
+def start_node(world_tmp: Path, registry: EmbeddedRegistry, model: Path, name: str, cpus: str, **sections) -> Node:
+    """Node ``name`` of a world (its server on ``cpus``), following the world's registry, SERVING."""
     d = world_tmp / name
     d.mkdir()
-    daemon = DaemonProcess(config(d, registry_url, [vllm_server("s0", model, cpus)],
-                                  node={"name": name, "advertise_host": "127.0.0.1"}, **sections), d)
-    daemon.start()
+    node = Node(d, [vllm_server("s0", model, cpus)], registry,
+                node={"name": name, "advertise_host": "127.0.0.1"}, **sections)
+    node.serving()
+    return node
+
+
+def open_world(tmp_factory, family: str) -> World:
+    """A family's world: its registry (versions on disk) and its first node, on weights A."""
+    tmp = tmp_factory.mktemp(family)
+    reg = EmbeddedRegistry(port=0, data_dir=str(tmp / "registry")).start()
     try:
-        st = daemon.wait(lambda s: daemon.server("s0", s)["state"] == "SERVING", 300, f"{name} serving")
+        start = families.build(tmp / "A", family, seed=0)
+        node = start_node(tmp, reg, start, "node-a", "0")
     except BaseException:
-        daemon.kill_everything()
+        reg.stop()
         raise
-    return Node(daemon, f"http://127.0.0.1:{daemon.server('s0', st)['public_port']}")
-
-
-class Worlds:
-    """One family's world at a time: the other's servers would only take the cores."""
-
-    def __init__(self, tmp_factory):
-        self.tmp_factory, self.open = tmp_factory, None
-
-    def get(self, family: str) -> World:
-        if self.open is not None and self.open.family != family:
-            self.open.close()
-            self.open = None
-        if self.open is None:
-            tmp = self.tmp_factory.mktemp(family)
-            reg = EmbeddedRegistry(port=0, data_dir=str(tmp / "registry")).start()
-            try:
-                start = families.build(tmp / "A", family, seed=0)
-                node = start_node(tmp, reg.url, start, "node-a", "0")
-            except BaseException:
-                reg.stop()
-                raise
-            self.open = World(family, tmp, reg, node)
-        return self.open
+    return World(family, tmp, reg, node)
 
 
 @pytest.fixture(scope="module")
 def worlds(tmp_path_factory):
+    """One family's world at a time: the other's servers would only take the cores."""
     require_vllm()
-    w = Worlds(tmp_path_factory)
+    w = OneAtATime(lambda family: open_world(tmp_path_factory, family))
     yield w
-    if w.open is not None:
-        w.open.close()
+    w.close()
 
 
 def served_exactly(world: World, node: Node, version: int, seen: list | None = None) -> dict:
@@ -155,7 +133,7 @@ def served_exactly(world: World, node: Node, version: int, seen: list | None = N
             seen.append((s0["state"], s0["version"]))
         return (s0["state"], s0["version"]) == ("SERVING", version)
     st = daemon.wait(there, 180, f"serving version {version}")
-    got, labels = generate(node.gateway, families.PROMPTS)
+    got, labels = generate(node.gateway("s0"), families.PROMPTS)
     assert labels == {str(version)}, labels
     assert got == world.want[version], f"version {version}: served {got}, transformers {world.want[version]}"
     return st
@@ -187,7 +165,7 @@ def chain(world: World) -> None:
         assert world.latest >= 3, "a test before this one stopped half-way through the chain"
         return
     a = families.greedy(families.hf_model(world.family, 0), families.PROMPTS, NEW_TOKENS)
-    assert generate(world.node.gateway, families.PROMPTS)[0] == a, "the start model differs from transformers'"
+    assert generate(world.node.gateway("s0"), families.PROMPTS)[0] == a, "the start model differs from transformers'"
     m = world.publish(1, delta=False)  # B
     assert m.delta is None, "delta=False must publish a full version"
     assert all(x != y for x, y in zip(a, world.want[1], strict=True)), "B must give other outputs than A"
@@ -208,7 +186,7 @@ def test_a_node_started_after_the_deltas_takes_the_version_whole(worlds):
     world = worlds.get(TIED)
     chain(world)
     if world.second is None:
-        world.second = start_node(world.tmp, world.reg.url, world.tmp / "A", "node-b", "1", update=HOLD)
+        world.second = start_node(world.tmp, world.reg, world.tmp / "A", "node-b", "1", update=HOLD)
     assert_full_pull(served_exactly(world, world.second, 3), 3)
 
 

@@ -25,28 +25,10 @@ import pytest
 from rolloutd.demo import tinymodel
 from rolloutd.trainer import EmbeddedRegistry
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server, wait_until
-from tests.support.vllm_server import group_pids
-from tests.system.test_daemon import _engine_core
+from tests.support.vllm_server import engine_core, group_pids, shm_mapped
 
 # alone: the server must be back within 15 s of its vLLM's start, a deadline raced against the machine
 pytestmark = [pytest.mark.timeout(600), pytest.mark.alone]
-
-
-def shm_mapped(pids: list[int]) -> set[str]:
-    """``/dev/shm`` names that the given processes map or hold open."""
-    names = set()
-    for pid in pids:
-        try:
-            for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-                if "/dev/shm/" in line:
-                    names.add(line.split("/dev/shm/", 1)[1].removesuffix(" (deleted)"))
-            for fd in os.scandir(f"/proc/{pid}/fd"):
-                target = os.readlink(fd.path)
-                if target.startswith("/dev/shm/"):
-                    names.add(target.removeprefix("/dev/shm/").removesuffix(" (deleted)"))
-        except OSError:
-            continue
-    return names
 
 
 def test_an_engine_core_killed_mid_update_is_in_backoff_within_seconds(tmp_path):
@@ -64,7 +46,7 @@ def test_an_engine_core_killed_mid_update_is_in_backoff_within_seconds(tmp_path)
             t_start = float(re.search(r"healthy gpu0\[\d+\] after ([\d.]+) s", d.log_text()).group(1))
             group = group_pids(pid)
             segments = {n for n in shm_mapped(group) if "/" not in n}  # whatever their names; not the mirror's files
-            core = _engine_core(pid)
+            core = engine_core(pid)
             os.kill(core, signal.SIGSTOP)  # the next route that needs the engine waits
             reg.publish(2, tinymodel.state_dict(tinymodel.TINY, 12), shard_bytes=600_000, chunk_bytes=1 << 16)
             d.wait(lambda s: s["servers"][0]["state"] == "UPDATING", 60, "UPDATING")

@@ -32,18 +32,17 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rolloutd.demo import families
-from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
-from tests.support.daemon_harness import DaemonProcess, config, vllm_server
+from rolloutd.trainer import RegistryHTTP
+from tests.support.daemon_harness import DaemonProcess, vllm_server
+from tests.support.served import Node, generate, reference
 
 pytestmark = [pytest.mark.timeout(900), pytest.mark.usefixtures("one_torch_thread")]
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "models.md"
-NEW_TOKENS = 16
 SERVED = [f for f in families.FAMILIES if f not in families.UNSUPPORTED]
 # vLLM 0.32's CPU build serves these from a fresh start exactly, but reloading them (even the same
 # weights) changes their outputs: the plugin refuses to (vllm_plugin.engine.refuse_inexact_reload)
@@ -53,32 +52,16 @@ NO_EXACT_RELOAD_ON_CPU = {"qwen3-moe": "its CPU MoE backend repacks the experts'
 PATHS = {1: "publish(model) (fp32, in memory)", 2: "publish_dir (save_pretrained)", 3: "HTTP upload (bf16 state_dict)"}
 
 
-class Start:
-    """A family's registry and its daemon, started on weights A (seed 0) with its server on ``cpus``."""
+class Start(Node):
+    """A family's node, started on weights A (seed 0) with its server on ``cpus``."""
 
     def __init__(self, family: str, directory: Path, cpus: str):
         self.family, self.cpus = family, cpus
-        self.reg = EmbeddedRegistry(port=0).start()
-        try:
-            model = families.build(directory / "A", family, seed=0)
-            self.daemon = DaemonProcess(config(directory, self.reg.url, [vllm_server("s0", model, cpus)]), directory)
-            self.t0 = time.monotonic()
-            self.daemon.start()
-        except BaseException:
-            self.reg.stop()
-            raise
+        super().__init__(directory, [vllm_server("s0", families.build(directory / "A", family, seed=0), cpus)])
 
-    def serving(self) -> tuple[dict, float]:
-        """Wait for SERVING A; returns the status and the seconds from the start to SERVING."""
-        st = self.daemon.wait(lambda s: self.daemon.server("s0", s)["state"] == "SERVING", 300, "serving A")
-        return st, time.monotonic() - self.t0 - self.daemon.server("s0", st)["state_age_s"]
-
-    def close(self) -> None:
-        try:
-            self.daemon.stop()
-            self.daemon.kill_everything()
-        finally:
-            self.reg.stop()
+    def start_s(self, st: dict) -> float:
+        """Seconds from the daemon's start to its server SERVING, by the status ``st``."""
+        return time.monotonic() - self.t0 - self.daemon.server("s0", st)["state_age_s"]
 
 
 @pytest.fixture(scope="module")
@@ -115,20 +98,6 @@ def report():
         write_doc(rows)
 
 
-def generate(url: str, prompts: list[list[int]]) -> tuple[list[list[int]], set[str]]:
-    """Greedy outputs of a server (or its gateway), and the weight versions that produced them."""
-    outs, versions = [], set()
-    with httpx.Client(base_url=url, timeout=120) as c:
-        for p in prompts:
-            r = c.post("/inference/v1/generate", json={"token_ids": p, "sampling_params": {
-                "max_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True}})
-            r.raise_for_status()
-            choice = r.json()["choices"][0]
-            outs.append(choice["token_ids"])
-            versions |= {span["version"] for span in choice.get("weight_versions") or []}
-    return outs, versions
-
-
 def bf16_rounded(family: str, seed: int):
     """The float32 model with every parameter rounded to bf16: what a server in float32 holds after
     loading the bf16 version (``model.to(bf16).float()`` would also round buffers such as rotary
@@ -139,12 +108,6 @@ def bf16_rounded(family: str, seed: int):
         for p in model.parameters():
             p.copy_(p.to(torch.bfloat16).float())
     return model
-
-
-def reference(model) -> list[list[int]]:
-    """transformers' greedy decoding, with the margins that make token equality a fair test."""
-    assert families.greedy_margin(model, families.PROMPTS, NEW_TOKENS) > 1e-3, "a near tie: pick other weights"
-    return families.greedy(model, families.PROMPTS, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("family", SERVED)
@@ -161,9 +124,9 @@ def test_every_publish_path_updates_the_served_model_exactly(family, tmp_path, r
         assert len({str(w) for w in want.values()}) == 4, "every version must give other outputs"
 
         reg, daemon = start.reg, start.daemon
-        st, start_s = start.serving()
-        row["start_s"] = round(start_s, 1)
-        gateway = f"http://127.0.0.1:{daemon.server('s0', st)['public_port']}"
+        st = start.serving()
+        row["start_s"] = round(start.start_s(st), 1)
+        gateway = start.gateway("s0", st)
         assert generate(gateway, families.PROMPTS)[0] == want[0], "a fresh server on A differs from transformers'"
 
         reg.publish(1, models[1])  # the model: its weights in checkpoint layout (MoE experts unfused)

@@ -19,18 +19,16 @@ import re
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 
 from rolloutd.demo import families
-from rolloutd.trainer import EmbeddedRegistry
-from tests.support.daemon_harness import DaemonProcess, config, vllm_server, wait_until
-from tests.support.vllm_server import group_pids, require_vllm
-from tests.system.test_engine_kill import shm_mapped
-from tests.system.test_model_matrix import NEW_TOKENS
+from tests.support import served
+from tests.support.daemon_harness import vllm_server, wait_until
+from tests.support.served import NEW_TOKENS, RANK_HEADER, OneAtATime, generate
+from tests.support.vllm_server import group_pids, require_vllm, shm_mapped
 
 # alone: its servers take both cores, a rank on each, and each rank waits spinning for the
 # other; beside another file, both took two to three times as long (the soak beside it: 750 s
@@ -41,16 +39,29 @@ FAMILY = "qwen2"  # tied embeddings: the output head must follow the embedding o
 SEED = {v: 10 + v for v in range(1, 7)}  # version -> weights seed; the servers start on seed 0 (A)
 TP, ONE, DP = "tp2", "tp1", "dp2"
 ENGINES = {DP: 2}  # data-parallel engines per server (others: one)
-RANK = "X-data-parallel-rank"  # vLLM's header: the engine that must answer
 
 
-@dataclass
-class Node:
-    tmp: Path
-    reg: EmbeddedRegistry
-    daemon: DaemonProcess
-    gateways: dict[str, str]
-    paused_s: dict[str, dict[int, float]] = field(default_factory=dict)
+class Node(served.Node):
+    """A daemon of the parallel servers of one kind, started on A, every server SERVING;
+    ``gateways``: server -> its gateway; ``paused_s``: server -> version -> its pause."""
+
+    KINDS = {  # each server lists its cores; the daemon splits them between its workers
+        "tp": lambda: [vllm_server(TP, Path(), "0-1", args=["--tensor-parallel-size", "2"], env={}),
+                       vllm_server(ONE, Path(), "1")],  # shares core 1 with the second TP worker
+        "dp": lambda: [vllm_server(DP, Path(), "0-1", args=["--data-parallel-size", "2"], env={})],
+    }
+
+    def __init__(self, tmp: Path, kind: str):
+        self.tmp = tmp
+        start = families.build(tmp / "A", FAMILY, seed=0)
+        servers = [{**s, "model": str(start)} for s in self.KINDS[kind]()]
+        super().__init__(tmp, servers, restart={"start_timeout_s": 400, "failed_grace_s": 2, "backoff_initial_s": 0.5,
+                                                "backoff_max_s": 2, "max_retries": 3})
+        st = self.serving(600)
+        print(f"{', '.join(s['name'] for s in servers)} SERVING {time.monotonic() - self.t0:.1f} s after the "
+              "daemon's start")
+        self.gateways = {x["name"]: self.gateway(x["name"], st) for x in st["servers"]}
+        self.paused_s: dict[str, dict[int, float]] = {s["name"]: {} for s in servers}
 
     def ranks(self, name: str) -> list[int | None]:
         """The engines of server ``name`` to ask in turn (None: the server's only one)."""
@@ -63,77 +74,17 @@ class Node:
         return sorted(d.iterdir()) if d.exists() else []
 
     def close(self) -> None:
-        try:
-            assert self.daemon.stop(90) == 0
-            assert self.scratch == [], "a stopped server's TMPDIR is left"
-        finally:
-            self.daemon.kill_everything()
-            self.reg.stop()
-
-
-def start_node(tmp: Path, servers: list[dict]) -> Node:
-    start = families.build(tmp / "A", FAMILY, seed=0)
-    reg = EmbeddedRegistry(port=0).start()
-    servers = [{**s, "model": str(start)} for s in servers]
-    d = DaemonProcess(config(tmp, reg.url, servers, restart={"start_timeout_s": 400, "failed_grace_s": 2,
-                                                             "backoff_initial_s": 0.5, "backoff_max_s": 2,
-                                                             "max_retries": 3}), tmp)
-    t0 = time.monotonic()
-    d.start()
-    try:
-        st = d.wait(lambda s: all(x["state"] == "SERVING" for x in s["servers"]), 600, "every server SERVING")
-    except BaseException:
-        d.kill_everything()
-        reg.stop()
-        raise
-    print(f"{', '.join(s['name'] for s in servers)} SERVING {time.monotonic() - t0:.1f} s after the daemon's start")
-    return Node(tmp, reg, d, {x["name"]: f"http://127.0.0.1:{x['public_port']}" for x in st["servers"]},
-                {s["name"]: {} for s in servers})
-
-
-class Nodes:
-    """One node at a time: two would only take each other's cores."""
-
-    def __init__(self, tmp_factory):
-        self.tmp_factory, self.open, self.kind = tmp_factory, None, None
-
-    def get(self, kind: str) -> Node:
-        if self.kind != kind and self.open is not None:
-            self.open.close()
-            self.open = None
-        if self.open is None:
-            tmp = self.tmp_factory.mktemp(kind)
-            # Each server lists its cores; the daemon splits them between its workers.
-            servers = {"tp": [vllm_server(TP, Path(), "0-1", args=["--tensor-parallel-size", "2"], env={}),
-                              vllm_server(ONE, Path(), "1")],  # shares core 1 with the second TP worker
-                       "dp": [vllm_server(DP, Path(), "0-1", args=["--data-parallel-size", "2"], env={})]}[kind]
-            self.open, self.kind = start_node(tmp, servers), kind
-        return self.open
+        super().close()
+        assert self.scratch == [], "a stopped server's TMPDIR is left"
 
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory):
+    """One node at a time: two would only take each other's cores."""
     require_vllm()
-    n = Nodes(tmp_path_factory)
+    n = OneAtATime(lambda kind: Node(tmp_path_factory.mktemp(kind), kind))
     yield n
-    if n.open is not None:
-        n.open.close()
-
-
-def generate(url: str, prompts: list[list[int]], rank: int | None = None,
-             max_tokens: int = NEW_TOKENS) -> tuple[list[list[int]], set[str]]:
-    """Greedy outputs through a gateway (engine ``rank`` of a DP server, None: vLLM's choice),
-    and the weight versions that produced them."""
-    outs, versions = [], set()
-    with httpx.Client(base_url=url, timeout=120, headers={RANK: str(rank)} if rank is not None else {}) as c:
-        for p in prompts:
-            r = c.post("/inference/v1/generate", json={"token_ids": p, "sampling_params": {
-                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})
-            r.raise_for_status()
-            choice = r.json()["choices"][0]
-            outs.append(choice["token_ids"])
-            versions |= {span["version"] for span in choice.get("weight_versions") or []}
-    return outs, versions
+    n.close()
 
 
 def served_exactly(node: Node, version: int, want: list[list[int]]) -> None:
@@ -273,7 +224,7 @@ class Load(threading.Thread):
                    for _, status, choice in list(self.answers))
 
     def run(self) -> None:
-        headers = {RANK: str(self.rank)} if self.rank is not None else {}
+        headers = {RANK_HEADER: str(self.rank)} if self.rank is not None else {}
         with httpx.Client(base_url=self.url, timeout=120, headers=headers) as c:
             for i in range(10**6):
                 if self.stopped.is_set():
