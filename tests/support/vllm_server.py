@@ -164,3 +164,46 @@ def pip_install_rolloutd(target: Path) -> Path:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--target", str(target), str(ROOT)], check=True, capture_output=True)
     return target
+
+
+# -- the plugin's update cycle over HTTP, on the tiny model (rolloutd.demo.tinymodel) ------------------
+TINY_PROMPTS = [[1, 5, 9, 13, 40], [1, 300, 22], [1, 7, 7, 7, 100, 250, 31]]
+CYCLE = ("pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
+
+
+def tiny_outputs(url: str) -> list[tuple[list[int], list[dict]]]:
+    """Greedy outputs for TINY_PROMPTS: (token ids, weight_versions spans) each."""
+    out = []
+    with client(url) as c:
+        for prompt in TINY_PROMPTS:
+            r = c.post("/inference/v1/generate", json={
+                "token_ids": prompt, "stream": False,
+                "sampling_params": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            out.append((choice["token_ids"], choice["weight_versions"]))
+    return out
+
+
+def tiny_tokens(url: str) -> list[list[int]]:
+    """The token ids of :func:`tiny_outputs`."""
+    return [t for t, _ in tiny_outputs(url)]
+
+
+def plugin_cycle(url: str, path: Path | str, digest: str, label: str, *,
+                 resume: bool = True) -> dict[str, tuple[int, str]]:
+    """The HTTP cycle pause → start → update → finish(label) → resume; (status, body) per step."""
+    bodies = {"update_weights": {"update_info": {"path": str(path), "digest": digest}},
+              "finish_weight_update": {"weight_version": label}}
+    out = {}
+    with client(url) as c:
+        for step in CYCLE if resume else CYCLE[:-1]:
+            r = c.post(f"/{step}", params={"mode": "abort"} if step == "pause" else None, json=bodies.get(step))
+            out[step] = (r.status_code, r.text)
+    return out
+
+
+def put_on(url: str, versions, v: int) -> None:
+    """Version ``v`` of ``versions`` (version -> (path, digest)) loaded by the whole cycle."""
+    steps = plugin_cycle(url, *versions[v], str(v))
+    assert all(status == 200 for status, _ in steps.values()), steps

@@ -34,8 +34,7 @@ from rolloutd.trainer import EmbeddedRegistry
 from tests.conftest import free_port
 from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, vllm_server, wait_until
 from tests.support.registry_proxy import RegistryProxy
-from tests.support.vllm_server import VllmServer, engine_core, group_pids
-from tests.system.test_vllm_plugin import put_on, tokens
+from tests.support.vllm_server import VllmServer, engine_core, group_pids, put_on, tiny_tokens
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -75,12 +74,12 @@ class Node:
                     return await Puller(c, self.ref_mirror, PullSettings(holder="reference")).pull(version)
             got = asyncio.run(pull())
             put_on(self.ref.url, {version: (got.path, got.digest)}, version)
-            self.refs[key] = tokens(self.ref.url)
+            self.refs[key] = tiny_tokens(self.ref.url)
             self.ref_mirror.remove(version, "reference taken")
         return self.refs[key]
 
     def outputs(self, name: str) -> list[list[int]]:
-        return tokens(self.daemon.socket(name))  # straight to the server, on its private socket
+        return tiny_tokens(self.daemon.socket(name))  # straight to the server, on its private socket
 
     def replicas(self) -> dict[str, dict]:
         return {r["server"]: r for r in self.registry.replicas()}

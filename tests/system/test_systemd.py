@@ -27,8 +27,7 @@ from rolloutd.trainer import EmbeddedRegistry
 from tests.conftest import free_port
 from tests.support.daemon_harness import AS_NOBODY, config, socket_probe, vllm_server
 from tests.support.nspawn import ROOT, Machine, enabled_host_units, host_root
-from tests.support.vllm_server import VLLM, require_vllm
-from tests.system.test_vllm_plugin import generate
+from tests.support.vllm_server import VLLM, require_vllm, tiny_outputs
 
 # alone: the guest's vLLM starts inside the unit's own deadlines (the watchdog's 30 s, the
 # server's start timeout); beside a file whose servers take both cores, a restart took over
@@ -180,7 +179,7 @@ def test_activating_until_the_server_is_serving(node):
     # Never active before the server serves version 1.
     assert all(state == "SERVING" and version == 1 for unit, state, version in samples if unit == "active")
     assert node.unit("StatusText")["StatusText"] == "gpu0 SERVING v1; registry ok"
-    outputs = generate(node.gateway)
+    outputs = tiny_outputs(node.gateway)
     assert all(spans[0]["version"] == "1" for _, spans in outputs), outputs
 
 

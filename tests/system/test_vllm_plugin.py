@@ -27,13 +27,22 @@ from rolloutd.rollout.registry_client import RegistryClient
 from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.trainer import EmbeddedRegistry
 from tests.conftest import free_port
-from tests.support.vllm_server import ROOT, VllmServer, client, pip_install_rolloutd
+from tests.support.vllm_server import (
+    CYCLE,
+    ROOT,
+    TINY_PROMPTS,
+    VllmServer,
+    client,
+    pip_install_rolloutd,
+    plugin_cycle,
+    put_on,
+    tiny_outputs,
+    tiny_tokens,
+)
 
 pytestmark = [pytest.mark.timeout(900)]
 
 SEED_A, SEED_B = 0, 1
-PROMPTS = [[1, 5, 9, 13, 40], [1, 300, 22], [1, 7, 7, 7, 100, 250, 31]]
-STEPS = ("pause", "start_weight_update", "update_weights", "finish_weight_update", "resume")
 
 
 # -- fixtures ---------------------------------------------------------------------------------
@@ -78,36 +87,6 @@ def versions(models, tmp_path_factory):
 
 
 # -- helpers ----------------------------------------------------------------------------------
-def generate(url: str) -> list[tuple[list[int], list[dict]]]:
-    """Greedy outputs for PROMPTS: (token ids, weight_versions spans) each."""
-    out = []
-    with client(url) as c:
-        for prompt in PROMPTS:
-            r = c.post("/inference/v1/generate", json={
-                "token_ids": prompt, "stream": False,
-                "sampling_params": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
-            assert r.status_code == 200, r.text
-            choice = r.json()["choices"][0]
-            out.append((choice["token_ids"], choice["weight_versions"]))
-    return out
-
-
-def tokens(url: str) -> list[list[int]]:
-    return [t for t, _ in generate(url)]
-
-
-def update(url: str, path: Path | str, digest: str, label: str, *, resume: bool = True) -> dict[str, tuple[int, str]]:
-    """The HTTP cycle pause → start → update → finish(label) → resume; (status, body) per step."""
-    bodies = {"update_weights": {"update_info": {"path": str(path), "digest": digest}},
-              "finish_weight_update": {"weight_version": label}}
-    out = {}
-    with client(url) as c:
-        for step in STEPS if resume else STEPS[:-1]:
-            r = c.post(f"/{step}", params={"mode": "abort"} if step == "pause" else None, json=bodies.get(step))
-            out[step] = (r.status_code, r.text)
-    return out
-
-
 def weight_version(url: str) -> str:
     with client(url) as c:
         return c.get("/weight_info").json()["weight_version"]
@@ -118,40 +97,35 @@ def healthy(url: str) -> bool:
         return c.get("/health").status_code == 200 and c.get("/is_paused").json() == {"is_paused": False}
 
 
-def put_on(url: str, versions, v: int) -> None:
-    steps = update(url, *versions[v], str(v))
-    assert all(status == 200 for status, _ in steps.values()), steps
-
-
 # -- the tests --------------------------------------------------------------------------------
 def test_update_switches_outputs_and_labels_the_version(servers, versions):
     a, b = servers["a"].url, servers["b"].url
     put_on(b, versions, 1)  # the reference server stays on B
-    ref_b = tokens(b)
+    ref_b = tiny_tokens(b)
     put_on(a, versions, 2)  # A, labelled "2"
-    ref_a = tokens(a)
+    ref_a = tiny_tokens(a)
     assert ref_a != ref_b, "weights A and B must give different greedy outputs"
 
-    steps = update(a, *versions[1], "1")
-    assert {s: code for s, (code, _) in steps.items()} == dict.fromkeys(STEPS, 200), steps
-    out = generate(a)
+    steps = plugin_cycle(a, *versions[1], "1")
+    assert {s: code for s, (code, _) in steps.items()} == dict.fromkeys(CYCLE, 200), steps
+    out = tiny_outputs(a)
     assert [t for t, _ in out] == ref_b
     assert weight_version(a) == "1"
     assert all(spans == [{"version": "1", "start": 0, "end": 16}] for _, spans in out)
 
     put_on(a, versions, 2)
-    assert tokens(a) == ref_a and weight_version(a) == "2"
+    assert tiny_tokens(a) == ref_a and weight_version(a) == "2"
 
 
 def test_the_installed_plugin_updates_too(servers, versions):
     """server_b loads the plugin from rolloutd's pip-installed entry point."""
     b = servers["b"].url
     put_on(b, versions, 2)
-    on_a = tokens(b)
+    on_a = tiny_tokens(b)
     put_on(b, versions, 1)
-    assert tokens(b) != on_a and weight_version(b) == "1"
+    assert tiny_tokens(b) != on_a and weight_version(b) == "1"
     put_on(b, versions, 2)
-    assert tokens(b) == on_a
+    assert tiny_tokens(b) == on_a
 
 
 def _wrong_digest(path: Path, digest: str, tmp: Path) -> tuple[Path, str]:
@@ -192,12 +166,12 @@ def _not_safetensors(path: Path, digest: str, tmp: Path) -> tuple[Path, str]:
 def test_a_bad_mirror_is_refused_and_the_old_weights_serve_on(servers, versions, tmp_path, corrupt, message):
     a = servers["a"].url
     put_on(a, versions, 2)
-    before = tokens(a)
-    steps = update(a, *corrupt(*versions[1], tmp_path), "1")
+    before = tiny_tokens(a)
+    steps = plugin_cycle(a, *corrupt(*versions[1], tmp_path), "1")
     status, body = steps["update_weights"]
     assert status == 500 and message in json.loads(body)["error"]["message"], body
     assert steps["resume"][0] == 200
-    assert healthy(a) and tokens(a) == before and weight_version(a) == "2"
+    assert healthy(a) and tiny_tokens(a) == before and weight_version(a) == "2"
     put_on(a, versions, 1)  # and the next good update goes through
     assert weight_version(a) == "1"
 
@@ -205,7 +179,7 @@ def test_a_bad_mirror_is_refused_and_the_old_weights_serve_on(servers, versions,
 def test_bad_update_info_is_refused_and_the_server_recovers(servers, versions):
     a = servers["a"].url
     put_on(a, versions, 2)
-    before = tokens(a)
+    before = tiny_tokens(a)
     with client(a) as c:
         assert c.post("/pause").status_code == 200
         assert c.post("/start_weight_update").status_code == 200
@@ -213,7 +187,7 @@ def test_bad_update_info_is_refused_and_the_server_recovers(servers, versions):
                                                             "extra": 1}})
         assert r.status_code == 500 and "takes exactly 'path' and 'digest'" in r.text
         assert c.post("/resume").status_code == 200
-    assert healthy(a) and tokens(a) == before
+    assert healthy(a) and tiny_tokens(a) == before
 
 
 def test_a_failure_after_some_layers_leaves_a_servable_model(servers, versions, tmp_path):
@@ -226,7 +200,7 @@ def test_a_failure_after_some_layers_leaves_a_servable_model(servers, versions, 
 
     a = servers["a"].url
     put_on(a, versions, 2)
-    before = tokens(a)
+    before = tiny_tokens(a)
     bad = shutil.copytree(versions[1][0], tmp_path / "1")
     last = sorted(bad.glob("*.safetensors"))[-1]
     tensors = load_file(last)
@@ -235,13 +209,13 @@ def test_a_failure_after_some_layers_leaves_a_servable_model(servers, versions, 
     manifest = build_manifest(1, sorted(bad.glob("*.safetensors")), chunk_bytes=1 << 16)
     (bad / "manifest.json").write_text(manifest.model_dump_json())
 
-    steps = update(a, bad, manifest.digest, "1")
+    steps = plugin_cycle(a, bad, manifest.digest, "1")
     assert steps["update_weights"][0] == 500 and "not_a_projection" in steps["update_weights"][1]
     assert healthy(a)
-    mixed = tokens(a)  # it serves: no layer was left empty
-    assert len(mixed) == len(PROMPTS)
+    mixed = tiny_tokens(a)  # it serves: no layer was left empty
+    assert len(mixed) == len(TINY_PROMPTS)
     put_on(a, versions, 2)
-    assert tokens(a) == before
+    assert tiny_tokens(a) == before
 
 
 def test_registration_is_idempotent_with_both_plugin_sources(servers, tmp_path):

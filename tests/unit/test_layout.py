@@ -85,3 +85,44 @@ def test_a_unit_test_opens_no_socket(path):
     requested = {a.arg for node in ast.walk(ast.parse(path.read_text()))
                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) for a in node.args.args}
     assert requested & SERVING_FIXTURES == set()
+
+
+def imported_test_modules(names: set[str]) -> list[str]:
+    return sorted(n for n in names if n.startswith("tests.") and n.rsplit(".", 1)[-1].startswith("test_"))
+
+
+# Test files that still import another test file's helpers (before the rule): the list may only
+# shrink. The system files split from an integration file of the same name import their sibling.
+IMPORTS_OF_TESTS = {
+    ("unit/registry/test_blobs.py", "tests.unit.rollout.test_mirror"),
+    ("unit/registry/test_fleet.py", "tests.unit.registry.test_store"),
+    ("unit/test_fleetctl.py", "tests.unit.registry.test_store"),
+    ("integration/node/test_crash_policy.py", "tests.unit.supervise.test_process"),
+    ("integration/node/test_looplag.py", "tests.unit.test_metrics"),
+    ("integration/rollout/test_fetch_pool.py", "tests.integration.rollout.test_puller"),
+    ("integration/rollout/test_updater_loop.py", "tests.unit.rollout.test_mirror"),
+    ("integration/supervise/test_child_output.py", "tests.unit.supervise.test_process"),
+    ("integration/supervise/test_supervisor_tasks.py", "tests.unit.supervise.test_process"),
+    ("integration/test_bad_input.py", "tests.integration.registry.test_registry_fuzz"),
+    ("system/test_bench_delta.py", "tests.integration.test_bench_delta"),
+    ("system/test_child_output.py", "tests.integration.supervise.test_child_output"),
+    ("system/test_fleet_ui.py", "tests.integration.registry.test_fleet_ui"),
+    ("system/test_gate.py", "tests.integration.rollout.test_gate"),
+    ("system/test_gateway.py", "tests.integration.gateway.test_gateway"),
+    ("system/test_gateway_netns.py", "tests.integration.gateway.test_gateway"),
+    ("system/test_private_socket.py", "tests.integration.node.test_private_socket"),
+    ("system/test_s3_delta.py", "tests.integration.registry.test_registry_delta"),
+    ("system/test_s3_delta.py", "tests.integration.test_objstore"),
+    ("system/test_s3_delta.py", "tests.integration.test_s3_delta"),
+    ("system/test_trl.py", "tests.integration.trainer.test_trl"),
+}
+
+
+def test_no_test_file_imports_another():
+    """What tests share lives in tests/support (or a conftest): a test file importing another's
+    helpers makes the other file's contents its dependency. IMPORTS_OF_TESTS: the ones left."""
+    found = {(str(p.relative_to(TESTS)), name) for tier in TIERS for p in tier_files(tier)
+             for name in imported_test_modules(imports(p))}
+    assert sorted(found - IMPORTS_OF_TESTS) == [], "import it from tests/support instead"
+    assert sorted(IMPORTS_OF_TESTS - found) == [], "gone: take it off IMPORTS_OF_TESTS"
+    assert imported_test_modules({"tests.system.test_daemon", "tests.support.served"}) == ["tests.system.test_daemon"]
