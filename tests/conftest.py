@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from rolloutd.trainer import EmbeddedRegistry
+from tests.support.processes import group_pids
 
 
 class FakeClock:
@@ -207,13 +208,8 @@ def children():
 
     yield make
     for child in made:
-        for pid in _alive_in_group(child.pgid) if child.pgid else []:
+        for pid in group_pids(child.pgid) if child.pgid else []:
             os.kill(pid, signal.SIGKILL)
-
-
-def _alive_in_group(pgid: int) -> list[int]:
-    from tests.support.vllm_server import group_pids
-    return group_pids(pgid)
 
 
 @pytest.fixture

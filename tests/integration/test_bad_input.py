@@ -48,9 +48,9 @@ from rolloutd.trainer import EmbeddedRegistry, RegistryHTTP
 from rolloutd.trainer.publish import serialize_shards
 from rolloutd.wire import errors
 from rolloutd.wire.manifest import ManifestError, build_manifest, hash_chunks
-from tests.integration.registry.test_registry_fuzz import schemathesis
 from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, wait_until
 from tests.support.registry_proxy import InLoopProxy
+from tests.support.schemathesis_cli import schemathesis
 from vllm_plugin.checkpoint import MirrorError, check_version, manifest_digest
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -19,6 +19,7 @@ import httpx
 
 from rolloutd.demo.cpu_vllm import CPU_ENV, cpu_args
 from rolloutd.supervise.leftovers import remove_shm_leftovers, shm_held_by, shm_names
+from tests.support.processes import group_pids
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -38,13 +39,6 @@ def worker_cores(cpus: str) -> str:
 def require_vllm() -> None:
     if not VLLM.exists():
         raise RuntimeError(f"{VLLM} is missing: run scripts/bootstrap (it installs vLLM's CPU build)")
-
-
-def group_pids(pgid: int) -> list[int]:
-    """Live processes of a group (zombies are dead: whoever adopted them has yet to reap them)."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
-    return [int(p) for p, g, stat in (line.split() for line in out.splitlines())
-            if int(g) == pgid and not stat.startswith("Z")]
 
 
 def engine_core(pgid: int) -> int:

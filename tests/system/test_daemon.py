@@ -33,8 +33,9 @@ from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.trainer import EmbeddedRegistry
 from tests.conftest import free_port
 from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, vllm_server, wait_until
+from tests.support.processes import group_pids
 from tests.support.registry_proxy import RegistryProxy
-from tests.support.vllm_server import VllmServer, engine_core, group_pids, put_on, tiny_tokens
+from tests.support.vllm_server import VllmServer, engine_core, put_on, tiny_tokens
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -25,7 +25,8 @@ import pytest
 from rolloutd.demo import tinymodel
 from rolloutd.trainer import EmbeddedRegistry
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server, wait_until
-from tests.support.vllm_server import engine_core, group_pids, shm_mapped
+from tests.support.processes import group_pids
+from tests.support.vllm_server import engine_core, shm_mapped
 
 # alone: the server must be back within 15 s of its vLLM's start, a deadline raced against the machine
 pytestmark = [pytest.mark.timeout(600), pytest.mark.alone]

@@ -27,8 +27,9 @@ import pytest
 from rolloutd.demo import families
 from tests.support import served
 from tests.support.daemon_harness import vllm_server, wait_until
+from tests.support.processes import group_pids
 from tests.support.served import NEW_TOKENS, RANK_HEADER, OneAtATime, generate
-from tests.support.vllm_server import group_pids, require_vllm, shm_mapped
+from tests.support.vllm_server import require_vllm, shm_mapped
 
 # alone: its servers take both cores, a rank on each, and each rank waits spinning for the
 # other; beside another file, both took two to three times as long (the soak beside it: 750 s

@@ -12,7 +12,7 @@ from rolloutd import cli, fleetctl
 from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.messages import GateReport, Heartbeat, PullReport
 from tests.conftest import free_port
-from tests.unit.registry.test_store import manifest
+from tests.support.store_versions import manifest
 
 TOKEN = "fleet-cli-token"
 

@@ -94,16 +94,7 @@ def imported_test_modules(names: set[str]) -> list[str]:
 # Test files that still import another test file's helpers (before the rule): the list may only
 # shrink. The system files split from an integration file of the same name import their sibling.
 IMPORTS_OF_TESTS = {
-    ("unit/registry/test_blobs.py", "tests.unit.rollout.test_mirror"),
-    ("unit/registry/test_fleet.py", "tests.unit.registry.test_store"),
-    ("unit/test_fleetctl.py", "tests.unit.registry.test_store"),
-    ("integration/node/test_crash_policy.py", "tests.unit.supervise.test_process"),
-    ("integration/node/test_looplag.py", "tests.unit.test_metrics"),
     ("integration/rollout/test_fetch_pool.py", "tests.integration.rollout.test_puller"),
-    ("integration/rollout/test_updater_loop.py", "tests.unit.rollout.test_mirror"),
-    ("integration/supervise/test_child_output.py", "tests.unit.supervise.test_process"),
-    ("integration/supervise/test_supervisor_tasks.py", "tests.unit.supervise.test_process"),
-    ("integration/test_bad_input.py", "tests.integration.registry.test_registry_fuzz"),
     ("system/test_bench_delta.py", "tests.integration.test_bench_delta"),
     ("system/test_child_output.py", "tests.integration.supervise.test_child_output"),
     ("system/test_fleet_ui.py", "tests.integration.registry.test_fleet_ui"),

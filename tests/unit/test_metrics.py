@@ -3,20 +3,9 @@ registry; a removed server's series go away."""
 
 from __future__ import annotations
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from rolloutd.metrics import FAILURE_KINDS, PULL_KINDS, PULL_RESULTS, UPDATE_PHASES, Metrics
 from rolloutd.wire.states import ServerState
-
-
-def samples(m: Metrics) -> dict[tuple[str, tuple], float]:
-    body, content_type = m.render()
-    assert content_type.startswith("text/plain")
-    out = {}
-    for family in text_string_to_metric_families(body.decode()):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
+from tests.support.metric_samples import samples
 
 
 def test_values_set_are_in_the_text():

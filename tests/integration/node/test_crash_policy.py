@@ -19,8 +19,8 @@ from rolloutd.node.daemon import Daemon
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire.states import ServerState
 from tests.support.daemon_harness import config
+from tests.support.processes import group_pids
 from tests.support.waiting import until
-from tests.unit.supervise.test_process import alive_in_group
 
 pytestmark = [pytest.mark.slow, pytest.mark.parallel, pytest.mark.timeout(120)]  # fake vLLM: beside other such tests
 S = ServerState
@@ -63,7 +63,7 @@ class Node:
                 await self.run
         finally:
             for pgid in self.groups:  # a failed test's leftovers
-                for pid in alive_in_group(pgid):
+                for pid in group_pids(pgid):
                     os.kill(pid, signal.SIGKILL)
 
 
@@ -87,7 +87,7 @@ async def test_a_bug_in_a_supervisor_restarts_that_server_alone(tmp_path, regist
         await until(lambda: serving(d, "s0") and node.pid("s0") != s0, 30, "s0 SERVING again, a new process")
         assert not node.run.done()
         assert errors(d, "supervisor") == 1
-        assert alive_in_group(s0) == [], "the crashed supervisor's server outlived it"
+        assert group_pids(s0) == [], "the crashed supervisor's server outlived it"
         assert (serving(d, "s1"), node.pid("s1")) == (True, s1), "the other server was touched"
         assert d.servers["s0"].supervisor.incarnation == 2
 

@@ -7,7 +7,7 @@ import time
 
 from rolloutd.metrics import Metrics
 from rolloutd.node.looplag import LoopLag
-from tests.unit.test_metrics import samples
+from tests.support.metric_samples import samples
 
 
 async def test_a_blocked_loop_shows_as_lag_and_the_longest_is_kept():

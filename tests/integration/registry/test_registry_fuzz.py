@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import pytest
 
 from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.trainer import EmbeddedRegistry
+from tests.support.schemathesis_cli import schemathesis
 
 pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # thousands of requests: not the fast tier
 
@@ -27,11 +27,6 @@ CONFIG = Path(__file__).parents[2] / "support" / "schemathesis.toml"
 EXCLUDED = "use_after_free"
 
 
-def schemathesis() -> str:
-    exe = shutil.which("schemathesis") or str(Path(__import__("sys").executable).parent / "schemathesis")
-    if not Path(exe).exists():
-        pytest.fail("schemathesis is not installed: scripts/bootstrap installs it with the test extras")
-    return exe
 
 
 def test_registry_api_survives_fuzzing(tmp_path, caplog):

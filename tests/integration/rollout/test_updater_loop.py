@@ -25,8 +25,8 @@ from rolloutd.rollout.updater import Target, Updater
 from rolloutd.wire import errors
 from rolloutd.wire.messages import Demand, HeartbeatReply, LatestInfo
 from tests.support.fake_time import run
+from tests.support.mirror_versions import payload, put
 from tests.support.supervisor_fakes import config, now
-from tests.unit.rollout.test_mirror import payload, put
 
 pytestmark = pytest.mark.timeout(30)
 

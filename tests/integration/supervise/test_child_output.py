@@ -26,8 +26,9 @@ from rolloutd.supervise import child as child_module
 from rolloutd.supervise import leftovers
 from rolloutd.supervise.child import OutputLevels, is_stop_noise, vllm_header
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups, ShmBaseline
+from tests.support.fake_children import IGNORES_TERM, lines_of, spawned_ready
+from tests.support.processes import group_pids
 from tests.support.waiting import until
-from tests.unit.supervise.test_process import IGNORES_TERM, alive_in_group, lines_of, spawned_ready
 
 pytestmark = pytest.mark.timeout(60)
 I, W, E, D = logging.INFO, logging.WARNING, logging.ERROR, logging.DEBUG  # noqa: E741 - a table's columns
@@ -225,11 +226,11 @@ async def test_every_stop_of_a_child_is_the_same_one_and_a_cancelled_caller_wait
     await asyncio.sleep(0.3)
     second = asyncio.ensure_future(child.stop(0.1))  # a second stop joins the first: no grace of its own
     await asyncio.sleep(0.5)
-    assert not second.done() and alive_in_group(child.pgid), "the second stop ran a stop of its own"
+    assert not second.done() and group_pids(child.pgid), "the second stop ran a stop of its own"
     first.cancel()  # hurries the one stop to SIGKILL; the cancelled caller waits for its end
     with pytest.raises(asyncio.CancelledError):
         await first
-    assert alive_in_group(child.pgid) == [], "the cancelled caller returned before the group was gone"
+    assert group_pids(child.pgid) == [], "the cancelled caller returned before the group was gone"
     assert await second == "killed by SIGKILL"
     assert caplog.text.count(f"stop deaf[{child.pid}]: SIGTERM to process group") == 1
     assert "cancelled during the grace period" in caplog.text
@@ -481,7 +482,7 @@ async def test_what_servers_killed_with_their_daemon_held_is_removed_at_the_next
     decoy = _held_decoy(shm, "shared")
     try:
         os.killpg(child.pgid, signal.SIGKILL)  # with its daemon, which never reaps it
-        await until(lambda: not alive_in_group(child.pgid), what="the group gone")
+        await until(lambda: not group_pids(child.pgid), what="the group gone")
         [left] = scratch.iterdir()
         lines = ShmBaseline(record).clean_and_record()  # the next daemon's start
         assert lines == ["shared memory: removed 1 segment(s) the servers of an earlier run left: "

@@ -24,8 +24,8 @@ from rolloutd.supervise.sockets import prepare_socket_dir
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire.states import ServerState
 from tests.conftest import free_port
+from tests.support.processes import group_pids
 from tests.support.waiting import until
-from tests.unit.supervise.test_process import alive_in_group
 
 pytestmark = pytest.mark.timeout(60)
 FAKE = Path(__file__).parents[2] / "support" / "fake_vllm.py"
@@ -76,7 +76,7 @@ def test_cancelling_a_supervisor_mid_stop_waits_for_the_stop_and_leaves_no_task(
         with pytest.raises(asyncio.CancelledError):
             await task
         found["took"] = loop.time() - t0
-        found["left"] = alive_in_group(pgid)
+        found["left"] = group_pids(pgid)
         found["state"] = sup.state
 
     loop = asyncio.new_event_loop()
@@ -85,7 +85,7 @@ def test_cancelling_a_supervisor_mid_stop_waits_for_the_stop_and_leaves_no_task(
     finally:
         loop.close()
         gc.collect()
-        for pid in alive_in_group(found["pgid"]) if "pgid" in found else []:  # a failed test's leftovers
+        for pid in group_pids(found["pgid"]) if "pgid" in found else []:  # a failed test's leftovers
             os.kill(pid, signal.SIGKILL)
     assert found["left"] == [], "the cancellation returned while the server's group was alive"
     assert caplog.text.count("SIGTERM to process group") == 1, "a second stop ran beside the first"

@@ -8,7 +8,7 @@ import os
 import obstore
 import pytest
 
-from tests.support.vllm_server import group_pids
+from tests.support.processes import group_pids
 
 pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # a real SeaweedFS: about 2 s to start, 2 s to stop
 

@@ -11,7 +11,8 @@ import pytest
 
 from rolloutd.registry.blobs import DiskStore, MemoryStore, StagingDropped
 from rolloutd.wire.manifest import FileEntry, Manifest, hash_chunks
-from tests.unit.rollout.test_mirror import wait_until, where_rmtree_runs
+from tests.support.loop_probe import where_rmtree_runs
+from tests.support.waiting import until
 
 CHUNK = 4096
 
@@ -29,7 +30,7 @@ async def test_reclaim_is_at_once_and_deletes_off_the_event_loop(tmp_path, monke
     where = where_rmtree_runs(monkeypatch)
     store.reclaim(1, blobs)  # on the loop, as the Store calls it
     assert os.listdir(tmp_path / "versions") == ["2"]  # gone from versions/ before this returns
-    await wait_until(lambda: os.listdir(tmp_path / "trash") == [])
+    await until(lambda: os.listdir(tmp_path / "trash") == [])
     assert where == ["thread"], f"rmtree ran on: {where}"
     store.reclaim(1, {})  # again: nothing there, nothing done
     store.close()
@@ -42,7 +43,7 @@ async def test_dropping_staged_files_deletes_off_the_event_loop(tmp_path, monkey
     where = where_rmtree_runs(monkeypatch)
     store.discard_staging(3)  # DELETE /v1/uploads/3 runs this on the loop
     assert store.staged_sizes(3) == {} and not (tmp_path / "staging" / "3").exists()
-    await wait_until(lambda: os.listdir(tmp_path / "trash") == [])
+    await until(lambda: os.listdir(tmp_path / "trash") == [])
     assert where == ["thread"], f"rmtree ran on: {where}"
     store.close()
 
@@ -78,7 +79,7 @@ async def test_a_memory_store_unmaps_reclaimed_and_dropped_versions_off_the_even
     dropped = freed_on(store._staging[2]["model.safetensors"])
     store.discard_staging(2)  # DELETE /v1/uploads/2 runs this on the loop
     assert store.staged_sizes(2) == {}
-    await wait_until(lambda: reclaimed and dropped)
+    await until(lambda: reclaimed and dropped)
     assert reclaimed == dropped == ["registry-free_0"], (reclaimed, dropped)
 
 

@@ -12,7 +12,7 @@ from rolloutd.registry.rollouts import RolloutLog
 from rolloutd.registry.store import Store
 from rolloutd.wire.messages import GateReport, Heartbeat, PullReport, RefusedVersion
 from rolloutd.wire.states import ServerState
-from tests.unit.registry.test_store import publish
+from tests.support.store_versions import publish
 
 
 @pytest.fixture

@@ -2,16 +2,10 @@
 
 import pytest
 
-from rolloutd.registry.blobs import MemoryBlob
 from rolloutd.registry.store import Store, VersionState
 from rolloutd.wire import errors
-from rolloutd.wire.manifest import FileEntry, Manifest, digest
 from rolloutd.wire.messages import Heartbeat
-
-
-def manifest(v: int, payload: bytes = b"x") -> Manifest:
-    return Manifest(version=v, chunk_bytes=4096, files=[FileEntry(
-        name="model.safetensors", size=len(payload), chunks=[digest("xxh3-128", payload)])]).sealed()
+from tests.support.store_versions import publish
 
 
 @pytest.fixture
@@ -22,10 +16,6 @@ def reclaimed():
 @pytest.fixture
 def store(clock, reclaimed):
     return Store(keep_versions=2, clock=clock, reclaim=lambda v, blobs: reclaimed.append(v), replica_forget_after_s=100)
-
-
-def publish(store, v, payload=b"x"):
-    return store.publish(manifest(v, payload), {"model.safetensors": MemoryBlob(payload)})
 
 
 def test_live_to_retired_keeps_bytes_while_leased(store, reclaimed):

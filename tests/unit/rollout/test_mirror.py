@@ -12,7 +12,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 import typing
 from pathlib import Path
 
@@ -23,39 +22,11 @@ from rolloutd.metrics import Metrics
 from rolloutd.rollout import mirror as mirror_mod
 from rolloutd.rollout.mirror import MANIFEST_NAME, Mirror, MirrorFull
 from rolloutd.rollout.updater import Updater
-from rolloutd.wire.manifest import Delta, DeltaEncoding, DeltaFile, FileEntry, Manifest, hash_chunks
+from rolloutd.wire.manifest import Delta, DeltaEncoding, DeltaFile, Manifest, hash_chunks
 from tests.conftest import free_port
-
-CHUNK = 4096
-
-
-def make_manifest(version: int, files: dict[str, bytes]) -> Manifest:
-    entries = [FileEntry(name=n, size=len(d), chunks=hash_chunks(d, CHUNK, "xxh3-128")) for n, d in files.items()]
-    return Manifest(version=version, chunk_bytes=CHUNK, files=entries).sealed()
-
-
-def payload(version: int, size: int = 10_000) -> dict[str, bytes]:
-    return {"model-00001-of-00002.safetensors": bytes([version]) * size,
-            "model-00002-of-00002.safetensors": bytes([version + 1]) * (size // 2)}
-
-
-def put(mirror: Mirror, version: int, size: int = 10_000) -> Manifest:
-    """Write a version the way the puller does: begin, pwrite every file, commit."""
-    files = payload(version, size)
-    manifest = make_manifest(version, files)
-    partial = mirror.begin(manifest)
-    for name, data in files.items():
-        write(partial, name, data)
-    mirror.commit(partial)
-    return manifest
-
-
-def write(partial, name: str, data: bytes) -> None:
-    fd = partial.open(name)
-    try:
-        os.pwrite(fd, data, 0)
-    finally:
-        os.close(fd)
+from tests.support.loop_probe import where_rmtree_runs
+from tests.support.mirror_versions import CHUNK, make_manifest, payload, put, write
+from tests.support.waiting import until
 
 
 @pytest.fixture
@@ -444,29 +415,6 @@ def test_two_removals_of_one_version_remove_it_once(mirror, monkeypatch, caplog)
     assert mirror.versions() == [2] and sorted(os.listdir(mirror.dir)) == [".spare", "2"]
 
 
-def where_rmtree_runs(monkeypatch) -> list[str]:
-    """Record, for every shutil.rmtree, whether it ran on an event loop's thread."""
-    where: list[str] = []
-    real = shutil.rmtree
-
-    def rmtree(path, *args, **kw):
-        try:
-            asyncio.get_running_loop()
-            where.append("loop")
-        except RuntimeError:
-            where.append("thread")
-        return real(path, *args, **kw)
-    monkeypatch.setattr(shutil, "rmtree", rmtree)
-    return where
-
-
-async def wait_until(check, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.01)
-
-
 async def test_the_updaters_collect_deletes_off_the_event_loop(mirror, monkeypatch):
     for v in (1, 2, 3):
         put(mirror, v)
@@ -476,8 +424,8 @@ async def test_the_updaters_collect_deletes_off_the_event_loop(mirror, monkeypat
     updater = Updater(lambda: conf, None, mirror, metrics, in_use=lambda: {1})
     where = where_rmtree_runs(monkeypatch)
     updater.collect()
-    await wait_until(lambda: mirror.versions() == [1, 3])
-    await wait_until(lambda: metrics.mirror_bytes._value.get() == mirror.usage_bytes())
+    await until(lambda: mirror.versions() == [1, 3])
+    await until(lambda: metrics.mirror_bytes._value.get() == mirror.usage_bytes())
     assert metrics.mirror_spare_bytes._value.get() == mirror.spare_bytes() > 0  # version 2, for the next pull
     assert where == ["thread"], f"rmtree ran on: {where}"
     mirror.close()

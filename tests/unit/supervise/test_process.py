@@ -12,7 +12,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
@@ -22,39 +21,24 @@ import uvloop
 
 from rolloutd.supervise.child import MAX_LINE_BYTES, Child, ChildError, describe_exit
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups
+from tests.support.fake_children import (
+    COOPERATIVE,
+    EXITS_3,
+    GRANDCHILD_IGNORES_TERM,
+    IGNORES_TERM,
+    KILLED,
+    PY,
+    SEGFAULTS,
+    TALKER,
+    lines_of,
+    spawned_ready,
+)
+from tests.support.processes import group_pids
 from tests.support.waiting import until
 
 pytestmark = pytest.mark.timeout(60)
 
-PY = sys.executable
-# A server that prints some lines: one long, one not UTF-8, the last without its newline.
-TALKER = [PY, "-c", textwrap.dedent("""
-    import sys
-    w = sys.stdout.buffer.write
-    w(b"first line\\n" + b"x" * (200 * 1024) + b"\\n" + b"bad \\xff byte\\n" + b"no newline at the end")
-""")]
-# A server that exits at once with status 3.
-EXITS_3 = ["sh", "-c", "exit 3"]
-# Servers that die of a signal (OOM-killed, crashed).
-KILLED = ["sh", "-c", "kill -KILL $$"]
-SEGFAULTS = ["sh", "-c", "kill -SEGV $$"]
-# A cooperative server: exits on SIGTERM.
-COOPERATIVE = [PY, "-c", "import time; print('ready', flush=True); time.sleep(60)"]
-# A server that ignores SIGTERM (after saying "ready", so the test never signals it too early).
-IGNORES_TERM = [PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                          "print('ready', flush=True); time.sleep(60)"]
-# A cooperative server whose own child (vLLM's engine core, say) ignores SIGTERM.
-GRANDCHILD_IGNORES_TERM = ["sh", "-c", f"{IGNORES_TERM[0]} -c \"{IGNORES_TERM[2]}\" & wait"]
-
-
 # -- helpers -------------------------------------------------------------------------------------
-def alive_in_group(pgid: int) -> list[int]:
-    """Live (not zombie) processes of a process group, from ``ps``."""
-    out = subprocess.run(["ps", "-e", "-o", "pid=,pgid=,stat="], capture_output=True, text=True).stdout
-    return [int(p) for p, g, st in (line.split()[:3] for line in out.splitlines()) if int(g) == pgid
-            and not st.startswith("Z")]
-
-
 def alive(pid: int) -> bool:
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -69,20 +53,9 @@ def proc_start_time(pid: int) -> float:
     return int(stat[stat.rindex(")") + 2:].split()[19]) / os.sysconf("SC_CLK_TCK")
 
 
-def lines_of(caplog, name: str) -> list[str]:
-    return [r.getMessage() for r in caplog.records if r.name == f"rolloutd.server.{name}"]
-
-
 @pytest.fixture(autouse=True)
 def info_logs(caplog):
     caplog.set_level(logging.INFO)
-
-
-async def spawned_ready(make, caplog, name: str, argv: list[str], **kw) -> Child:
-    child = make(name, argv, **kw)
-    await child.spawn()
-    await until(lambda: f"{name}[{child.pid}]: ready" in lines_of(caplog, name), what=f"{name} ready")
-    return child
 
 
 # -- output --------------------------------------------------------------------------------------
@@ -134,7 +107,7 @@ async def test_stop_a_cooperative_child_with_sigterm(children, caplog):
     t0 = time.monotonic()
     assert await child.stop(10.0) == "killed by SIGTERM"
     assert time.monotonic() - t0 < 2.0
-    assert alive_in_group(child.pgid) == [] and not Path(f"/proc/{child.pid}").exists()
+    assert group_pids(child.pgid) == [] and not Path(f"/proc/{child.pid}").exists()
     assert f"stop coop[{child.pid}]: SIGTERM to process group {child.pgid}" in caplog.text
 
 
@@ -144,18 +117,18 @@ async def test_stop_kills_a_child_that_ignores_sigterm_after_the_grace(children,
     assert await child.stop(1.0, kill_wait_s=5.0) == "killed by SIGKILL"
     took = time.monotonic() - t0
     assert 0.95 <= took < 2.0, took
-    assert alive_in_group(child.pgid) == [] and not Path(f"/proc/{child.pid}").exists()
+    assert group_pids(child.pgid) == [] and not Path(f"/proc/{child.pid}").exists()
     assert f"stop deaf[{child.pid}]: SIGKILL to process group {child.pgid}" in caplog.text
 
 
 async def test_stop_waits_for_the_whole_group_not_only_the_leader(children, caplog):
     child = await spawned_ready(children, caplog, "family", GRANDCHILD_IGNORES_TERM)
-    group = alive_in_group(child.pgid)
+    group = group_pids(child.pgid)
     assert len(group) == 2 and child.group_pids() == sorted(group)
     t0 = time.monotonic()
     assert await child.stop(0.5) == "killed by SIGTERM"  # the leader's own exit
     assert time.monotonic() - t0 >= 0.45, "the grandchild's grace was not waited for"
-    assert alive_in_group(child.pgid) == [], "a grandchild survived"
+    assert group_pids(child.pgid) == [], "a grandchild survived"
     assert not Path(f"/proc/{child.pid}").exists(), "the leader is a zombie"
 
 
@@ -168,7 +141,7 @@ async def test_stop_cancelled_mid_grace_still_kills_and_reaps(children, caplog):
     with pytest.raises(asyncio.CancelledError):
         await stopping
     assert time.monotonic() - t0 < 5.0
-    assert alive_in_group(child.pgid) == []
+    assert group_pids(child.pgid) == []
     assert child.returncode == -signal.SIGKILL and not Path(f"/proc/{child.pid}").exists()
     assert "cancelled during the grace period" in caplog.text
 
@@ -179,10 +152,10 @@ def test_the_same_on_uvloop(tmp_path):
         child = Child("uv", GRANDCHILD_IGNORES_TERM, dict(os.environ),
                       containment=ProcessGroups(ChildRecords(tmp_path)))
         await child.spawn()
-        await until(lambda: len(alive_in_group(child.pgid)) == 2, what="two processes")
+        await until(lambda: len(group_pids(child.pgid)) == 2, what="two processes")
         await asyncio.sleep(0.3)  # time for the grandchild to ignore SIGTERM
         assert (tmp_path / "uv.json").exists()
-        return await child.stop(0.3), alive_in_group(child.pgid), child.pid
+        return await child.stop(0.3), group_pids(child.pgid), child.pid
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         how, left, pid = runner.run(scenario())
@@ -234,7 +207,7 @@ async def test_cpus_it_cannot_run_on_are_a_child_error_and_nothing_runs(children
     child = children("s0", AFFINITY_OF_ALL, cpus=[4095])
     with pytest.raises(ChildError, match=r"cannot start s0: cannot place it on CPUs \[4095\]: Invalid argument"):
         await child.spawn()
-    assert child.returncode is not None and alive_in_group(child.pgid) == []
+    assert child.returncode is not None and group_pids(child.pgid) == []
 
 
 # -- records ---------------------------------------------------------------------------------------
@@ -279,14 +252,14 @@ async def test_leftovers_of_a_killed_daemon_are_cleaned(tmp_path, caplog):
         deaf, coop = map(int, (await asyncio.to_thread(daemon.stdout.readline)).split())
         daemon.kill()  # no chance to clean up
         await asyncio.to_thread(daemon.wait, 10)
-        assert len(alive_in_group(deaf)) == 2 and alive(coop), "the children should outlive a killed daemon"
+        assert len(group_pids(deaf)) == 2 and alive(coop), "the children should outlive a killed daemon"
         t0 = time.monotonic()
         done = await ChildRecords(rec_dir).reap_leftovers(0.5, kill_wait_s=5.0)
         assert time.monotonic() - t0 < 2.0, "groups are cleaned at once, not one after the other"
         assert sorted(done) == [
             f"gpu0: process group {deaf} (2 processes) left by an earlier run: killed with SIGKILL",
             f"gpu1: process group {coop} (1 process) left by an earlier run: stopped with SIGTERM"]
-        assert alive_in_group(deaf) == [] and not alive(coop)
+        assert group_pids(deaf) == [] and not alive(coop)
         assert list(rec_dir.iterdir()) == []
         assert f"clean gpu0: process group {deaf}" in caplog.text
     finally:
@@ -294,7 +267,7 @@ async def test_leftovers_of_a_killed_daemon_are_cleaned(tmp_path, caplog):
         daemon.wait(10)
         daemon.stdout.close()
         for pgid in (deaf, coop):
-            for pid in alive_in_group(pgid) if pgid else []:
+            for pid in group_pids(pgid) if pgid else []:
                 os.kill(pid, signal.SIGKILL)
 
 
