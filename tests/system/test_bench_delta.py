@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from rolloutd.wire import delta
-from tests.integration.test_bench_delta import REPO
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_a_tiny_run_rebuilds_every_step_exactly_and_ends_with_its_summary(tmp_path):

@@ -1,10 +1,14 @@
-"""The tests of test_gate.py that run one at a time in the slow tier (slow by this folder);
-the rest, and the helpers and fixtures they share, are in tests/integration/rollout/test_gate.py."""
+"""The tests of test_gate.py that run one at a time in the slow tier (slow by this folder): the
+gate end to end on a real vLLM; its tests against the fake vLLM are in
+tests/integration/rollout/test_gate.py."""
 
 from __future__ import annotations
 
+import re
+import threading
 import time
 
+import httpx
 import pytest
 
 from rolloutd.demo import tinymodel
@@ -12,8 +16,59 @@ from rolloutd.trainer import EmbeddedRegistry, VersionRefused
 from rolloutd.trainer.canary import make_canary
 from rolloutd.wire.manifest import Canary
 from tests.conftest import free_port
-from tests.integration.rollout.test_gate import PROMPT, Hammer, generate, hf, metric, until
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server
+
+PROMPT = [1, 17, 42, 99, 250, 7, 300, 12]
+
+
+def hf(directory):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(directory)
+
+
+def metric(url: str, name: str, **labels: str) -> float | None:
+    text = httpx.get(url + "/metrics", timeout=10).text
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    m = re.search(rf"^rolloutd_{name}{f'{{{re.escape(want)}}}' if want else ''} (\S+)$", text, re.M)
+    return float(m.group(1)) if m else None
+
+
+class Hammer(threading.Thread):
+    """Greedy requests through the gateway, one after another, until stopped: (status, token ids)."""
+
+    def __init__(self, url: str):
+        super().__init__(daemon=True)
+        self.url, self.results, self.stopped = url, [], threading.Event()
+
+    def run(self) -> None:
+        with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            while not self.stopped.is_set():
+                try:
+                    r = c.post(self.url + "/inference/v1/generate", json={
+                        "token_ids": PROMPT, "stream": False,
+                        "sampling_params": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
+                    self.results.append((r.status_code, r.json()["choices"][0]["token_ids"]
+                                         if r.status_code == 200 else None))
+                except httpx.HTTPError as e:
+                    self.results.append((None, repr(e)))
+                time.sleep(0.05)
+
+
+def generate(gateway: str) -> list[int]:
+    r = httpx.post(gateway + "/inference/v1/generate", timeout=30, json={
+        "token_ids": PROMPT, "stream": False,
+        "sampling_params": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+def until(fetch, timeout_s: float):
+    """``fetch()`` once it gives something true, polled; fails after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not (got := fetch()):
+        assert time.monotonic() < deadline, f"nothing after {timeout_s} s"
+        time.sleep(0.1)
+    return got
 
 
 @pytest.mark.timeout(600)

@@ -1,5 +1,6 @@
-"""The tests of test_private_socket.py that run one at a time in the slow tier (slow by this folder);
-the rest, and the helpers and fixtures they share, are in tests/integration/node/test_private_socket.py."""
+"""The tests of test_private_socket.py that run one at a time in the slow tier (slow by this folder):
+another local user against a real vLLM served by the daemon; the rest is in
+tests/integration/node/test_private_socket.py."""
 
 from __future__ import annotations
 
@@ -7,15 +8,46 @@ import json
 import os
 import stat
 import subprocess
+import textwrap
+from pathlib import Path
 
 import pytest
 
 from rolloutd.demo import tinymodel
 from rolloutd.trainer import EmbeddedRegistry
-from tests.integration.node.test_private_socket import OTHER_USER, SYSTEM_PYTHON, listening_tcp_ports
 from tests.support.daemon_harness import AS_NOBODY, DaemonProcess, config, socket_probe, vllm_server
+from tests.support.processes import listening_tcp_ports
 
 pytestmark = [pytest.mark.timeout(900)]
+
+SYSTEM_PYTHON = Path("/usr/bin/python3")  # nobody cannot run the test's own interpreter (under /root)
+# Runs as nobody: what another local user can do to the server, as JSON on stdout.
+OTHER_USER = textwrap.dedent("""
+    import json, socket, sys, urllib.error, urllib.request
+    probe, api_ports, gateway = json.loads(sys.argv[1])
+    out = {}
+    scope = {}
+    import contextlib, io
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        exec(probe, scope)
+    out["socket"] = said.getvalue().strip()
+
+    def http(url, body=None):
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return [r.status, json.loads(r.read())]
+        except urllib.error.HTTPError as e:
+            return [e.code, None]
+        except OSError as e:
+            return [type(e).__name__, None]
+    out["tcp"] = {str(p): http(f"http://127.0.0.1:{p}/is_paused") for p in api_ports}
+    body = {"token_ids": [1, 5, 9], "stream": False, "sampling_params": {"max_tokens": 4, "temperature": 0}}
+    out["generate"] = http(gateway + "/inference/v1/generate", body)
+    out["pause"] = http(gateway + "/pause?mode=abort", {})
+    print(json.dumps(out))
+""")
 
 
 def test_another_user_reaches_no_vllm_route_while_the_gateway_serves(tmp_path):

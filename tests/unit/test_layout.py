@@ -94,14 +94,10 @@ def imported_test_modules(names: set[str]) -> list[str]:
 # Test files that still import another test file's helpers (before the rule): the list may only
 # shrink. The system files split from an integration file of the same name import their sibling.
 IMPORTS_OF_TESTS = {
-    ("integration/rollout/test_fetch_pool.py", "tests.integration.rollout.test_puller"),
-    ("system/test_bench_delta.py", "tests.integration.test_bench_delta"),
     ("system/test_child_output.py", "tests.integration.supervise.test_child_output"),
     ("system/test_fleet_ui.py", "tests.integration.registry.test_fleet_ui"),
-    ("system/test_gate.py", "tests.integration.rollout.test_gate"),
     ("system/test_gateway.py", "tests.integration.gateway.test_gateway"),
     ("system/test_gateway_netns.py", "tests.integration.gateway.test_gateway"),
-    ("system/test_private_socket.py", "tests.integration.node.test_private_socket"),
     ("system/test_s3_delta.py", "tests.integration.registry.test_registry_delta"),
     ("system/test_s3_delta.py", "tests.integration.test_objstore"),
     ("system/test_s3_delta.py", "tests.integration.test_s3_delta"),

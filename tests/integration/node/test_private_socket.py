@@ -1,4 +1,5 @@
-"""Loopback is not a boundary: another user of the node reaches no vLLM route of a served child.
+"""Loopback is not a boundary: another user of the node reaches no vLLM route of a served child
+(the test with a real vLLM: tests/system/test_private_socket.py).
 
 vLLM's pause and weight routes have no authentication, and any local user can connect to a
 loopback TCP port. The daemon (``rolloutd run``, one real ``vllm serve``, CPU build) starts its
@@ -11,63 +12,11 @@ paused it.
 
 from __future__ import annotations
 
-import os
-import textwrap
-from pathlib import Path
-
 import pytest
 
+from tests.support.processes import listening_tcp_ports
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-SYSTEM_PYTHON = Path("/usr/bin/python3")  # nobody cannot run the test's own interpreter (under /root)
-
-
-def listening_tcp_ports(pid: int) -> list[int]:
-    """TCP ports process ``pid`` listens on (IPv4 and IPv6), from /proc: its socket inodes, matched
-    against the kernel's table of listening sockets."""
-    inodes = set()
-    for fd in os.scandir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(fd.path)
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            fields = line.split()
-            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
-                ports.append(int(fields[1].rsplit(":", 1)[1], 16))
-    return sorted(ports)
-
-
-# Runs as nobody: what another local user can do to the server, as JSON on stdout.
-OTHER_USER = textwrap.dedent("""
-    import json, socket, sys, urllib.error, urllib.request
-    probe, api_ports, gateway = json.loads(sys.argv[1])
-    out = {}
-    scope = {}
-    import contextlib, io
-    with contextlib.redirect_stdout(io.StringIO()) as said:
-        exec(probe, scope)
-    out["socket"] = said.getvalue().strip()
-
-    def http(url, body=None):
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=60) as r:
-                return [r.status, json.loads(r.read())]
-        except urllib.error.HTTPError as e:
-            return [e.code, None]
-        except OSError as e:
-            return [type(e).__name__, None]
-    out["tcp"] = {str(p): http(f"http://127.0.0.1:{p}/is_paused") for p in api_ports}
-    body = {"token_ids": [1, 5, 9], "stream": False, "sampling_params": {"max_tokens": 4, "temperature": 0}}
-    out["generate"] = http(gateway + "/inference/v1/generate", body)
-    out["pause"] = http(gateway + "/pause?mode=abort", {})
-    print(json.dumps(out))
-""")
 
 
 @pytest.mark.parallel  # the fake vLLM as child

@@ -31,7 +31,8 @@ from rolloutd.rollout.sources import MESSAGE_CHARS, SourceSpec
 from rolloutd.wire import errors
 from rolloutd.wire.delta import encode_file
 from rolloutd.wire.manifest import hash_chunks
-from tests.integration.rollout.test_puller import gone, publish
+from tests.support.processes import gone
+from tests.support.pulled_versions import publish
 from tests.support.waiting import until
 
 SPEC = SourceSpec("registry", "http://127.0.0.1:9")  # nothing listens there

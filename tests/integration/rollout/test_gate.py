@@ -16,13 +16,9 @@ fails the gate, named.
 from __future__ import annotations
 
 import contextlib
-import re
-import threading
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-import httpx
 import pytest
 from aiohttp import web
 
@@ -30,59 +26,6 @@ from rolloutd.rollout.gate import GateFailed, run_gate
 from rolloutd.rollout.vllm_http import VllmClient
 from rolloutd.wire.manifest import Canary
 from tests.support.fake_vllm import FakeVllm, parse_faults
-
-PROMPT = [1, 17, 42, 99, 250, 7, 300, 12]
-
-
-def hf(directory):
-    import transformers
-    return transformers.AutoModelForCausalLM.from_pretrained(directory)
-
-
-def metric(url: str, name: str, **labels: str) -> float | None:
-    text = httpx.get(url + "/metrics", timeout=10).text
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    m = re.search(rf"^rolloutd_{name}{f'{{{re.escape(want)}}}' if want else ''} (\S+)$", text, re.M)
-    return float(m.group(1)) if m else None
-
-
-class Hammer(threading.Thread):
-    """Greedy requests through the gateway, one after another, until stopped: (status, token ids)."""
-
-    def __init__(self, url: str):
-        super().__init__(daemon=True)
-        self.url, self.results, self.stopped = url, [], threading.Event()
-
-    def run(self) -> None:
-        with httpx.Client(timeout=30, limits=httpx.Limits(max_keepalive_connections=0)) as c:
-            while not self.stopped.is_set():
-                try:
-                    r = c.post(self.url + "/inference/v1/generate", json={
-                        "token_ids": PROMPT, "stream": False,
-                        "sampling_params": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
-                    self.results.append((r.status_code, r.json()["choices"][0]["token_ids"]
-                                         if r.status_code == 200 else None))
-                except httpx.HTTPError as e:
-                    self.results.append((None, repr(e)))
-                time.sleep(0.05)
-
-
-def generate(gateway: str) -> list[int]:
-    r = httpx.post(gateway + "/inference/v1/generate", timeout=30, json={
-        "token_ids": PROMPT, "stream": False,
-        "sampling_params": {"max_tokens": 16, "temperature": 0, "ignore_eos": True}})
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["token_ids"]
-
-
-def until(fetch, timeout_s: float):
-    """``fetch()`` once it gives something true, polled; fails after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while not (got := fetch()):
-        assert time.monotonic() < deadline, f"nothing after {timeout_s} s"
-        time.sleep(0.1)
-    return got
-
 
 # -- each data-parallel engine, against the fake ----------------------------------------------------------
 CANARY = Canary(prompt_ids=[1, 2, 3], continuation_ids=[4, 5], logprobs=[-1.0, -1.0])  # what the fake serves

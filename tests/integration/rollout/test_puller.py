@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from rolloutd.demo.tinymodel import llama_state_dict
 from rolloutd.registry.blobs import MemoryBlob
 from rolloutd.rollout.fetch_pool import FetchPool
 from rolloutd.rollout.mirror import MANIFEST_NAME, RECORD_NAME, Mirror
@@ -30,21 +29,10 @@ from rolloutd.trainer.publish import serialize_shards
 from rolloutd.wire import errors
 from rolloutd.wire.delta import DEFAULT_ENCODING, delta_file_name, encode_file
 from rolloutd.wire.manifest import Delta, DeltaFile, Manifest, hash_chunks
+from tests.support.processes import gone
+from tests.support.pulled_versions import CHUNK, SHARD, publish, state_dict
 from tests.support.registry_proxy import InLoopProxy
 from tests.support.waiting import until
-
-CHUNK = 64 << 10
-SHARD = 1 << 20
-
-
-def state_dict(seed: int) -> dict:
-    return llama_state_dict(seed, hidden=128, layers=3, vocab=1024, intermediate=344)  # ~3 MiB
-
-
-def publish(registry, version: int) -> tuple:
-    sd = state_dict(version)
-    manifest = registry.publish(version, sd, shard_bytes=SHARD, chunk_bytes=CHUNK)
-    return manifest, dict(serialize_shards(sd, SHARD))
 
 
 class FlippingProxy(InLoopProxy):
@@ -186,14 +174,6 @@ async def test_several_streams_with_requests_smaller_than_a_chunk(registry, prox
     assert len(spans) == sum(-(-(e - s) // 20_000) for f in manifest.files
                              for s, e in (manifest.chunk_span(f, i) for i in range(len(f.chunks))))
     assert len(spans) > 3 * chunks
-
-
-def gone(pid: int) -> bool:
-    """The process exited and was reaped (or is a zombie of a parent that died)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
-        return True
 
 
 def scheduling(pid: int) -> tuple[int, int]:
