@@ -62,8 +62,7 @@ from bench.soak_faults import KINDS, Chaos, FakeFaultyPath, RegistryProcess, dae
 from rolloutd.demo import families  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, vllm_server  # noqa: E402
-from tests.support.vllm_server import require_vllm  # noqa: E402
-from tests.system.test_engine_kill import shm_mapped  # noqa: E402
+from tests.support.vllm_server import require_vllm, shm_mapped  # noqa: E402
 
 SERVERS = 2
 

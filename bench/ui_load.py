@@ -148,7 +148,7 @@ def view_cost(replicas: int, repeats: int = 20) -> dict:
     from rolloutd.registry.fleet import FleetQuery, FleetView
     from rolloutd.registry.store import Store
     from rolloutd.wire.messages import Heartbeat
-    from tests.unit.registry.test_store import manifest
+    from tests.support.store_versions import manifest
     store = Store(keep_versions=3)
     for v in (1, 2, 3):
         store.publish(manifest(v), {})

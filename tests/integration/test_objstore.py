@@ -16,19 +16,14 @@ import pytest
 
 from rolloutd.objstore import ObjectStoreError, ObjectStoreSettings, read_credentials
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.puller import Puller, PullError, PullSettings
-from rolloutd.rollout.registry_client import RegistryClient
-from rolloutd.rollout.swarm import Swarm, SwarmSettings
+from rolloutd.rollout.puller import PullError
 from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import verify_file
+from tests.support.s3_versions import in_bucket, pull, served, settings, version_dirs
 
 pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # a real SeaweedFS per module: about 2 s to start and 2 s to stop
 
 CHUNK = 256 << 10
-
-
-def settings(s3) -> ObjectStoreSettings:
-    return ObjectStoreSettings(endpoint=s3.endpoint, credentials_file=s3.credentials_file)
 
 
 def checkpoint(tmp_path, name: str = "ckpt", mib: int = 3):
@@ -38,15 +33,6 @@ def checkpoint(tmp_path, name: str = "ckpt", mib: int = 3):
         (d / f"model-{i}.safetensors").write_bytes(os.urandom(mib << 19))
     return d
 
-
-def served(reg: EmbeddedRegistry) -> int:
-    return int(reg.service.metrics.bytes_served._value.get())
-
-
-async def pull(reg: EmbeddedRegistry, s3, mirror: Mirror, version="latest"):
-    async with RegistryClient(reg.url) as client:
-        swarm = Swarm(SwarmSettings(), client, mirror, node="n1", object_store=settings(s3))
-        return await Puller(client, mirror, PullSettings(holder="n1", request_bytes=CHUNK), swarm=swarm).pull(version)
 
 
 def test_publish_to_the_bucket_and_pull_from_it(s3, tmp_path):
@@ -132,13 +118,7 @@ def test_cli_publish_to_the_bucket_and_a_disk_registry_keeps_the_source(s3, tmp_
     assert version_dirs(s3, "cli") == [3, 4, 5]  # --keep-objects: nothing deleted
 
 
-def in_bucket(s3, prefix: str) -> list[str]:
-    return sorted(m["path"] for batch in obstore.list(s3.store(), prefix) for m in batch)
 
-
-def version_dirs(s3, prefix: str) -> list[int]:
-    names = {p.split("/")[1] for p in in_bucket(s3, prefix) if p.count("/") >= 2}
-    return sorted(int(n) for n in names if n.isdigit())
 
 
 def test_publish_prunes_the_versions_the_registry_will_never_serve_again_and_nothing_else(s3, tmp_path):

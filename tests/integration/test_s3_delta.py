@@ -11,44 +11,10 @@ import subprocess
 import sys
 
 import httpx
-import numpy as np
-from safetensors.numpy import save_file
 
-from rolloutd.objstore import ObjectStoreSettings
 from rolloutd.registry.store import VersionState
-from rolloutd.rollout.mirror import Mirror
 from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.wire.manifest import Delta, DeltaFile, Manifest
-
-CHUNK = 64 << 10
-
-
-def settings(s3) -> ObjectStoreSettings:
-    return ObjectStoreSettings(endpoint=s3.endpoint, credentials_file=s3.credentials_file)
-
-
-def weights(seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {f"model.layers.{i}.mlp.weight": rng.standard_normal((256, 256)).astype(np.float32) for i in range(8)}
-
-
-def checkpoint(tmp_path, name: str, sd: dict[str, np.ndarray]):
-    """``sd`` saved as two safetensors files (by safetensors itself, not rolloutd)."""
-    d = tmp_path / name
-    d.mkdir()
-    names = sorted(sd)
-    save_file({n: sd[n] for n in names[:4]}, str(d / "model-00001-of-00002.safetensors"))
-    save_file({n: sd[n] for n in names[4:]}, str(d / "model-00002-of-00002.safetensors"))
-    return d
-
-
-def assert_same_files(mirror: Mirror, version: int, ckpt) -> None:
-    """The mirror holds exactly the bytes that were published, file for file."""
-    held = sorted(p.name for p in mirror.path(version).iterdir() if p.name not in (".registry.json", "manifest.json"))
-    assert held == sorted(p.name for p in ckpt.iterdir())  # no delta file left either
-    for p in ckpt.iterdir():
-        assert (mirror.path(version) / p.name).read_bytes() == p.read_bytes(), p.name
-
 
 # -- the registry and a delta section it is sent with a source ----------------------------------------
 

@@ -3,8 +3,10 @@ what it fakes, and the log lines a child forwards."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 from rolloutd.supervise.child import Child
 from tests.support.waiting import until
@@ -39,3 +41,27 @@ async def spawned_ready(make, caplog, name: str, argv: list[str], **kw) -> Child
     await child.spawn()
     await until(lambda: f"{name}[{child.pid}]: ready" in lines_of(caplog, name), what=f"{name} ready")
     return child
+
+
+# A server whose segments no pattern knows (vLLM's CPU tensor-parallel ``vllm_dist_*-cpushm_*``):
+# it creates and maps each name given, also one in a directory of /dev/shm (as the mirror's files
+# are), and opens one that was there before it.
+HOLDS_NAMED = textwrap.dedent("""
+    import mmap, os, sys, time
+    maps = []
+    for name in sys.argv[2:]:
+        fd = os.open(os.path.join(sys.argv[1], name), os.O_CREAT | os.O_RDWR, 0o600)
+        if not (size := os.fstat(fd).st_size):
+            os.ftruncate(fd, size := 4 << 20)
+        maps.append(mmap.mmap(fd, size))
+    print("ready", flush=True)
+    time.sleep(60)
+""")
+
+
+def held_decoy(shm: Path, name: str) -> subprocess.Popen:
+    """Another program's segment, made and held by a process outside every server's group."""
+    decoy = subprocess.Popen([sys.executable, "-c", HOLDS_NAMED, str(shm), name], stdout=subprocess.PIPE,
+                             text=True, start_new_session=True)
+    assert decoy.stdout.readline().strip() == "ready"
+    return decoy

@@ -17,7 +17,7 @@ def main(url: str, model_dir: Path, out: Path, steps: int) -> None:
 
     from rolloutd.trainer.integrations.trl import FleetConfig, GRPOTrainer
     from rolloutd.trainer.publish import RegistryHTTP
-    from tests.integration.trainer.test_trl import prompts_dataset, task_reward, trl_args
+    from tests.support.trl_task import prompts_dataset, task_reward, trl_args
 
     torch.set_num_threads(1)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")

@@ -1,5 +1,6 @@
-"""The tests of test_s3_delta.py that run one at a time in the slow tier (slow by this folder);
-the rest, and the helpers and fixtures they share, are in tests/integration/test_s3_delta.py."""
+"""The tests of test_s3_delta.py that run one at a time in the slow tier (slow by this folder): a
+delta version through a real S3 bucket, pulled and rebuilt; the rest is in
+tests/integration/test_s3_delta.py."""
 
 from __future__ import annotations
 
@@ -15,9 +16,18 @@ from rolloutd.rollout.mirror import Mirror
 from rolloutd.trainer import EmbeddedRegistry
 from rolloutd.trainer.publish import RegistryHTTP
 from rolloutd.wire.manifest import hash_chunks
-from tests.integration.registry.test_registry_delta import step
-from tests.integration.test_objstore import in_bucket, pull, served, version_dirs
-from tests.integration.test_s3_delta import CHUNK, assert_same_files, checkpoint, settings, weights
+from tests.support.np_weights import step, weights
+from tests.support.s3_versions import (
+    assert_same_files,
+    in_bucket,
+    pull,
+    safetensors_checkpoint,
+    served,
+    settings,
+    version_dirs,
+)
+
+CHUNK = 64 << 10
 
 
 def test_the_next_version_in_the_bucket_is_a_delta_a_node_with_the_base_rebuilds_exactly(s3, tmp_path, caplog):
@@ -25,12 +35,12 @@ def test_the_next_version_in_the_bucket_is_a_delta_a_node_with_the_base_rebuilds
     to, store = f"s3://{s3.bucket}/delta", settings(s3)
     w1 = weights()
     w2 = step(w1, seed=1)
-    ckpt = checkpoint(tmp_path, "ckpt", w1)
+    ckpt = safetensors_checkpoint(tmp_path, "ckpt", w1)
     with EmbeddedRegistry(port=0) as reg:
         reg.publish_dir(1, ckpt, chunk_bytes=CHUNK, to=to, store=store)
         with_base = Mirror(tmp_path / "with-base", 1 << 30)
         assert asyncio.run(pull(reg, s3, with_base, 1)).kind == "full"
-        c2 = checkpoint(tmp_path, "c2", w2)
+        c2 = safetensors_checkpoint(tmp_path, "c2", w2)
         for p in c2.iterdir():  # the trainer saves the next version over the last, in place
             with open(ckpt / p.name, "r+b") as f:
                 f.write(p.read_bytes())

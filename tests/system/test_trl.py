@@ -1,5 +1,5 @@
-"""The tests of test_trl.py that run one at a time in the slow tier (slow by this folder);
-the rest, and the helpers and fixtures they share, are in tests/integration/trainer/test_trl.py."""
+"""The tests of test_trl.py that run one at a time in the slow tier (slow by this folder): TRL's own
+trainers through a real fleet; the rest is in tests/integration/trainer/test_trl.py."""
 
 from __future__ import annotations
 
@@ -7,14 +7,138 @@ from pathlib import Path
 
 import pytest
 
-from rolloutd.trainer.integrations.batches import (
-    UnsupportedSetting,
-)
-from tests.integration.trainer import test_trl as rest
-from tests.integration.trainer.test_trl import policy, prompts_dataset, run_trainer, task_reward, trl_args
+from rolloutd.fleet import Sampling
+from rolloutd.trainer.integrations.batches import UnsupportedSetting
+from tests.support.trl_task import policy, prompts_dataset, task_reward, trl_args
 
-# the module's fixtures, by name, for the tests below
-two_servers = rest.two_servers
+
+# -- real TRL trainers ------------------------------------------------------------------------------------
+class Fleet:
+    """One daemon (``rolloutd run``) with two real ``vllm serve`` on the tiny policy, and the
+    registry it follows, embedded here; shared by the trainer tests of this module."""
+
+    def __init__(self, work: Path):
+        from rolloutd.demo import rl
+        from rolloutd.demo.serve import default_vllm
+        from rolloutd.trainer import EmbeddedRegistry
+        from tests.support.vllm_server import require_vllm
+        require_vllm()
+        self.model_dir = policy(work / "policy")
+        self.reg = EmbeddedRegistry(port=0).start()
+        self.node = None
+        try:
+            from transformers import AutoModelForCausalLM
+            self.reg.publish(1, AutoModelForCausalLM.from_pretrained(self.model_dir).state_dict())
+            self.node = rl.Node(work, rl.node_config(work, self.reg.url, default_vllm(), self.model_dir)).start()
+            self.wait_serving(1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def wait_serving(self, version: int, timeout_s: float = 900) -> None:
+        from rolloutd.fleet import FleetSync
+        with FleetSync(self.reg.url, refresh_s=0.25) as fleet:
+            fleet.wait_for(version, 2, timeout_s)
+
+    def stop(self) -> None:
+        try:
+            if self.node is not None:
+                self.node.stop()
+        finally:
+            self.reg.stop()
+
+
+@pytest.fixture(scope="module")
+def two_servers(tmp_path_factory):
+    fleet = Fleet(tmp_path_factory.mktemp("trl"))
+    yield fleet
+    fleet.stop()
+
+
+class ServedExactly:
+    """A callback that checks, at each step, that the fleet serves the version the step published
+    with the trainer's weights of that step: the transformers greedy continuation of a probe,
+    taken when the step begins (the weights the step publishes), equals the fleet's, asked of
+    that version once the step ended."""
+
+    PROBE = [1, 3, 5, 4, 6, 7]
+
+    def __init__(self, generation):
+        from transformers import TrainerCallback
+
+        outer = self
+
+        class Callback(TrainerCallback):
+            def on_step_begin(self, args, state, control, model=None, **kw):
+                outer.reference = outer.greedy_of(model)
+
+            def on_step_end(self, args, state, control, **kw):
+                outer.check()
+
+        self.callback, self.generation = Callback(), generation
+        self.checked: list[tuple[int, list[int], float]] = []  # version, greedy tokens, max |dlogprob|
+
+    @staticmethod
+    def greedy_of(model, n: int = 6) -> tuple[list[int], list[float]]:
+        import torch
+        ids = list(ServedExactly.PROBE)
+        lps = []
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(input_ids=torch.tensor([ids])).logits[0, -1].float()
+                lp = torch.log_softmax(logits, -1)
+                ids.append(int(lp.argmax()))
+                lps.append(float(lp.max()))
+        return ids[len(ServedExactly.PROBE):], lps
+
+    def check(self) -> None:
+        version = self.generation.version  # published at this step's generation
+        tokens, lps = self.reference
+        out = self.generation.client.generate(self.PROBE, Sampling(max_tokens=len(tokens), temperature=0.0,
+                                                                   ignore_eos=True), min_version=version)
+        assert out.versions == [version], out.weight_versions  # the newest: nothing newer exists yet
+        assert out.token_ids == tokens, (version, out.token_ids, tokens)
+        gap = max(abs(a - b) for a, b in zip(out.logprobs, lps, strict=True))
+        assert gap < 1e-3, gap
+        self.checked.append((version, tokens, gap))
+
+
+def run_trainer(kind: str, fleet: Fleet, tmp_path: Path, steps: int, k: int):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rolloutd.trainer.integrations import trl as integration
+    from rolloutd.trainer.integrations.trl import FleetConfig
+    torch.set_num_threads(1)  # the servers have the cores
+    model = AutoModelForCausalLM.from_pretrained(fleet.model_dir, dtype=torch.float32, attn_implementation="eager")
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight  # tied
+    cls = {"grpo": integration.GRPOTrainer, "rloo": integration.RLOOTrainer}[kind]
+    before = fleet.reg.latest()["version"]
+    config = FleetConfig(registry=fleet.reg, max_staleness=k, fleet_options={"wait_s": 300, "refresh_s": 0.25})
+    trainer = cls(model, task_reward, args=trl_args(kind, tmp_path / "out", steps),
+                  processing_class=AutoTokenizer.from_pretrained(fleet.model_dir), train_dataset=prompts_dataset(64),
+                  fleet=config)
+    served = ServedExactly(trainer.vllm_generation)
+    trainer.add_callback(served.callback)
+    try:
+        trainer.train()
+    finally:
+        trainer.vllm_generation.close()
+    gen = trainer.vllm_generation
+    assert gen.published == list(range(before + 1, before + 1 + steps))  # a version per step
+    assert [v for v, _, _ in served.checked] == gen.published
+    batches = list(gen.batches)
+    assert [b.version for b in batches] == gen.published  # one batch per step, each after its publish
+    for b in batches:
+        assert all(v is not None and b.version - k <= v <= b.version for s in b.versions for v in s), b
+    groups = [batches[0].completions[i:i + 4] for i in range(0, len(batches[0].completions), 4)]
+    assert all(len({tuple(c) for c in g}) > 1 for g in groups), groups  # seeded apart: a group is not copies
+    replicas = {r for b in batches for s in b.replicas for r in s}
+    assert len(replicas) == 2, replicas  # both servers generated
+    logs = [e for e in trainer.state.log_history if "rolloutd/staleness" in e]
+    assert len(logs) == steps and all(0 <= e["rolloutd/staleness"] <= k for e in logs), logs
+    assert all(e["rolloutd/oldest_version"] >= e["rolloutd/version"] - k for e in logs), logs
+    return trainer, served, logs
 
 
 # imports TRL (10 s or more) and builds a real trainer

@@ -21,6 +21,7 @@ from rolloutd.wire.delta import apply_and_verify
 from rolloutd.wire.manifest import Manifest, build_manifest
 from tests.conftest import run_cli
 from tests.support.daemon_harness import wait_until
+from tests.support.np_weights import step
 
 CHUNK = 4096
 SHARD = 150_000  # a few files per version: a tensor may move to another file between versions
@@ -31,17 +32,7 @@ def weights(seed: int = 0, n: int = 6, shape=(96, 128)) -> dict[str, np.ndarray]
     return {f"model.layers.{i}.mlp.weight": rng.standard_normal(shape).astype(np.float32) for i in range(n)}
 
 
-def step(sd: dict[str, np.ndarray], seed: int, fraction: float = 0.01) -> dict[str, np.ndarray]:
-    """A copy of ``sd`` with about ``fraction`` of its elements nudged, as an optimizer step does."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, t in sd.items():
-        t = t.copy()
-        flat = t.reshape(-1)
-        idx = rng.choice(flat.size, max(1, int(flat.size * fraction)), replace=False)
-        flat[idx] += np.float32(1e-3)
-        out[name] = t
-    return out
+
 
 
 def served(http: httpx.Client, version: int) -> Manifest:

@@ -7,7 +7,6 @@ name, and the shared-memory segments a killed group leaves behind.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -19,14 +18,13 @@ import textwrap
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rolloutd.supervise import child as child_module
 from rolloutd.supervise import leftovers
 from rolloutd.supervise.child import OutputLevels, is_stop_noise, vllm_header
 from rolloutd.supervise.leftovers import ChildRecords, ProcessGroups, ShmBaseline
-from tests.support.fake_children import IGNORES_TERM, lines_of, spawned_ready
+from tests.support.fake_children import HOLDS_NAMED, IGNORES_TERM, held_decoy, lines_of, spawned_ready
 from tests.support.processes import group_pids
 from tests.support.waiting import until
 
@@ -302,28 +300,7 @@ async def test_segments_left_by_a_killed_group_are_removed_and_no_other(children
     assert lines_of(caplog, "vllm")[0].endswith(": ready")
 
 
-# A server whose segments no pattern knows (vLLM's CPU tensor-parallel ``vllm_dist_*-cpushm_*``):
-# it creates and maps each name given, also one in a directory of /dev/shm (as the mirror's files
-# are), and opens one that was there before it.
-HOLDS_NAMED = textwrap.dedent("""
-    import mmap, os, sys, time
-    maps = []
-    for name in sys.argv[2:]:
-        fd = os.open(os.path.join(sys.argv[1], name), os.O_CREAT | os.O_RDWR, 0o600)
-        if not (size := os.fstat(fd).st_size):
-            os.ftruncate(fd, size := 4 << 20)
-        maps.append(mmap.mmap(fd, size))
-    print("ready", flush=True)
-    time.sleep(60)
-""")
 
-
-def _held_decoy(shm: Path, name: str) -> subprocess.Popen:
-    """Another program's segment, made and held by a process outside every server's group."""
-    decoy = subprocess.Popen([sys.executable, "-c", HOLDS_NAMED, str(shm), name], stdout=subprocess.PIPE,
-                             text=True, start_new_session=True)
-    assert decoy.stdout.readline().strip() == "ready"
-    return decoy
 
 
 @pytest.mark.parametrize("end", ["crash", "stop"])
@@ -332,13 +309,13 @@ async def test_segments_the_group_held_are_removed_at_its_end_whatever_their_nam
     once the group is gone: only names its processes held, created after its spawn, used by no one."""
     (shm / "mirror").mkdir()
     (shm / "there_before").write_bytes(b"x")  # another program's, opened by the server too
-    decoys = [_held_decoy(shm, "vllm_dist_theirs-cpushm_0")]
+    decoys = [held_decoy(shm, "vllm_dist_theirs-cpushm_0")]
     ours = ["vllm_dist_ours-cpushm_0", "vllm_dist_ours-cpushm_1"]
     try:
         child = await spawned_ready(children, caplog, "vllm", [sys.executable, "-c", HOLDS_NAMED, str(shm), *ours,
                                                                "shared", "mirror/v1.safetensors", "there_before"])
         (shm / "unheld").write_bytes(b"x")  # created meanwhile by someone, never held by the group
-        decoys.append(_held_decoy(shm, "shared"))  # the group's, but another process maps it too and lives on
+        decoys.append(held_decoy(shm, "shared"))  # the group's, but another process maps it too and lives on
         if end == "crash":
             await child.note_shm()
             os.killpg(child.pgid, signal.SIGKILL)
@@ -363,7 +340,7 @@ def test_held_names_come_from_the_maps_and_descriptors_of_the_given_processes_on
     (shm / "sub").mkdir()
     held = subprocess.Popen([sys.executable, "-c", HOLDS_NAMED, str(shm), "a", "sub/b"], stdout=subprocess.PIPE,
                             text=True, start_new_session=True)
-    other = _held_decoy(shm, "c")
+    other = held_decoy(shm, "c")
     try:
         assert held.stdout.readline().strip() == "ready"
         assert leftovers.shm_held_by([held.pid]) == {"a", "sub/b"}
@@ -421,18 +398,6 @@ def test_after_an_ordered_stop_or_with_a_bad_record_the_next_start_removes_nothi
     assert sorted(p.name for p in shm.iterdir()) == ["psm_later", "psm_someone_elses"]
 
 
-async def until_healthy(client: httpx.AsyncClient, child, timeout_s: float = 300.0) -> None:
-    """Poll ``/health`` until 200; fail if the server exits first or ``timeout_s`` passes."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while asyncio.get_running_loop().time() < deadline:
-        assert child.running, f"vllm serve exited before it was healthy: {child.describe_exit()}"
-        with contextlib.suppress(httpx.HTTPError):
-            if (await client.get("/health")).status_code == 200:
-                return
-        await asyncio.sleep(0.5)
-    raise AssertionError(f"vllm serve not healthy within {timeout_s} s")
-
-
 # A server that leaves a file in its temporary directory at every start, as vLLM does
 # (torch.distributed's rendezvous store, /tmp/vllm_dist_<uuid>, never removed), then holds a segment.
 LEAVES_TMP = textwrap.dedent("""
@@ -479,7 +444,7 @@ async def test_what_servers_killed_with_their_daemon_held_is_removed_at_the_next
     await child.spawn()
     await until(lambda: "shared" in leftovers.shm_held_by(child.group_pids()), what="its segments")
     await child.note_shm()
-    decoy = _held_decoy(shm, "shared")
+    decoy = held_decoy(shm, "shared")
     try:
         os.killpg(child.pgid, signal.SIGKILL)  # with its daemon, which never reaps it
         await until(lambda: not group_pids(child.pgid), what="the group gone")
