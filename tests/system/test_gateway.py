@@ -1,5 +1,6 @@
 """The tests of test_gateway.py that run one at a time in the slow tier (slow by this folder);
-the rest, and the helpers and fixtures they share, are in tests/integration/gateway/test_gateway.py."""
+the rest is in tests/integration/gateway/test_gateway.py, the helpers and fixtures they share in
+tests/support/gateway_clients.py."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ import pytest
 
 from rolloutd.wire.states import ServerState as S
 from tests.conftest import free_port
-from tests.integration.gateway import test_gateway as rest
-from tests.integration.gateway.test_gateway import (
+from tests.support import gateway_clients
+from tests.support.gateway_clients import (
     AUTH,
     DEV_ROUTES,
     PROMPT,
@@ -30,8 +31,8 @@ from tests.integration.gateway.test_gateway import (
 from tests.support.gateway_harness import GatewayThread
 
 # the module's fixtures, by name, for the tests below
-gateway = rest.gateway
-vllm = rest.vllm
+gateway = gateway_clients.gateway
+vllm = gateway_clients.vllm
 
 pytestmark = pytest.mark.timeout(600)
 

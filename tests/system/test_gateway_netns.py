@@ -23,8 +23,8 @@ import pytest
 from rolloutd.demo import tinymodel
 from rolloutd.trainer import EmbeddedRegistry
 from tests.conftest import free_port
-from tests.integration.gateway.test_gateway import DEV_ROUTES, TRICKS
 from tests.support.daemon_harness import DaemonProcess, config, vllm_server
+from tests.support.gateway_clients import DEV_ROUTES, TRICKS
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -91,23 +91,12 @@ def imported_test_modules(names: set[str]) -> list[str]:
     return sorted(n for n in names if n.startswith("tests.") and n.rsplit(".", 1)[-1].startswith("test_"))
 
 
-# Test files that still import another test file's helpers (before the rule): the list may only
-# shrink. The system files split from an integration file of the same name import their sibling.
-IMPORTS_OF_TESTS = {
-    ("system/test_fleet_ui.py", "tests.integration.registry.test_fleet_ui"),
-    ("system/test_gateway.py", "tests.integration.gateway.test_gateway"),
-    ("system/test_gateway_netns.py", "tests.integration.gateway.test_gateway"),
-}
-
-
 def test_no_test_file_imports_another():
     """What tests share lives in tests/support (or a conftest): a test file (or a support module, or
-    a benchmark) importing a test file's helpers makes that file's contents its dependency.
-    IMPORTS_OF_TESTS: the ones left."""
+    a benchmark) importing a test file's helpers would make that file's contents its dependency."""
     readers = [p for tier in TIERS for p in tier_files(tier)] + sorted((TESTS / "support").glob("*.py")) \
         + sorted((TESTS.parent / "bench").glob("*.py"))
     found = {(str(p.relative_to(TESTS)) if TESTS in p.parents else str(p.relative_to(TESTS.parent)), name)
              for p in readers for name in imported_test_modules(imports(p))}
-    assert sorted(found - IMPORTS_OF_TESTS) == [], "import it from tests/support instead"
-    assert sorted(IMPORTS_OF_TESTS - found) == [], "gone: take it off IMPORTS_OF_TESTS"
+    assert sorted(found) == [], "share it through tests/support instead"
     assert imported_test_modules({"tests.system.test_daemon", "tests.support.served"}) == ["tests.system.test_daemon"]
