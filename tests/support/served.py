@@ -63,29 +63,28 @@ class Node:
             raise
 
     def serving(self, timeout_s: float = 300) -> dict:
-        """Wait until every server is SERVING; returns the status. A node that does not get
-        there is closed, its processes killed."""
-        try:
-            return self.daemon.wait(lambda s: all(x["state"] == "SERVING" for x in s["servers"]), timeout_s,
-                                    "every server SERVING")
-        except BaseException:
-            self.daemon.kill_everything()
-            self._stop_registry()
-            raise
+        """Wait until every server is SERVING; returns the status."""
+        return self.daemon.wait(lambda s: all(x["state"] == "SERVING" for x in s["servers"]), timeout_s,
+                                "every server SERVING")
 
     def gateway(self, name: str, st: dict | None = None) -> str:
         return f"http://127.0.0.1:{self.daemon.server(name, st)['public_port']}"
 
     def close(self) -> None:
-        """Stop the daemon (it must exit 0), then kill whatever is left anyway."""
+        """Stop the daemon (it must exit 0), then :meth:`kill` whatever is left anyway."""
         try:
             assert self.daemon.stop(90) == 0, "the daemon did not exit 0"
         finally:
-            self.daemon.kill_everything()
-            self._stop_registry()
+            self.kill()
+
+    def kill(self) -> None:
+        """Nothing of the node left: for a node that failed before it had an owner to close it."""
+        self.daemon.kill_everything()
+        self._stop_registry()
 
     def _stop_registry(self) -> None:
         if self.own_registry:
+            self.own_registry = False  # once: close() after kill() stops it no second time
             self.reg.stop()
 
 

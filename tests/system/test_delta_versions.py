@@ -96,7 +96,11 @@ def start_node(world_tmp: Path, registry: EmbeddedRegistry, model: Path, name: s
     d.mkdir()
     node = Node(d, [vllm_server("s0", model, cpus)], registry,
                 node={"name": name, "advertise_host": "127.0.0.1"}, **sections)
-    node.serving()
+    try:
+        node.serving()
+    except BaseException:
+        node.kill()
+        raise
     return node
 
 

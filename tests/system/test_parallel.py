@@ -58,7 +58,11 @@ class Node(served.Node):
         servers = [{**s, "model": str(start)} for s in self.KINDS[kind]()]
         super().__init__(tmp, servers, restart={"start_timeout_s": 400, "failed_grace_s": 2, "backoff_initial_s": 0.5,
                                                 "backoff_max_s": 2, "max_retries": 3})
-        st = self.serving(600)
+        try:
+            st = self.serving(600)
+        except BaseException:
+            self.kill()
+            raise
         print(f"{', '.join(s['name'] for s in servers)} SERVING {time.monotonic() - self.t0:.1f} s after the "
               "daemon's start")
         self.gateways = {x["name"]: self.gateway(x["name"], st) for x in st["servers"]}
