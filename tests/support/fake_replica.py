@@ -24,6 +24,7 @@ from aiohttp import web
 
 from tests.conftest import free_port
 from tests.support.gateway_harness import socket_path
+from tests.support.loop_thread import LoopThread, serve
 
 
 class FakeReplica:
@@ -38,28 +39,20 @@ class FakeReplica:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.socket = socket_path()  # where a gateway in front of it connects, as to a vLLM child
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True, name=f"fake-replica-{self.port}")
-        self._runner: web.AppRunner | None = None
+        self._thread = LoopThread(f"fake-replica-{self.port}")
+        self._runner: web.BaseRunner | None = None
 
     # -- life ------------------------------------------------------------------------------------
     def start(self) -> FakeReplica:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
-        return self
-
-    async def _start(self) -> None:
         app = web.Application()
         app.add_routes([web.post("/inference/v1/generate", self.generate), web.get("/v1/models", self.models)])
-        self._runner = web.AppRunner(app, handle_signals=False, handler_cancellation=True, shutdown_timeout=1)
-        await self._runner.setup()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
-        await web.UnixSite(self._runner, str(self.socket)).start()
+        self._runner, _ = self._thread.start().call(serve(
+            app, port=self.port, unix=self.socket, handle_signals=False, handler_cancellation=True, shutdown_timeout=1))
+        return self
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._thread.call(self._runner.cleanup())
+        self._thread.stop()
 
     # -- routes ----------------------------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:

@@ -19,6 +19,7 @@ from rolloutd.demo.tinymodel import TINY, build
 from rolloutd.supervise.plugin_path import install_plugin
 from tests.conftest import free_port
 from tests.support.gateway_harness import GatewayThread, socket_path
+from tests.support.loop_thread import LoopThread, serve
 from tests.support.vllm_server import VllmServer
 
 TOKEN = "gw-secret-4b1d"
@@ -119,8 +120,7 @@ class FakeUpstream:
         self.seen = self.queued = 0
         self.go, self.waiting, self.gone = threading.Event(), threading.Event(), threading.Event()
         self.socket = socket_path()
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread = LoopThread("fake-upstream")
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         self.seen += 1
@@ -160,21 +160,15 @@ class FakeUpstream:
         return response
 
     def __enter__(self) -> FakeUpstream:
-        self.thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-        return self
-
-    async def _start(self) -> None:
         app = web.Application()
         app.router.add_post("/inference/v1/generate", self.generate)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.UnixSite(self.runner, str(self.socket)).start()
+        self.runner, _ = self.thread.start().call(serve(app, unix=self.socket))
+        return self
 
     def __exit__(self, *exc) -> None:
         self.go.set()
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.call(self.runner.cleanup())
+        self.thread.stop()
 
 
 def talk(url: str, *parts: bytes, pause_s: float = 0.0, timeout_s: float = 30) -> bytes:

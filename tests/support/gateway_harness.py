@@ -4,11 +4,9 @@ the test plays the supervisor and sets the server's state. The loop is uvloop's,
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import shutil
 import tempfile
-import threading
 import uuid
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from rolloutd.config import Gateway as GatewaySettings
 from rolloutd.gateway.relay import Gateway
 from rolloutd.metrics import Metrics
 from rolloutd.wire.states import ServerState
+from tests.support.loop_thread import LoopThread
 
 _SOCKETS: list[Path] = []
 
@@ -37,9 +36,8 @@ class GatewayThread:
         self.metrics = Metrics()
         self.settings = GatewaySettings.model_validate({"host": "127.0.0.1", **settings})
         self.url = f"http://{self.settings.host}:{port}"
-        self._loop = uvloop.new_event_loop()
         self.gateway = Gateway(name, Path(upstream), port, self.settings, token, self.metrics)
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"gateway-{name}", daemon=True)
+        self._thread = LoopThread(f"gateway-{name}", uvloop.new_event_loop())
 
     def start(self, state: ServerState = ServerState.SERVING) -> GatewayThread:
         self._thread.start()
@@ -61,11 +59,10 @@ class GatewayThread:
 
     def stop(self) -> None:
         self._call(self.gateway.stop())
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._thread.stop()
 
     def _call(self, coro):
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+        return self._thread.call(coro)
 
     def buffered(self) -> dict[str, int]:
         """What the gateway holds for its client connections right now: requests read and not yet

@@ -1,8 +1,9 @@
 """Fake network paths to the registry, for tests.
 
-- ``ThreadedProxy`` is an aiohttp server on its own event loop in a thread (so a synchronous
-  test or bench drives it) that hands every request to ``_handle``; the proxies below, and
-  bench/roundtrips.py's counting proxy, are built on it.
+- ``ThreadedProxy`` is an aiohttp server on its own event loop in a thread (a
+  :class:`~tests.support.loop_thread.LoopThread`, so a synchronous test or bench drives it) that
+  hands every request to ``_handle``; the proxies below, and bench/roundtrips.py's counting
+  proxy, are built on it.
 - ``RegistryProxy`` forwards every request to the registry on ``upstream_port``, and can slow
   down byte transfers (``byte_delay_s`` before each byte range) or answer each with an error
   (``error_body``: a 404 with that body). When the registry behind it is
@@ -15,10 +16,11 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 
 import aiohttp
 from aiohttp import web
+
+from tests.support.loop_thread import LoopThread, serve
 
 _FORWARD = ("authorization", "range", "content-type")
 
@@ -30,22 +32,19 @@ class ThreadedProxy:
     def __init__(self, upstream: str):
         self.upstream = upstream
         self.port = 0
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread = LoopThread(f"proxy-{type(self).__name__}")
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self):
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        self._thread.start().call(self._start())
         return self
 
     def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
+        self._thread.call(self._stop())
+        self._thread.stop()
 
     def _new_session(self) -> aiohttp.ClientSession:
         return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
@@ -54,19 +53,11 @@ class ThreadedProxy:
         self._session = self._new_session()
         app = web.Application(client_max_size=1 << 30)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, shutdown_timeout=0.5, access_log=None)
-        await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
+        self._runner, self.port = await serve(app, port=0, shutdown_timeout=0.5, access_log=None)
 
     async def _stop(self) -> None:
         await self._runner.cleanup()
-        await self._session.close()
-        left = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]  # a long-poll's handler
-        for task in left:
-            task.cancel()
-        await asyncio.gather(*left, return_exceptions=True)
+        await self._session.close()  # a long-poll's handler left is cancelled by the loop's stop
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         raise NotImplementedError

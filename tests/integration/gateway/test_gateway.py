@@ -31,6 +31,7 @@ from tests.support.gateway_clients import (
     talk,
 )
 from tests.support.gateway_harness import GatewayThread, socket_path
+from tests.support.loop_thread import LoopThread
 
 # a real vLLM behind a gateway, as fixtures
 gateway = gateway_clients.gateway
@@ -185,12 +186,8 @@ class FakeRawUpstream:
     def __init__(self, script):
         self.script, self.connections, self.sent = script, 0, 0
         self.socket = socket_path()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
-
-    async def _start(self) -> None:
-        self.server = await asyncio.start_unix_server(self._connection, str(self.socket))
+        self.thread = LoopThread("fake-raw-upstream").start()
+        self.server = self.thread.call(asyncio.start_unix_server(self._connection, str(self.socket)))
 
     async def _connection(self, reader, writer) -> None:
         self.connections += 1
@@ -202,7 +199,13 @@ class FakeRawUpstream:
             writer.close()
 
     def close(self) -> None:
-        self.loop.call_soon_threadsafe(self.server.close)
+        self.thread.call(_closed(self.server))
+        self.thread.stop()
+
+
+async def _closed(server: asyncio.Server) -> None:
+    server.close()
+    await server.wait_closed()
 
 
 async def read_request(reader) -> bytes:

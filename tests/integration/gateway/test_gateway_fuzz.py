@@ -11,10 +11,8 @@ comes in, not vLLM's.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
-import threading
 
 import pytest
 from aiohttp import web
@@ -24,6 +22,7 @@ from hypothesis import strategies as st
 from rolloutd.gateway.policy import ROUTES
 from tests.conftest import free_port
 from tests.support.gateway_harness import GatewayThread, socket_path
+from tests.support.loop_thread import LoopThread, serve
 
 pytestmark = [pytest.mark.slow, pytest.mark.parallel]  # thousands of requests: not the fast tier
 
@@ -43,14 +42,12 @@ class EchoUpstream:
 
     def __init__(self):
         self.socket = socket_path()
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(10)
+        self.thread = LoopThread("echo-upstream").start()
+        self.runner, _ = self.thread.call(serve(self.echo, unix=self.socket))
 
-    async def _start(self) -> None:
-        self.runner = web.ServerRunner(web.Server(self.echo))
-        await self.runner.setup()
-        await web.UnixSite(self.runner, str(self.socket)).start()
+    def stop(self) -> None:
+        self.thread.call(self.runner.cleanup())
+        self.thread.stop()
 
     async def echo(self, request: web.BaseRequest) -> web.Response:
         await request.read()
@@ -70,6 +67,7 @@ def gateway_under_test():
     yield
     logging.getLogger().removeHandler(errors)
     gateway.stop()
+    upstream.stop()
 
 path_chars = st.sampled_from(list("abcdefghijklmnopqrstuvwxyz0123456789/._-%~?=&;:@!$'()*+,") + ["%2e", "%2f", "%00",
                                                                                                "..", "//"])
