@@ -199,13 +199,8 @@ class FakeRawUpstream:
             writer.close()
 
     def close(self) -> None:
-        self.thread.call(_closed(self.server))
+        self.thread.loop.call_soon_threadsafe(self.server.close)  # its connections: cancelled by stop
         self.thread.stop()
-
-
-async def _closed(server: asyncio.Server) -> None:
-    server.close()
-    await server.wait_closed()
 
 
 async def read_request(reader) -> bytes:
