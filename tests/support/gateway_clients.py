@@ -2,7 +2,8 @@
 tricky spellings, raw HTTP on one connection (``talk``, ``responses``, ``post``), a stream's
 arrival times, a request in a thread, a real ``vllm serve`` behind a gateway (the ``vllm`` and
 ``gateway`` fixtures), and ``FakeUpstream``, a small stand-in with vLLM 0.33's behaviour during a
-pause. Used by tests/integration/gateway/test_gateway.py and the system tests of the gateway."""
+pause. Used by the gateway tests: tests/integration/gateway/test_gateway.py (the fakes) and
+tests/system/test_gateway.py (the real vLLM)."""
 
 from __future__ import annotations
 

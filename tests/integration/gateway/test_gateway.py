@@ -1,13 +1,12 @@
-"""The gateway in front of a real ``vllm serve`` (CPU build): allow-list, token, streaming, and
-the policy for requests that arrive while the server is paused.
+"""The gateway in front of small fake servers, for what a real ``vllm serve`` cannot be made to
+show (its tests with a real vLLM are in tests/system/test_gateway.py): the policy for requests
+that arrive while the server is paused, answers the server breaks off, slow clients and pipelining.
 
 The gateway runs on its own event loop (tests/support/gateway_harness.py); the test plays the
-supervisor: it pauses vLLM through vLLM's own route and tells the gateway the server's state,
-as the daemon does. vLLM 0.33 refuses new requests during a pause with 503 where 0.32 (the
-build here) queues them; ``FakeUpstream`` is a small stand-in with 0.33's behaviour, to show the
-gateway gives the same answers on both.
+supervisor and tells the gateway the server's state, as the daemon does. vLLM 0.33 refuses new
+requests during a pause with 503 where 0.32 (the build here) queues them; ``FakeUpstream`` is a
+small stand-in with 0.33's behaviour, to show the gateway gives the same answers on both.
 """
-
 from __future__ import annotations
 
 import asyncio
@@ -20,7 +19,6 @@ import pytest
 
 from rolloutd.wire.states import ServerState as S
 from tests.conftest import free_port
-from tests.support import gateway_clients
 from tests.support.daemon_harness import wait_until
 from tests.support.gateway_clients import (
     TOKEN,
@@ -32,10 +30,6 @@ from tests.support.gateway_clients import (
 )
 from tests.support.gateway_harness import GatewayThread, socket_path
 from tests.support.loop_thread import LoopThread
-
-# a real vLLM behind a gateway, as fixtures
-gateway = gateway_clients.gateway
-vllm = gateway_clients.vllm
 
 pytestmark = pytest.mark.timeout(600)
 
