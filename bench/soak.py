@@ -29,7 +29,7 @@ Progress lines go to stdout; the last line is one JSON object. Exit status 1 whe
 missed (``goals_missed`` in the JSON says which). From the repository root::
 
     .venv/bin/python bench/soak.py --minutes 60          # about 65 minutes
-    .venv/bin/python bench/soak.py --minutes 5 --seed 1  # what tests/system/test_soak.py runs
+    .venv/bin/python bench/soak.py --minutes 3 --seed 1  # what tests/system/test_soak.py runs
 """
 
 from __future__ import annotations
