@@ -3,11 +3,14 @@
 Built by vLLM in each worker after the model loads. One update is vLLM's cycle
 ``start_weight_update`` → ``update_weights({"path", "digest"})`` → ``finish_weight_update``:
 
-- start: layerwise reload begins (vLLM clears the layers and buffers each one's new weights
-  until it is complete, then processes it);
+- start: a server that cannot reload exactly refuses here (``RELOAD_UNSUPPORTED``); the tied
+  embeddings are noted while they are still one tensor;
 - update: the mirror directory is checked (:mod:`vllm_plugin.checkpoint`) and the version is
   proven to cover the served model (every tensor of the checkpoint the server started from; tied
-  embeddings under either name) before any weight is loaded, then tensors stream in layer order
+  embeddings under either name). A version that does not is refused (``VERSION_REFUSED``)
+  before the model is touched: the server holds exactly what it held and may be resumed as it
+  is. Only then does layerwise reload begin (vLLM clears the layers and buffers each one's new
+  weights until it is complete, then processes it), and tensors stream in layer order
   from memory-mapped safetensors files into ``model.load_weights``: the only copy of the bytes
   is the one into the model. The files are mapped with ``MAP_POPULATE`` (page tables filled in
   one call instead of one fault per page): the load takes less time than through
@@ -18,9 +21,11 @@ Built by vLLM in each worker after the model loads. One update is vLLM's cycle
   stayed stale). A manifest with ``"partial": true`` skips both coverage checks;
 - finish: layerwise reload is finalised.
 
-On any error during update the engine finalises the reload itself, so every layer that had
+On any error once the reload began, the engine finalises it itself, so every layer that had
 not been completely loaded keeps its old weights, then raises: vLLM would otherwise leave the
-cleared layers empty, and resuming generation on them kills the engine. Works on CPU-only torch.
+cleared layers empty, and resuming generation on them kills the engine. Layers that were
+completely loaded hold the new weights: such a server must not be resumed (the daemon restarts
+it). Works on CPU-only torch.
 """
 
 from __future__ import annotations
@@ -41,8 +46,8 @@ from vllm.distributed.weight_transfer.base import (
 )
 from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
-from .checkpoint import Tensor, checkpoint_names, describe_missing, in_layer_order, missing, open_version, tie
-from .wire import RELOAD_UNSUPPORTED
+from .checkpoint import Tensor, Version, checkpoint_names, describe_missing, in_layer_order, missing, open_version, tie
+from .wire import RELOAD_UNSUPPORTED, VERSION_REFUSED
 
 # A child of vLLM's logger, so lines appear in the server's log with vLLM's format.
 log = logging.getLogger("vllm.rolloutd")
@@ -67,6 +72,7 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
     init_info_cls = RolloutdInitInfo
     update_info_cls = RolloutdUpdateInfo
     supports_draft_weight_update = False
+    _reloading = False  # layerwise reload begun (the layers cleared): from a version's first tensor to finish
 
     def parse_update_info(self, update_dict: dict) -> RolloutdUpdateInfo:
         if not isinstance(update_dict, dict):
@@ -85,20 +91,26 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
 
     def start_weight_update(self) -> None:
         refuse_inexact_reload(self.model)
-        # Before the layers move to the meta device: tied parameters are still one object.
+        # While the layers are untouched: tied parameters are still one object.
         self._tied = tied_embeddings(self.model)
-        initialize_layerwise_reload(self.model)
+        self._reloading = False  # the layers are cleared only once a version is proven to cover them
 
     def update_weights(self, update_info: dict) -> None:
         t0 = time.perf_counter()
         path = update_info.get("path") if isinstance(update_info, dict) else None
+        if self._reloading:  # so that a refusal below always means "untouched"
+            self._restore_untouched_layers()
+            raise RuntimeError("rolloutd loads one version per update (start, update, finish); the layers "
+                               "not completely loaded by the first keep their old weights")
         try:
-            info = self.parse_update_info(update_info)
-            loaded, count = self.receive_weights(info)
+            loaded, count = self.receive_weights(self.parse_update_info(update_info))
             # The base class synchronises unconditionally, which raises on CPU-only torch.
             if torch.cuda.is_available():
                 torch.cuda.synchronize()
         except BaseException as e:
+            if not self._reloading:
+                log.error("rolloutd: update from %s refused; the model is untouched: %s", path, e)
+                raise
             self._restore_untouched_layers()
             log.error("rolloutd: update from %s failed; layers not completely loaded keep their "
                       "old weights: %s", path, e)
@@ -107,8 +119,16 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
                  path, time.perf_counter() - t0)
 
     def receive_weights(self, update_info: RolloutdUpdateInfo) -> tuple[int, int]:
-        """Check the mirror directory and its coverage, then stream it into the model; (bytes,
-        tensors) loaded."""
+        """Check the mirror directory and its coverage (touching nothing), then begin the reload
+        and stream the version into the model; (bytes, tensors) loaded."""
+        version, order = self._prepare(update_info)
+        initialize_layerwise_reload(self.model)
+        self._reloading = True
+        return self._stream(version, order, update_info.path), len(order)
+
+    def _prepare(self, update_info: RolloutdUpdateInfo) -> tuple[Version, list[Tensor]]:
+        """Check the mirror directory and its coverage, touching nothing; the version and its
+        tensors in the order they load."""
         version = open_version(update_info.path, update_info.digest)
         pairs = getattr(self, "_tied", None)
         if pairs is None:
@@ -116,7 +136,10 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
         found = tie(version.tensors, pairs)
         if not version.partial:
             self._check_names({t.name for t in found}, pairs, update_info.path)
-        order = in_layer_order(found)
+        return version, in_layer_order(found)
+
+    def _stream(self, version: Version, order: list[Tensor], path: str) -> int:
+        """Stream the tensors into the model (the reload begun); the bytes loaded."""
         maps = {p: _map(p) for p in version.files}
         loaded = 0
 
@@ -129,18 +152,19 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
 
         self.model.load_weights(stream())
         if not version.partial and (empty := self._layers_without_weights()):
-            raise CoverageError(f"{update_info.path}: {len(empty)} layer(s) of the served model received no "
+            raise CoverageError(f"{path}: {len(empty)} layer(s) of the served model received no "
                                 f"weights: {describe_missing(empty)} (a version that carries a subset on purpose "
                                 "says \"partial\": true in its manifest)")
-        return loaded, len(order)
+        return loaded
 
     def _check_names(self, carried: set[str], pairs: dict[str, str], path: str) -> None:
-        """Every tensor of the start checkpoint must come with the version."""
+        """Every tensor of the start checkpoint must come with the version; else it is refused,
+        tagged for the daemon: nothing was touched, and no attempt can change the answer."""
         lacking = missing(checkpoint_names(self.model_config.model), carried, pairs)
         if lacking:
-            raise CoverageError(f"{path}: the version lacks {len(lacking)} tensor(s) of the served model's "
-                                f"checkpoint: {describe_missing(lacking)} (a version that carries a subset on "
-                                "purpose says \"partial\": true in its manifest)")
+            raise CoverageError(f"{VERSION_REFUSED} {path}: the version lacks {len(lacking)} tensor(s) of the "
+                                f"served model's checkpoint: {describe_missing(lacking)} (a version that carries a "
+                                "subset on purpose says \"partial\": true in its manifest)")
 
     def _layers_without_weights(self) -> list[str]:
         """Layers still waiting for their first weight after the stream: vLLM would put their
@@ -159,7 +183,9 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
         return empty
 
     def finish_weight_update(self) -> None:
-        finalize_layerwise_reload(self.model, self.model_config)
+        if self._reloading:  # else no version was streamed: nothing was cleared
+            finalize_layerwise_reload(self.model, self.model_config)
+        self._reloading = False
 
     def _restore_untouched_layers(self) -> None:
         """Finalise after a failed update. A layer whose weights all arrived has been processed
@@ -172,6 +198,7 @@ class RolloutdEngine(WeightTransferEngine[RolloutdInitInfo, RolloutdUpdateInfo])
                 info.load_numel = 0
                 info.loaded_weights = []
         finalize_layerwise_reload(self.model, self.model_config)
+        self._reloading = False
 
     def shutdown(self) -> None:
         pass

@@ -7,9 +7,11 @@ vLLM's environment, where rolloutd may not be installed.
   the ``digest`` field itself (docs/registry-api.md).
 - A safetensors file is an 8-byte little-endian header length, a JSON object header of
   ``name -> {dtype, shape, data_offsets}`` (plus ``__metadata__``), then the data.
-- A server that cannot load versions in place says so with :data:`RELOAD_UNSUPPORTED` at the
-  start of its error: vLLM hands a worker's error to the HTTP caller as text only, so the tag is
-  the one typed thing that crosses; the daemon's client reads it into a field, once.
+- A refusal that left the server untouched starts its error with a tag: vLLM hands a worker's
+  error to the HTTP caller as text only, so the tag is the one typed thing that crosses; the
+  daemon's client reads it into a field, once. :data:`RELOAD_UNSUPPORTED`: this server cannot
+  load versions in place (any version will be refused). :data:`VERSION_REFUSED`: this version
+  cannot be loaded (it lacks tensors of the served model), and nothing of it was loaded.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from collections.abc import Callable
 
 MAX_HEADER_BYTES = 100 << 20  # the largest safetensors header read (safetensors' own limit)
 RELOAD_UNSUPPORTED = "[rolloutd: reload unsupported]"
+VERSION_REFUSED = "[rolloutd: version refused]"
 
 
 def canonical_json(body: dict) -> bytes:

@@ -17,7 +17,10 @@ canary the server cannot score) is not applied again: :class:`ApplyFailed` with
 reloads a version for an answer that cannot change).
 
 A failure before ``start_weight_update`` leaves the server's weights untouched: it is resumed
-and the error reported. A failure from ``start_weight_update`` on may leave a half-loaded model:
+and the error reported. So does a refusal by the plugin before it touched the model, whatever
+the step: this server cannot reload in place, or this version lacks tensors of the served model.
+The same answer would come at every attempt: the server is resumed on the weights it holds and
+:class:`ApplyFailed` says ``refused``; the supervisor refuses the version, no restart. A failure from ``start_weight_update`` on may leave a half-loaded model:
 the server is **never resumed** as it is. The load is re-applied (start → update → finish)
 up to ``update.max_reapply`` times, after the mirror copy was re-checked (``verify``); if it
 still fails, :class:`ApplyFailed` with ``restart=True`` tells the supervisor to restart the
@@ -53,14 +56,15 @@ class ApplyFailed(Exception):
     canary the server cannot score: neither loading it again nor a restart can help);
     ``maybe_version``, the version's or the server's (its bytes loaded, ``/update_weights``, or
     its gate, answered); neither, the server's (pause, start, finish, check, resume: steps the
-    version's bytes play no part in; or no answer in time). ``unloadable``: the plugin refused to
-    load anything into this server, which is untouched and resumed (no version will load: each
-    is refused, and the server serves what it holds)."""
+    version's bytes play no part in; or no answer in time). ``refused``: the plugin refused the
+    version before touching the model (this server cannot reload in place, or the version lacks
+    tensors of the served model), and the server is resumed on what it holds: the version is
+    refused, the server serves on."""
 
     def __init__(self, message: str, *, restart: bool, version_fault: bool = False, maybe_version: bool = False,
-                 unloadable: bool = False):
+                 refused: bool = False):
         super().__init__(message)
-        self.restart, self.version_fault, self.unloadable = restart, version_fault, unloadable
+        self.restart, self.version_fault, self.refused = restart, version_fault, refused
         self.maybe_version = maybe_version or version_fault
 
 
@@ -190,8 +194,8 @@ class Applier:
                 return target
             step, e = failed
             self._failed(step, e)
-            if step == "start" and e.reload_unsupported:  # the same answer at every attempt, and nothing touched
-                await self._unloadable(target, record, e)
+            if e.untouched:  # the same answer at every attempt, and nothing touched
+                await self._refused(target, record, e)
             target = await self._again(target, record, e, attempt, attempts, step="apply",
                                        failed=f"loading version {target.version} failed",
                                        meanwhile="the server stays paused",
@@ -232,20 +236,19 @@ class Applier:
         if label != str(target.version):
             raise ApplyFailed(f"/weight_info says {label!r} after loading version {target.version}", restart=True)
 
-    async def _unloadable(self, target: Target, record: UpdateRecord, error: VllmError) -> None:
-        """The plugin refused to load anything into this server (before touching a layer): resume
-        it on the weights it holds, and say so (ApplyFailed ``unloadable``); a resume that fails
-        leaves it paused: a restart."""
+    async def _refused(self, target: Target, record: UpdateRecord, error: VllmError) -> None:
+        """The plugin refused before touching the model: resume the server on the weights it
+        holds, and say so (ApplyFailed ``refused``); a resume that fails leaves it paused: a restart."""
+        why = ("this server cannot load versions in place" if error.reload_unsupported
+               else f"the plugin refused version {target.version}")
         record.error = str(error)
-        log.error("start %s: version %d: this server cannot load versions in place: %s; resuming it on the "
-                  "weights it holds", self.name, target.version, error)
+        log.error("apply %s: %s: %s; resuming it on the weights it holds", self.name, why, error)
         try:
             await self.vllm.resume(self.policy.resume_timeout_s)
         except VllmError as e:
             self._failed("resume", e)
             raise ApplyFailed(f"resume after a refused load failed: {e}", restart=True) from None
-        raise ApplyFailed(f"this server cannot load versions in place: {error}", restart=False,
-                          unloadable=True)
+        raise ApplyFailed(f"{why}: {error}", restart=False, refused=True)
 
     async def _resume_untouched(self, record: UpdateRecord) -> None:
         try:

@@ -15,18 +15,25 @@ from typing import Any
 
 import aiohttp
 
-from vllm_plugin.wire import RELOAD_UNSUPPORTED
+from vllm_plugin.wire import RELOAD_UNSUPPORTED, VERSION_REFUSED
 
 
 class VllmError(Exception):
     """``status``: the HTTP status vLLM answered (None: no answer); ``timed_out``: none came in time;
-    ``reload_unsupported``: the plugin refused to load anything into this server, untouched."""
+    ``reload_unsupported``: the plugin refused to load anything into this server, untouched;
+    ``version_refused``: the plugin refused this version (it lacks tensors of the served model),
+    the server untouched."""
 
     def __init__(self, route: str, message: str, *, status: int | None = None, timed_out: bool = False,
-                 reload_unsupported: bool = False):
+                 reload_unsupported: bool = False, version_refused: bool = False):
         super().__init__(f"{route}: {message}")
         self.route, self.status, self.timed_out = route, status, timed_out
-        self.reload_unsupported = reload_unsupported
+        self.reload_unsupported, self.version_refused = reload_unsupported, version_refused
+
+    @property
+    def untouched(self) -> bool:
+        """The plugin refused before touching the model: the same answer at every attempt."""
+        return self.reload_unsupported or self.version_refused
 
 
 class VllmClient:
@@ -54,7 +61,8 @@ class VllmClient:
                 if r.status >= 400:
                     text = _message(body)
                     raise VllmError(route, f"HTTP {r.status}: {text}", status=r.status,
-                                    reload_unsupported=RELOAD_UNSUPPORTED in text)
+                                    reload_unsupported=RELOAD_UNSUPPORTED in text,
+                                    version_refused=VERSION_REFUSED in text)
                 return body
         except VllmError:
             raise

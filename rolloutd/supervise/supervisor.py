@@ -336,7 +336,7 @@ class Supervisor:
             await self._apply(target)
             return
         except ApplyFailed as e:
-            if e.unloadable:  # the server is untouched and resumed: refuse the version, serve on, no restart
+            if e.refused:  # the server is untouched and resumed: refuse the version, serve on, no restart
                 self._refuse(target, str(e))
                 await self.refusals.discard(target)
                 return

@@ -30,7 +30,8 @@ Faults, from ``FAKE_VLLM_FAULTS`` (a comma list): ``never_healthy``, ``no_listen
 ``slow_start=SECONDS`` (before it listens), ``rank_logprob=RANK:X`` (engine RANK scores
 every position X: an engine left on other weights), ``hang=/route``, ``fail=/route``,
 ``fail_once=/route``, ``crash_on=/route`` (exits with status 1), ``reload_unsupported``
-(``/start_weight_update`` answers as the plugin refusing to load into this server), ``spawn_child`` (a ``sleep``
+(``/start_weight_update`` answers as the plugin refusing to load into this server), ``version_refused``
+(``/update_weights`` answers as the plugin refusing a version that lacks a tensor), ``spawn_child`` (a ``sleep``
 in its process group, as vLLM's engine core is; it inherits an ignored SIGTERM), ``escape_child``
 (a ``sleep`` in a session of its own: out of the fake's process group, in its cgroup still).
 
@@ -54,11 +55,11 @@ from aiohttp import web
 
 try:
     from vllm_plugin.checkpoint import MirrorError, check_version
-    from vllm_plugin.wire import RELOAD_UNSUPPORTED
+    from vllm_plugin.wire import RELOAD_UNSUPPORTED, VERSION_REFUSED
 except ImportError:  # run from a checkout where rolloutd is not installed
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from vllm_plugin.checkpoint import MirrorError, check_version
-    from vllm_plugin.wire import RELOAD_UNSUPPORTED
+    from vllm_plugin.wire import RELOAD_UNSUPPORTED, VERSION_REFUSED
 
 PAUSE_MODES = ("abort", "wait", "keep")
 
@@ -166,6 +167,11 @@ class FakeVllm:
             check_version(info["path"], info["digest"])
         except MirrorError as e:
             return error(str(e))
+        if "version_refused" in self.faults:  # the plugin's refusal of the version, before touching the model
+            self.updating = False  # vLLM ends the update session on a failed update_weights
+            return error(f"Call to collective_rpc method failed: Worker failed with error '{VERSION_REFUSED} "
+                         f"{info['path']}: the version lacks 1 tensor(s) of the served model's checkpoint: "
+                         "model.layers.1.self_attn.k_proj.weight (fault version_refused)'")
         self.loaded_dir = info["path"]
         return web.json_response({"message": "Weights updated"})
 

@@ -131,6 +131,44 @@ def test_a_server_the_plugin_will_not_load_into_refuses_each_version_and_serves_
     assert serving(d, newest)["incarnation"] == 1
 
 
+def test_a_version_the_plugin_refuses_is_refused_by_the_node_once_and_no_server_restarts(daemons, registry):
+    """A version that lacks a tensor of the served model: the plugin refuses it before touching
+    the model. Each server that tries it (both at once, or one while the other waits for a
+    rollout slot and then skips it) tries it once and resumes on the weights it holds; the node
+    refuses the version; no server restarts; both take the next version. Before, such a version
+    was applied again and then restarted every server that tried it: a fleet-wide outage for one
+    bad publish."""
+    d = daemons(servers=2)
+    held = registry.newest
+    d.wait(lambda s: all((x["state"], x["version"]) == ("SERVING", held) for x in s["servers"]), 30, "both serving")
+    for name in ("s0", "s1"):
+        with d.vllm(name, timeout=5) as c:
+            c.post("/fake/faults", json={"faults": "version_refused"}).raise_for_status()
+    bad = registry.publish()
+    st = d.wait(lambda s: [r["version"] for r in s["refused"]] == [bad]
+                and all(x["state"] == "SERVING" for x in s["servers"]), 30, "refused, and serving")
+    for server in st["servers"]:
+        assert (server["version"], server["incarnation"], server["restarts"]) == (held, 1, 0), server
+    log = d.log_text()
+    tries = {name: len(re.findall(rf"{name}\[\d+\]: fake_vllm: POST /update_weights -> 500", log))
+             for name in ("s0", "s1")}
+    assert max(tries.values()) == 1, f"re-applied: {tries}"
+    assert failures(d)["load"] == sum(tries.values())
+    tried = [x for x in st["servers"] if x["last_error"]]
+    assert len(tried) == sum(tries.values()) and f"the plugin refused version {bad}" in tried[0]["last_error"] and \
+        "lacks 1 tensor" in tried[0]["last_error"], st["servers"]
+    for name in ("s0", "s1"):
+        with d.vllm(name, timeout=5) as c:
+            assert c.get("/is_paused").json() == {"is_paused": False}
+            c.post("/fake/faults", json={"faults": ""}).raise_for_status()
+    wait_until(lambda: [r["version"] for r in replica(registry, d)["refused"] or []] == [bad], 15,
+               "the refusal in the registry's directory")
+    good = registry.publish()
+    st = d.wait(lambda s: all((x["state"], x["version"]) == ("SERVING", good) for x in s["servers"]), 30,
+                "both on the next version")
+    assert [x["incarnation"] for x in st["servers"]] == [1, 1]
+
+
 # -- 9: nothing left unwatched during an update ---------------------------------------------------
 def wait_updating(d: DaemonProcess, route: str) -> dict:
     st = d.wait(lambda s: s["servers"][0]["state"] == "UPDATING", 20, "UPDATING")
