@@ -20,8 +20,10 @@ A failure before ``start_weight_update`` leaves the server's weights untouched: 
 and the error reported. So does a refusal by the plugin before it touched the model, whatever
 the step: this server cannot reload in place, or this version lacks tensors of the served model.
 The same answer would come at every attempt: the server is resumed on the weights it holds and
-:class:`ApplyFailed` says ``refused``; the supervisor refuses the version, no restart. A failure from ``start_weight_update`` on may leave a half-loaded model:
-the server is **never resumed** as it is. The load is re-applied (start → update → finish)
+:class:`ApplyFailed` says ``refused``; the supervisor refuses the version, no restart.
+
+Any other failure from ``start_weight_update`` on may leave a half-loaded model: the server is
+**never resumed** as it is. The load is re-applied (start → update → finish)
 up to ``update.max_reapply`` times, after the mirror copy was re-checked (``verify``); if it
 still fails, :class:`ApplyFailed` with ``restart=True`` tells the supervisor to restart the
 server, which then loads the target during its sync, before it is reported as serving.
