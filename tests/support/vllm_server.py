@@ -184,6 +184,24 @@ def tiny_tokens(url: str) -> list[list[int]]:
     return [t for t, _ in tiny_outputs(url)]
 
 
+def tiny_reference(seed: int) -> list[list[int]]:
+    """What :func:`tiny_tokens` must be on the tiny model of ``seed`` (``tinymodel.state_dict(TINY,
+    seed)``): transformers' greedy decoding of TINY_PROMPTS, 16 new tokens each, in float32 as the
+    servers run it. Seeds whose outputs hold a near tie are refused: token equality would not be
+    a fair test there."""
+    import torch
+    import transformers
+
+    from rolloutd.demo import families, tinymodel
+
+    config = {k: v for k, v in tinymodel.config(tinymodel.TINY).items() if k != "architectures"}
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config))
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in tinymodel.state_dict(tinymodel.TINY, seed).items()})
+    outputs, margins = families.greedy_and_margins(model.eval(), TINY_PROMPTS, 16)
+    assert min(margins) > 1e-3, f"seed {seed}: a near tie in its greedy outputs ({min(margins)}): pick another"
+    return outputs
+
+
 def plugin_cycle(url: str, path: Path | str, digest: str, label: str, *,
                  resume: bool = True) -> dict[str, tuple[int, str]]:
     """The HTTP cycle pause → start → update → finish(label) → resume; (status, body) per step."""

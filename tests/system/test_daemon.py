@@ -7,9 +7,8 @@ while an update waits, a damaged mirror copy, crashes, the registry going away a
 as a new instance, a reload adding and removing servers, and the stop. Each test asserts on
 the state the previous ones left, so they run in file order (as pytest runs them).
 
-The reference for "the right weights" is a separate ``vllm serve`` started by the test (not
-by the daemon), put on each version through the plugin (proven equal to a fresh start on the
-same weights in test_vllm_plugin.py).
+The reference for "the right weights" is transformers' greedy decoding of each version's
+weights, computed here (``tiny_reference``).
 """
 
 from __future__ import annotations
@@ -29,23 +28,22 @@ from rolloutd.demo import tinymodel
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullSettings
 from rolloutd.rollout.registry_client import RegistryClient
-from rolloutd.supervise.plugin_path import install_plugin
 from rolloutd.trainer import EmbeddedRegistry
 from tests.conftest import free_port
 from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, vllm_server, wait_until
 from tests.support.processes import group_pids
 from tests.support.registry_proxy import RegistryProxy
-from tests.support.vllm_server import VllmServer, engine_core, put_on, tiny_tokens
+from tests.support.vllm_server import engine_core, tiny_reference, tiny_tokens
 
 pytestmark = [pytest.mark.timeout(600)]
 
 TOKEN = "admin-secret-7f3a"
-SEED = {v: 10 + v for v in range(1, 10)}  # version -> weights seed; the servers start on seed 0
+SEED = {v: 20 + v for v in range(1, 10)}  # version -> weights seed; the servers start on seed 0
 SHARD, CHUNK = 600_000, 1 << 16
 
 
 class Node:
-    """Everything the module shares: registry (+ proxy), daemon, reference server, models."""
+    """Everything the module shares: registry (+ proxy), daemon, models, the seed of each version."""
 
     def __init__(self, d: Path):
         self.dir = d
@@ -57,27 +55,21 @@ class Node:
         servers = [vllm_server("gpu0", self.start_model, "0"), vllm_server("gpu1", self.start_model, "1")]
         self.cfg = config(d, self.proxy.url, servers, admin={"token_file": str(d / "admin.token")})
         self.daemon = DaemonProcess(self.cfg, d)
-        self.ref = VllmServer(self.start_model, free_port(), d / "ref.log", pythonpath=[install_plugin(d / "plugin")],
-                              cpus="1")
-        self.ref_mirror = Mirror(d / "ref-mirror", max_bytes=1 << 30)
-        self.refs: dict[tuple[str, int], list] = {}
+        self.seeds: dict[tuple[str, int], int] = {}  # (registry instance, version) -> weights seed
+        self.refs: dict[int, list] = {}  # seed -> transformers' outputs
 
     def publish(self, version: int, seed: int | None = None) -> None:
-        self.registry.publish(version, tinymodel.state_dict(tinymodel.TINY, seed or SEED[version]),
-                              shard_bytes=SHARD, chunk_bytes=CHUNK)
+        seed = seed or SEED[version]
+        self.registry.publish(version, tinymodel.state_dict(tinymodel.TINY, seed), shard_bytes=SHARD,
+                              chunk_bytes=CHUNK)
+        self.seeds[(self.registry.service.store.instance, version)] = seed
 
     def reference(self, version: int) -> list[list[int]]:
-        """Greedy outputs of the reference server on ``version`` of the registry running now."""
-        key = (self.registry.service.store.instance, version)
-        if key not in self.refs:
-            async def pull():
-                async with RegistryClient(self.registry.url) as c:
-                    return await Puller(c, self.ref_mirror, PullSettings(holder="reference")).pull(version)
-            got = asyncio.run(pull())
-            put_on(self.ref.url, {version: (got.path, got.digest)}, version)
-            self.refs[key] = tiny_tokens(self.ref.url)
-            self.ref_mirror.remove(version, "reference taken")
-        return self.refs[key]
+        """transformers' greedy outputs on ``version`` of the registry running now."""
+        seed = self.seeds[(self.registry.service.store.instance, version)]
+        if seed not in self.refs:
+            self.refs[seed] = tiny_reference(seed)
+        return self.refs[seed]
 
     def outputs(self, name: str) -> list[list[int]]:
         return tiny_tokens(self.daemon.socket(name))  # straight to the server, on its private socket
@@ -87,7 +79,6 @@ class Node:
 
     def close(self) -> None:
         self.daemon.kill_everything()
-        self.ref.stop()
         self.proxy.stop()
         self.registry.stop()
 
@@ -98,7 +89,6 @@ def node(tmp_path_factory):
     try:
         n.publish(1)
         n.daemon.start()
-        n.ref.wait_healthy()
         yield n
     finally:
         n.close()
@@ -164,7 +154,7 @@ def test_servers_follow_versions_pulled_once_per_node(node):
         outputs[v] = {name: node.outputs(name) for name in ("gpu0", "gpu1")}
     sizes = sum(m.total_bytes for m in (node.registry.manifest(v) for v in (2, 3)))
     assert registry_served_bytes(node) - served_before == sizes  # every byte once, for two servers
-    for v in (2, 3):  # (the reference server's pulls come after the count)
+    for v in (2, 3):
         assert outputs[v] == {"gpu0": node.reference(v), "gpu1": node.reference(v)}, f"version {v}"
     assert pull_count(metrics(node), "ok") == 3  # versions 1, 2, 3
     # /status and the registry's directory agree
