@@ -29,12 +29,14 @@ from tests.support.daemon_harness import AS_NOBODY, config, socket_probe, vllm_s
 from tests.support.nspawn import ROOT, Machine, enabled_host_units, host_root
 from tests.support.vllm_server import VLLM, require_vllm, tiny_outputs
 
-# alone: the guest's vLLM starts inside the unit's own deadlines (the watchdog's 30 s, the
-# server's start timeout); beside a file whose servers take both cores, a restart took over
-# 240 s instead of 35 s.
-pytestmark = [pytest.mark.timeout(900), pytest.mark.alone]
+# Two files at a time, like the rest of the tier: the guest's server is on one core (the worker's:
+# worker_cores), and every deadline here is far from a loaded machine's vLLM start (the unit's
+# TimeoutStartSec=1h, the server's start_timeout_s 400, SERVING_S). Alone, the CPU was 40 % busy
+# during this file (its guest starts vLLM on one core; bench/README.md). Beside test_parallel.py
+# (TP ranks spinning on both cores) a guest restart once took over 240 s: that file stays alone.
+pytestmark = [pytest.mark.timeout(900)]
 
-SERVING_S = 450  # a vLLM (re)start in the guest: about 35 s alone; headroom for a slow machine
+SERVING_S = 450  # a vLLM (re)start in the guest: about 35 s alone; headroom for a loaded machine
 
 UNIT = "rolloutd.service"
 SEED_V1 = 11
