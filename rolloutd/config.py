@@ -393,10 +393,14 @@ class Pull(_Section):
                                 "the workers (at least one each); null: two per worker")
     cpu_priority: Literal["idle", "low", "normal"] = Field("low", description="CPU priority of the pull "
                                                             "workers: low (nice 10: generation and the gateway "
-                                                            "come first when the CPU is contended, and the pull "
-                                                            "still moves), idle (SCHED_IDLE: only CPU time no "
-                                                            "other process wants; on a node whose CPUs are all "
-                                                            "busy a pull may not finish), normal (the daemon's)")
+                                                            "come first when the CPU is contended; a node whose "
+                                                            "CPUs are all busy, such as vLLM's CPU build under "
+                                                            "load, may slow a pull many times over, and its "
+                                                            "progress lines then say how long the workers "
+                                                            "waited for a CPU), idle (SCHED_IDLE: only CPU time "
+                                                            "no other process wants; on a node whose CPUs are "
+                                                            "all busy a pull may not finish), normal (the "
+                                                            "daemon's)")
     request_bytes: ByteSize = Field(ByteSize(16 * MiB), ge=64 * KiB, description="largest byte range asked "
                                     "for in one request")
     max_chunk_retries: int = Field(3, ge=0, le=100, description="times one chunk is fetched again after a "

@@ -476,6 +476,27 @@ def _runnable(pid: int) -> bool:
     return False
 
 
+def cpu_times(pids: list[int]) -> tuple[float, float]:
+    """(ran, waited): seconds the threads of ``pids`` have run, and have waited runnable for a
+    CPU, since each started, summed (``/proc/<pid>/task/*/schedstat``). A thread or process
+    gone meanwhile counts for nothing. Two readings apart say whether a slow pull is starved
+    by its CPU priority on a busy node (it waits far more than it runs) or waits on its sources."""
+    ran = waited = 0
+    for pid in pids:
+        try:
+            tasks = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tasks:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                    fields = f.read().split()
+                ran, waited = ran + int(fields[0]), waited + int(fields[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return ran / 1e9, waited / 1e9
+
+
 def _status(returncode: int | None) -> str:
     if returncode is None:
         return "still running"

@@ -39,6 +39,7 @@ from pathlib import Path
 
 from rolloutd.config import Config
 from rolloutd.metrics import Metrics
+from rolloutd.rollout.fetch_pool import cpu_times
 from rolloutd.rollout.mirror import Mirror
 from rolloutd.rollout.puller import Puller, PullError, PullProgress, PullResult, PullSettings, PullState
 from rolloutd.rollout.registry_client import RegistryClient
@@ -392,6 +393,7 @@ class Updater:
     async def _report_rate(self) -> None:
         """The pull's rate in the metrics every second; a progress line every PROGRESS_EVERY_S."""
         ticks = 0
+        cpu: tuple[list[int], tuple[float, float]] | None = None  # the workers' CPU times at the last line
         while True:
             await asyncio.sleep(1.0)
             p = self._puller.progress
@@ -401,9 +403,12 @@ class Updater:
             ticks += 1
             if ticks % PROGRESS_EVERY_S == 0 and p.state is PullState.PULLING and p.bytes_total:
                 eta = f"ETA {p.eta_s:.0f} s" if p.eta_s is not None else "ETA unknown"
-                log.info("pull version %s: %.0f%% (%.1f of %.1f MiB), %.1f MiB/s, %s", p.version,
+                now = (list(p.worker_pids), cpu_times(p.worker_pids))
+                starved = _starved(cpu, now, self._puller.priority)
+                cpu = now
+                log.info("pull version %s: %.0f%% (%.1f of %.1f MiB), %.1f MiB/s, %s%s", p.version,
                          100 * p.bytes_done / p.bytes_total, p.bytes_done / 2**20, p.bytes_total / 2**20,
-                         p.rate_bytes_per_s / 2**20, eta)
+                         p.rate_bytes_per_s / 2**20, eta, starved)
 
     async def _publish(self, target: Target) -> None:
         async with self._changed:
@@ -443,3 +448,17 @@ class Updater:
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(seconds):
                 await self._wake.wait()
+
+
+def _starved(before: tuple[list[int], tuple[float, float]] | None, now: tuple[list[int], tuple[float, float]],
+             priority: str) -> str:
+    """What a progress line adds when the pull's workers waited for a CPU more than they ran
+    since the last line (the same workers, at least a second of waiting): a pull held back by
+    ``pull.cpu_priority`` on a node whose CPUs are all busy, not by its sources."""
+    if before is None or before[0] != now[0] or not now[0]:
+        return ""
+    ran, waited = now[1][0] - before[1][0], now[1][1] - before[1][1]
+    if waited < 1.0 or waited <= ran:
+        return ""
+    return (f"; its workers waited {waited:.1f} s for a CPU and ran {ran:.1f} s (pull.cpu_priority {priority}: "
+            "the node's CPUs are busy)")

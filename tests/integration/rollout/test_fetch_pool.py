@@ -26,6 +26,7 @@ from rolloutd.rollout.fetch_pool import (
     FetchPool,
     TargetDiffers,
     WorkerCrashed,
+    cpu_times,
 )
 from rolloutd.rollout.sources import MESSAGE_CHARS, SourceSpec
 from rolloutd.wire import errors
@@ -78,6 +79,34 @@ def test_workers_exit_when_their_daemon_is_killed(tmp_path: Path):
     finally:
         daemon.kill()
         daemon.wait(10)
+
+
+def test_cpu_times_tell_a_process_kept_waiting_for_a_cpu_from_one_that_sleeps():
+    """Two processes that spin on one CPU each wait for it about as long as they run; one that
+    sleeps does neither; a process that is gone counts for nothing. What the kernel accounted,
+    read back: the figures a progress line uses to say that a pull is starved."""
+    spin = [sys.executable, "-c", "while True: pass"]
+    procs = [subprocess.Popen(spin) for _ in range(2)]
+    procs.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+    try:
+        cpu = min(os.sched_getaffinity(0))
+        for p in procs[:2]:
+            os.sched_setaffinity(p.pid, {cpu})
+        time.sleep(0.3)  # past the interpreters' start
+        before = [cpu_times([p.pid]) for p in procs]
+        time.sleep(1.5)
+        after = [cpu_times([p.pid]) for p in procs]
+        (ran0, waited0), (ran1, waited1), (ran_nap, waited_nap) = (
+            (a[0] - b[0], a[1] - b[1]) for a, b in zip(after, before, strict=True))
+        assert ran0 > 0.15 and waited0 > 0.15, (ran0, waited0)
+        assert ran1 > 0.15 and waited1 > 0.15, (ran1, waited1)
+        assert ran0 + ran1 < 1.6, (ran0, ran1)  # one CPU's time, shared
+        assert ran_nap < 0.05 and waited_nap < 0.05, (ran_nap, waited_nap)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+    assert cpu_times([procs[0].pid]) == (0.0, 0.0)
 
 
 async def test_a_chunk_waits_for_a_free_stream():

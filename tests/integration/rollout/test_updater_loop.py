@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from rolloutd.metrics import Metrics
+from rolloutd.rollout import updater as updater_module
 from rolloutd.rollout.mirror import Mirror
-from rolloutd.rollout.puller import PullError, PullResult
+from rolloutd.rollout.puller import PullError, PullProgress, PullResult, PullState
 from rolloutd.rollout.updater import Target, Updater
 from rolloutd.wire import errors
 from rolloutd.wire.messages import Demand, HeartbeatReply, LatestInfo
@@ -81,6 +82,7 @@ class FakePuller:
         self.hang = False
         self.raises: Exception | None = None
         self.progress = None
+        self.priority = "low"
         self.no_room_again = False  # its failures are never a lack of room said before
         self.result: dict = {}  # fields of the results it returns (a delta pull's, say)
 
@@ -341,6 +343,32 @@ def test_a_failed_pull_keeps_the_target_and_is_retried_with_growing_delays(tmp_p
     assert node.sample("rolloutd_update_failures_total", kind="pull") == 3
     assert node.sample("rolloutd_pulls_total", result="failed") == 3
     assert "pull latest failed: pull latest: chunk 3 of model.safetensors failed 4 times" in caplog.text
+
+
+def test_a_long_pull_whose_workers_wait_for_a_cpu_says_so_in_its_progress_lines(tmp_path, caplog, monkeypatch):
+    """Every 10 s a progress line; from the second on, one whose workers waited for a CPU more
+    than they ran since the line before says how long, naming pull.cpu_priority. The workers'
+    CPU times are a fake (a starved worker cannot be made to order): 9 s waited, 0.1 s run per 10 s."""
+    readings = iter([(0.1 * n, 9.0 * n) for n in range(1, 100)])
+    monkeypatch.setattr(updater_module, "cpu_times", lambda pids: next(readings) if pids == [4242] else (0.0, 0.0))
+    caplog.set_level(logging.INFO)
+
+    async def scenario():
+        node = Node(tmp_path, 1)
+        node.puller.pull_s = 35.0
+        node.puller.progress = PullProgress(target="latest", version=1, bytes_total=1 << 20, state=PullState.PULLING,
+                                            worker_pids=[4242], clock=asyncio.get_running_loop().time)
+        node.start()
+        await node.target(1)
+        await node.stop()
+
+    run(scenario())
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("pull version 1: 0%")]
+    assert len(lines) == 3, lines
+    assert "waited" not in lines[0], "the first line has no interval to speak of"
+    for line in lines[1:]:
+        assert line.endswith("; its workers waited 9.0 s for a CPU and ran 0.1 s (pull.cpu_priority low: "
+                             "the node's CPUs are busy)"), line
 
 
 def test_a_pull_is_counted_by_kind_and_a_delta_s_rebuild_is_timed(tmp_path):
