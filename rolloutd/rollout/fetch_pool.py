@@ -51,7 +51,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -459,21 +459,24 @@ async def _kill(proc: asyncio.subprocess.Process) -> int | None:
 _RECHECK_S = 0.05  # between looks at a worker past a chunk's deadline: /proc reads, cheap
 
 
-def _runnable(pid: int) -> bool:
-    """Some thread of ``pid`` is running or waiting for a CPU (state R in /proc)."""
+def _thread_files(pid: int, name: str) -> Iterator[bytes]:
+    """The contents of ``/proc/<pid>/task/<tid>/<name>`` for each thread of ``pid`` still there
+    as it is read (none for a process that is gone)."""
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
-        return False
+        return
     for tid in tasks:
         try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as f:
-                stat = f.read()
+            with open(f"/proc/{pid}/task/{tid}/{name}", "rb") as f:
+                yield f.read()
         except OSError:
             continue
-        if stat[stat.rindex(b")") + 2:][:1] == b"R":
-            return True
-    return False
+
+
+def _runnable(pid: int) -> bool:
+    """Some thread of ``pid`` is running or waiting for a CPU (state R in /proc)."""
+    return any(stat[stat.rindex(b")") + 2:][:1] == b"R" for stat in _thread_files(pid, "stat"))
 
 
 def cpu_times(pids: list[int]) -> tuple[float, float]:
@@ -483,17 +486,9 @@ def cpu_times(pids: list[int]) -> tuple[float, float]:
     by its CPU priority on a busy node (it waits far more than it runs) or waits on its sources."""
     ran = waited = 0
     for pid in pids:
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            try:
-                with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
-                    fields = f.read().split()
-                ran, waited = ran + int(fields[0]), waited + int(fields[1])
-            except (OSError, IndexError, ValueError):
-                continue
+        for schedstat in _thread_files(pid, "schedstat"):
+            fields = schedstat.split()
+            ran, waited = ran + int(fields[0]), waited + int(fields[1])
     return ran / 1e9, waited / 1e9
 
 
