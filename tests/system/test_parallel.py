@@ -301,6 +301,10 @@ def every_pause_mode(node: Node, loaded: str) -> None:
     the old weights dropped: served_exactly)."""
     reference, d = Reference(), node.daemon
     incarnations = {name: d.server(name)["incarnation"] for name in node.gateways}
+    # Each version's model and outputs before any load: beside the load (the ranks spinning on both
+    # cores) transformers took up to 59 s for what takes 1 s on an idle machine.
+    models = {version: families.hf_model(FAMILY, SEED[version]) for version in MODES}
+    wants = {version: families.greedy(model, families.PROMPTS, NEW_TOKENS) for version, model in models.items()}
     for version, mode in MODES.items():
         reload_pause_mode(node, mode)
         pauses = d.log_text().count(f"/pause?mode={mode}&")
@@ -308,10 +312,8 @@ def every_pause_mode(node: Node, loaded: str) -> None:
         for load in loads:
             load.start()
         wait_until(lambda: all(load.answers for load in loads), 60, "the load answered")  # noqa: B023
-        model = families.hf_model(FAMILY, SEED[version])
-        want = families.greedy(model, families.PROMPTS, NEW_TOKENS)
         t0 = time.monotonic()
-        node.reg.publish(version, model)
+        node.reg.publish(version, models[version])
         d.wait_versions({name: version for name in node.gateways}, 120)
         took = time.monotonic() - t0
         wait_until(lambda: all(load.answered_on(version) for load in loads), 60,  # noqa: B023
@@ -323,7 +325,7 @@ def every_pause_mode(node: Node, loaded: str) -> None:
             assert not load.is_alive(), "a request of the load was never answered"
         figures = versions_told_truly([a for load in loads for a in load.answers], reference, {version - 1, version})
         assert d.log_text().count(f"/pause?mode={mode}&") == pauses + len(node.gateways), f"not paused with {mode}"
-        served_exactly(node, version, want)
+        served_exactly(node, version, wants[version])
         print(f"{loaded} pause_mode {mode}: version {version} served {took:.1f} s after its publish; "
               f"paused {node.paused_s[loaded][version]:.3f} s; load {figures}")
     assert {name: d.server(name)["incarnation"] for name in node.gateways} == incarnations, "a server restarted"
