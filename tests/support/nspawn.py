@@ -50,11 +50,20 @@ def require_tools() -> None:
         raise RuntimeError("booting a container needs root")
 
 
+def _debian_root_path() -> Path:
+    return CACHE / f"bookworm-{uuid.uuid5(uuid.NAMESPACE_URL, ','.join(DEBIAN_PACKAGES)).hex[:8]}"
+
+
+def debian_root_made() -> bool:
+    """Whether :func:`debian_root` is made already (scripts/bootstrap makes it)."""
+    return (_debian_root_path() / "etc" / "os-release").exists()
+
+
 def debian_root() -> Path:
-    """A clean Debian 12 root file system (cached; made with debootstrap on first use)."""
-    key = uuid.uuid5(uuid.NAMESPACE_URL, ",".join(DEBIAN_PACKAGES)).hex[:8]
-    root = CACHE / f"bookworm-{key}"
-    if (root / "etc" / "os-release").exists():
+    """A clean Debian 12 root file system (cached; made with debootstrap by scripts/bootstrap, or
+    on first use)."""
+    root = _debian_root_path()
+    if debian_root_made():
         return root
     require_tools()
     CACHE.mkdir(parents=True, exist_ok=True)
