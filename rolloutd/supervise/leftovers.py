@@ -225,22 +225,18 @@ class Scratch:
     sockets, ``<uuid>``). It also holds :attr:`HELD`, the ``/dev/shm`` names the server's processes
     were seen holding (:func:`shm_held_by`), for a daemon started after this one ended without
     stopping it (:meth:`ShmBaseline.clean_and_record`). Removed, whole, once the server's processes
-    are gone."""
+    are gone; with it the directory its record :attr:`RPC` names, if any."""
 
     HELD = ".rolloutd-shm-held.json"
     # vLLM's ZMQ socket paths, <VLLM_RPC_BASE_PATH, else TMPDIR>/<uuid4>, must fit a UNIX socket's
-    # (107 bytes); the name of the directory is short (8 characters) for that.
+    # (107 bytes); the name of the directory is short (8 characters) for that. Where a long
+    # state_dir leaves no room, the sockets go to a directory of their own in the system's
+    # temporary directory (mode 0700, like this one: no other user reaches vLLM's sockets), named
+    # in the record RPC, so that it goes with this one, after a kill too.
     SOCKET_PATH_MAX = 107
     UUID_TAIL = len("/") + 36
-
-    def env(self) -> dict[str, str]:
-        """The server's environment for it: TMPDIR; and, where a state_dir too long leaves no room
-        for vLLM's socket paths in it, VLLM_RPC_BASE_PATH the system's temporary directory, where
-        they were before (removed by vLLM at a clean stop, left after a kill)."""
-        env = {"TMPDIR": str(self.path)}
-        if len(os.fsencode(self.path)) + self.UUID_TAIL > self.SOCKET_PATH_MAX:
-            env["VLLM_RPC_BASE_PATH"] = tempfile.gettempdir()
-        return env
+    RPC = ".rolloutd-rpc-dir"
+    RPC_PREFIX = "rolloutd-rpc-"
 
     def __init__(self, path: Path):
         self.path = Path(path)
@@ -249,7 +245,35 @@ class Scratch:
     def make(cls, parent: Path) -> Scratch:
         parent = Path(parent)
         parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        return cls(Path(tempfile.mkdtemp(prefix="", dir=parent)))  # 8 characters, mode 0700; new per start
+        scratch = cls(Path(tempfile.mkdtemp(prefix="", dir=parent)))  # 8 characters, mode 0700; new per start
+        if len(os.fsencode(scratch.path)) + cls.UUID_TAIL > cls.SOCKET_PATH_MAX:
+            try:
+                rpc = tempfile.mkdtemp(prefix=cls.RPC_PREFIX)
+                (scratch.path / cls.RPC).write_text(rpc)
+            except OSError:
+                scratch.remove()
+                raise
+        return scratch
+
+    def rpc_dir(self) -> Path | None:
+        """The directory of vLLM's sockets outside this one, if the record names one this class
+        makes: a ``rolloutd-rpc-*`` directory right in the system's temporary directory (a record
+        naming anything else is not followed)."""
+        try:
+            named = Path((self.path / self.RPC).read_text())
+        except (OSError, ValueError):
+            return None
+        if named.parent != Path(tempfile.gettempdir()) or not named.name.startswith(self.RPC_PREFIX):
+            return None
+        return named
+
+    def env(self) -> dict[str, str]:
+        """The server's environment for it: TMPDIR; and VLLM_RPC_BASE_PATH where its sockets go
+        elsewhere (:meth:`rpc_dir`)."""
+        env = {"TMPDIR": str(self.path)}
+        if (rpc := self.rpc_dir()) is not None:
+            env["VLLM_RPC_BASE_PATH"] = str(rpc)
+        return env
 
     def record_held(self, names: set[str]) -> None:
         try:
@@ -266,6 +290,8 @@ class Scratch:
         return {n for n in names if isinstance(n, str) and "/" not in n} if isinstance(names, list) else set()
 
     def remove(self) -> None:
+        if (rpc := self.rpc_dir()) is not None and not rpc.is_symlink():
+            shutil.rmtree(rpc, ignore_errors=True)
         shutil.rmtree(self.path, ignore_errors=True)  # never follows a link out of it
 
 

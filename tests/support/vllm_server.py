@@ -9,9 +9,11 @@ that nothing of it is left, and removes the shared memory it left as the daemon 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -85,8 +87,11 @@ class VllmServer:
         else:
             self.port, self.socket, self.url = listen, None, f"http://127.0.0.1:{listen}"
             where = ["--host", "127.0.0.1", "--port", str(listen)]
+        # Its own TMPDIR, as the daemon gives each server: vLLM's ZMQ sockets and rendezvous files,
+        # which a killed server leaves, go with it at stop().
+        self.tmp = Path(tempfile.mkdtemp(prefix="vllm-"))
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        env.update(CPU_ENV, VLLM_SERVER_DEV_MODE="1",
+        env.update(CPU_ENV, VLLM_SERVER_DEV_MODE="1", TMPDIR=str(self.tmp),
                    VLLM_CPU_OMP_THREADS_BIND=cpus, PYTHONPATH=os.pathsep.join(map(str, pythonpath)),
                    **(extra_env or {}))
         self.cmd = [str(VLLM), "serve", str(model), *where,
@@ -94,8 +99,13 @@ class VllmServer:
                     "--enable-scale-out", *extra_args]
         self._log = open(log, "ab")
         self._shm_before = shm_names()
-        self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(self.cmd, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self._log.close()
+            raise
 
     def wait_healthy(self, timeout_s: float = 240.0) -> VllmServer:
         deadline = time.monotonic() + timeout_s
@@ -141,6 +151,7 @@ class VllmServer:
         if left := group_pids(pgid):
             raise RuntimeError(f"processes {left} of vllm serve's group outlived SIGKILL")
         remove_shm_leftovers(self._shm_before, held)  # a SIGKILLed group's resource tracker unlinked nothing
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
 def client(url: str | Path, **kw) -> httpx.Client:

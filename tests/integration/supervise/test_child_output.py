@@ -10,7 +10,9 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -460,10 +462,39 @@ async def test_what_servers_killed_with_their_daemon_held_is_removed_at_the_next
         decoy.stdout.close()
 
 
-def test_vllms_sockets_stay_in_the_servers_tmpdir_while_their_paths_fit_a_unix_socket():
+def test_vllms_sockets_stay_in_the_servers_tmpdir_while_their_paths_fit_a_unix_socket(tmp_path):
     """vLLM's ZMQ sockets are <TMPDIR>/<uuid4> (37 bytes more); past 107 bytes they cannot be
-    bound, so they go to the system's temporary directory as they did before."""
-    fits = leftovers.Scratch(Path("/" + "d" * 69))  # 70 + 37 = 107
-    assert fits.env() == {"TMPDIR": str(fits.path)}
-    too_long = leftovers.Scratch(Path("/" + "d" * 70))
-    assert too_long.env() == {"TMPDIR": str(too_long.path), "VLLM_RPC_BASE_PATH": tempfile.gettempdir()}
+    bound, so they go to a directory of their own in the system's temporary directory (mode 0700),
+    which goes with the server's directory: at its stop, or at the next daemon's start after a kill."""
+    with tempfile.TemporaryDirectory(prefix="s") as short:  # /tmp/sXXXXXXXX/XXXXXXXX: room left
+        fits = leftovers.Scratch.make(Path(short))
+        assert fits.env() == {"TMPDIR": str(fits.path)} and fits.rpc_dir() is None
+    deep = tmp_path / ("d" * (leftovers.Scratch.SOCKET_PATH_MAX - len(os.fsencode(tmp_path))))
+    too_long = leftovers.Scratch.make(deep)
+    rpc = too_long.rpc_dir()
+    assert too_long.env() == {"TMPDIR": str(too_long.path), "VLLM_RPC_BASE_PATH": str(rpc)}
+    assert rpc.parent == Path(tempfile.gettempdir()) and stat.S_IMODE(rpc.stat().st_mode) == 0o700
+    assert len(os.fsencode(rpc)) + leftovers.Scratch.UUID_TAIL <= leftovers.Scratch.SOCKET_PATH_MAX
+    (rpc / "a-socket").touch()
+    too_long.remove()
+    assert not rpc.exists() and not too_long.path.exists()
+
+    left = leftovers.Scratch.make(deep)  # a server killed with its daemon: the next start removes both
+    rpc = left.rpc_dir()
+    ShmBaseline(tmp_path / "shm-at-start.json", scratch=deep).clean_and_record()
+    assert not rpc.exists() and list(deep.iterdir()) == []
+
+
+def test_a_record_naming_another_directory_is_not_followed(tmp_path):
+    """Only a ``rolloutd-rpc-*`` directory right in the temporary directory is ever removed."""
+    victim = Path(tempfile.mkdtemp(prefix="not-ours-"))
+    try:
+        for named in (victim, tmp_path / "rolloutd-rpc-x"):
+            (tmp_path / "rolloutd-rpc-x").mkdir(exist_ok=True)
+            scratch = leftovers.Scratch.make(tmp_path / "s")
+            (scratch.path / leftovers.Scratch.RPC).write_text(str(named))
+            assert scratch.rpc_dir() is None and scratch.env() == {"TMPDIR": str(scratch.path)}
+            scratch.remove()
+            assert named.exists()
+    finally:
+        shutil.rmtree(victim)
