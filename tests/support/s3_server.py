@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -46,8 +48,10 @@ class SeaweedS3:
             {"access_key_id": self.access_key, "secret_access_key": self.secret_key}))
         self.log = self.dir / "weed.log"
         self.proc: subprocess.Popen | None = None
+        self.tmp: Path | None = None
 
     def argv(self) -> list[str]:
+        self.tmp = self.tmp or Path(tempfile.mkdtemp(prefix="weed-"))  # short: its sockets' paths must fit 107 bytes
         identities = self.dir / "s3-identities.json"
         identities.write_text(json.dumps({"identities": [{
             "name": "rolloutd", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
@@ -58,12 +62,21 @@ class SeaweedS3:
         return [str(weed_binary()), "mini", f"-dir={data}", f"-ip={self.host}", f"-ip.bind={self.host}", *ports,
                 f"-s3.config={identities}", f"-bucket={self.bucket}", "-s3.port.iceberg=0", "-s3.port.lance=0",
                 "-webdav=false", "-admin.ui=false", "-master.telemetry=false",
-                "-master.volumeSizeLimitMB=1024"]
+                "-master.volumeSizeLimitMB=1024",
+                # weed's UNIX sockets, which it leaves: two in a directory of this server's, removed at stop();
+                # its gRPC ones are always /tmp/seaweedfs-<component>-grpc-<port>.sock (grpc_sockets)
+                f"-filer.localSocket={self.tmp}/filer.sock", f"-s3.localSocket={self.tmp}/s3.sock"]
+
+    def grpc_sockets(self) -> list[Path]:
+        """The gRPC sockets weed makes in /tmp whatever its flags: named by this server's ports."""
+        return [Path(f"/tmp/seaweedfs-{name.split('.')[0]}-grpc-{port}.sock")
+                for name, port in self.ports.items() if name.endswith(".grpc")]
 
     def start(self, timeout_s: float = 60.0) -> SeaweedS3:
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([*self.prefix, *self.argv()], stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir)
+                                         stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir,
+                                         env={**os.environ, "TMPDIR": str(self.tmp)})
         self._wait_ready(timeout_s)
         return self
 
@@ -95,14 +108,18 @@ class SeaweedS3:
                        virtual_hosted_style_request=False, client_options={"allow_http": True})
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        if self.tmp is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
+        for sock in self.grpc_sockets():  # its ports were its own until now: nobody else's socket
+            sock.unlink(missing_ok=True)
 
     def tail(self, lines: int = 30) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""

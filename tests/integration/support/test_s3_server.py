@@ -32,9 +32,14 @@ def test_s3_refuses_wrong_keys(s3):
         obstore.put(wrong, "check/denied.bin", b"x")
 
 
-def test_stop_leaves_no_process(tmp_path):
+def test_stop_leaves_no_process_and_no_socket(tmp_path):
+    """weed leaves its UNIX sockets: those it lets us place in a directory of the server's, its
+    gRPC ones in /tmp, named by the server's ports; all go with it."""
     from tests.support.s3_server import SeaweedS3
     server = SeaweedS3(tmp_path).start()
-    pgid = server.proc.pid
+    pgid, tmp, grpc = server.proc.pid, server.tmp, server.grpc_sockets()
+    assert sorted(p.name for p in tmp.iterdir() if p.is_socket()) == ["filer.sock", "s3.sock"]
+    assert [p for p in grpc if p.is_socket()], f"none of {grpc} made: weed names them otherwise now"
     server.stop()
     assert group_pids(pgid) == []
+    assert not tmp.exists() and not [p for p in grpc if p.exists()]
