@@ -299,10 +299,12 @@ class Child:
             self._proc = await asyncio.create_subprocess_exec(
                 *self.argv, env=env, stdin=asyncio.subprocess.DEVNULL, stdout=w,
                 stderr=asyncio.subprocess.STDOUT, start_new_session=True)
-        except OSError as e:
-            os.close(r)
+        except BaseException as e:  # also a cancellation (a restart asked during the spawn): asyncio
+            os.close(r)             # killed and reaped the leader; its pipe, scope and directory go too
             scope.release()
             self._remove_own()
+            if not isinstance(e, OSError):
+                raise
             raise ChildError(f"cannot start {self.name}: {self.argv[0]}: {e.strerror or e}") from None
         finally:
             os.close(w)

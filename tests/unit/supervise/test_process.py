@@ -16,6 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import uvloop
 
@@ -144,6 +145,23 @@ async def test_stop_cancelled_mid_grace_still_kills_and_reaps(children, caplog):
     assert group_pids(child.pgid) == []
     assert child.returncode == -signal.SIGKILL and not Path(f"/proc/{child.pid}").exists()
     assert "cancelled during the grace period" in caplog.text
+
+
+async def test_a_spawn_cancelled_midway_leaves_no_process_descriptor_or_directory(children, tmp_path):
+    """A restart asked while the server is being spawned cancels the spawn: the leader already
+    forked is killed and reaped (by asyncio), and its pipe and its own directory go with it."""
+    scratch = tmp_path / "scratch"
+    fds, kids = sorted(os.listdir("/proc/self/fd")), psutil.Process().children()
+    child = children("cut", COOPERATIVE, scratch=scratch)
+    spawning = asyncio.ensure_future(child.spawn())
+    await asyncio.sleep(0)  # into create_subprocess_exec: the process forked, its pipes being connected
+    spawning.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await spawning
+    assert child.pid is None, "the spawn ended before the cancellation: nothing was checked"
+    assert list(scratch.iterdir()) == [], "the spawn's own directory is left"
+    assert sorted(os.listdir("/proc/self/fd")) == fds, "the output pipe's read end is left open"
+    assert psutil.Process().children() == kids
 
 
 def test_the_same_on_uvloop(tmp_path):
