@@ -38,8 +38,9 @@ async def until_healthy(client: httpx.AsyncClient, child, timeout_s: float = 300
 @pytest.mark.timeout(400)
 async def test_a_stopped_tensor_parallel_vllm_leaves_none_of_the_segments_it_held(children, caplog, tmp_path):
     """The real CPU ``vllm serve --tensor-parallel-size 2``, learnt once healthy and stopped as the
-    daemon stops it: nothing it held is left in /dev/shm, and another program's segments (one
-    there before it, one made while it runs, named like its own) are untouched."""
+    daemon stops it: nothing it held is left in /dev/shm or in its own directory (its TMPDIR), and
+    another program's segments (one there before it, one made while it runs, named like its own)
+    are untouched."""
     from rolloutd.demo import tinymodel
     from rolloutd.demo.cpu_vllm import CPU_ENV
     from tests.conftest import free_port
@@ -52,7 +53,7 @@ async def test_a_stopped_tensor_parallel_vllm_leaves_none_of_the_segments_it_hel
     decoys = [held_decoy(shm, before)]
     url = f"http://127.0.0.1:{free_port()}"
     child = children("vllm", [str(VLLM), "serve", str(model), "--host", "127.0.0.1", "--port", url.rsplit(":", 1)[1],
-                              *FAST_CPU_FLAGS, "--tensor-parallel-size", "2"])
+                              *FAST_CPU_FLAGS, "--tensor-parallel-size", "2"], scratch=tmp_path / "scratch")
     child.env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
     child.env.update(CPU_ENV, VLLM_CPU_OMP_THREADS_BIND="0|1")
     try:
@@ -66,6 +67,7 @@ async def test_a_stopped_tensor_parallel_vllm_leaves_none_of_the_segments_it_hel
         assert not held & {before, during}
         await child.stop(grace_s=20)
         assert not [n for n in held if (shm / n).exists()]
+        assert list((tmp_path / "scratch").iterdir()) == [], "its TMPDIR (vLLM's sockets) is left"
         assert (shm / before).exists() and (shm / during).exists()
     finally:
         for decoy in decoys:
