@@ -22,7 +22,9 @@ from pathlib import Path
 import httpx
 import yaml
 
+from rolloutd.config import SCRATCH
 from rolloutd.demo.cpu_vllm import CPU_ENV
+from rolloutd.supervise.leftovers import scratch_left
 from tests.support.vllm_server import FAST_CPU_FLAGS, ROOT, VLLM, client, worker_cores
 
 FAKE_VLLM = ROOT / "tests" / "support" / "fake_vllm.py"
@@ -243,6 +245,11 @@ class DaemonProcess:
                 os.killpg(os.getpgid(pid), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        # Its servers' own directories, as the next daemon's start would remove them: vLLM's
+        # sockets, some in a directory of /tmp (leftovers.Scratch).
+        if state := self.cfg.get("state_dir"):
+            for scratch in scratch_left(Path(state) / SCRATCH):
+                scratch.remove()
 
     def tail(self, lines: int = 60) -> str:
         if not self.log.exists():

@@ -491,7 +491,8 @@ def test_a_record_naming_another_directory_is_not_followed(tmp_path):
     try:
         for named in (victim, tmp_path / "rolloutd-rpc-x"):
             (tmp_path / "rolloutd-rpc-x").mkdir(exist_ok=True)
-            scratch = leftovers.Scratch.make(tmp_path / "s")
+            scratch = leftovers.Scratch(tmp_path / "s")
+            scratch.path.mkdir()
             (scratch.path / leftovers.Scratch.RPC).write_text(str(named))
             assert scratch.rpc_dir() is None and scratch.env() == {"TMPDIR": str(scratch.path)}
             scratch.remove()

@@ -38,8 +38,10 @@ def test_stop_leaves_no_process_and_no_socket(tmp_path):
     from tests.support.s3_server import SeaweedS3
     server = SeaweedS3(tmp_path).start()
     pgid, tmp, grpc = server.proc.pid, server.tmp, server.grpc_sockets()
-    assert sorted(p.name for p in tmp.iterdir() if p.is_socket()) == ["filer.sock", "s3.sock"]
-    assert [p for p in grpc if p.is_socket()], f"none of {grpc} made: weed names them otherwise now"
-    server.stop()
+    try:
+        assert sorted(p.name for p in tmp.iterdir() if p.is_socket()) == ["filer.sock", "s3.sock"]
+        assert [p for p in grpc if p.is_socket()], f"none of {grpc} made: weed names them otherwise now"
+    finally:
+        server.stop()
     assert group_pids(pgid) == []
     assert not tmp.exists() and not [p for p in grpc if p.exists()]
