@@ -294,11 +294,22 @@ def reload_pause_mode(node: Node, mode: str) -> None:
     assert r.status_code == 200 and "restarted none" in r.json()["message"], r.text
 
 
+def on_version(node: Node, version: int) -> None:
+    """Every server of ``node`` on ``version`` (published here unless the tests before did: a test
+    run alone finds its node on A)."""
+    d = node.daemon
+    if any(d.server(name)["version"] != version for name in node.gateways):
+        if version not in [v["version"] for v in node.reg.versions()]:
+            node.reg.publish(version, families.hf_model(FAMILY, SEED[version]))
+        d.wait_versions({name: version for name in node.gateways}, 300)
+
+
 def every_pause_mode(node: Node, loaded: str) -> None:
     """One version per pause mode, published while requests run through ``loaded``'s gateway (on
     each of its engines): the update ends (no deadlock), every request is answered, by the
     versions it reports; then every engine serves the new version exactly (its prefix cache of
     the old weights dropped: served_exactly)."""
+    on_version(node, min(MODES) - 1)
     reference, d = Reference(), node.daemon
     incarnations = {name: d.server(name)["incarnation"] for name in node.gateways}
     # Each version's model and outputs before any load: beside the load (the ranks spinning on both
@@ -371,6 +382,7 @@ def test_a_dp_engine_killed_while_serving_is_in_backoff_within_seconds(nodes):
     """The newest version (the last of every_pause_mode) served again by every engine after the
     restart; nothing of the old group left."""
     node, version = nodes.get("dp"), max(MODES)
+    on_version(node, version)
     d = node.daemon
     before = d.server(DP)
     assert (before["state"], before["version"]) == ("SERVING", version), before
