@@ -168,6 +168,17 @@ def cases(request) -> Cases:
     return Cases(request.param)
 
 
+def _interrupted(signum, frame):
+    raise KeyboardInterrupt(f"signal {signal.Signals(signum).name}")
+
+
+def pytest_configure(config):
+    """SIGTERM (a CI job's timeout, ``kill``) stops a run as Ctrl-C does, its fixtures torn down:
+    the daemons, servers and containers the tests start are in sessions of their own and would
+    outlive a run that just died. In every process of a run, each xdist worker too."""
+    signal.signal(signal.SIGTERM, _interrupted)
+
+
 def pytest_collection_modifyitems(items):
     """A test that needs the module's real ``vllm serve`` (the ``vllm`` fixture) is slow, wherever
     it stands: ``-m "not slow"`` is the fast tier of pure logic, fakes and in-process servers."""
