@@ -249,7 +249,11 @@ class Scratch:
         if len(os.fsencode(scratch.path)) + cls.UUID_TAIL > cls.SOCKET_PATH_MAX:
             try:
                 rpc = tempfile.mkdtemp(prefix=cls.RPC_PREFIX)
-                (scratch.path / cls.RPC).write_text(rpc)
+                try:
+                    (scratch.path / cls.RPC).write_text(rpc)
+                except OSError:
+                    os.rmdir(rpc)  # named nowhere: nothing else would remove it
+                    raise
             except OSError:
                 scratch.remove()
                 raise

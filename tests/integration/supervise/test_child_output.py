@@ -499,3 +499,23 @@ def test_a_record_naming_another_directory_is_not_followed(tmp_path):
             assert named.exists()
     finally:
         shutil.rmtree(victim)
+
+
+def test_a_server_directory_that_cannot_be_made_whole_leaves_nothing(tmp_path, monkeypatch):
+    """Its record not written (a full disk, faked: root writes anywhere): neither directory is left."""
+    deep = tmp_path / ("d" * (leftovers.Scratch.SOCKET_PATH_MAX - len(os.fsencode(tmp_path))))
+    made, mkdtemp = [], tempfile.mkdtemp
+
+    def recorded(*args, **kwargs):
+        made.append(Path(mkdtemp(*args, **kwargs)))
+        return str(made[-1])
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(tempfile, "mkdtemp", recorded)
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space"):
+        leftovers.Scratch.make(deep)
+    monkeypatch.undo()
+    assert len(made) == 2 and made[1].name.startswith(leftovers.Scratch.RPC_PREFIX), made
+    assert [p for p in made if p.exists()] == []
