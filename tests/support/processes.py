@@ -18,7 +18,7 @@ def gone(pid: int) -> bool:
     """The process exited and was reaped (or is a zombie of a parent that died)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # reaped before the open, or between the open and the read
         return True
 
 
