@@ -158,14 +158,21 @@ def test_embedded_registry_starts_accepting_and_stops_cleanly():
 
 def test_embedded_registry_stops_while_a_long_poll_waits():
     reg = EmbeddedRegistry(port=0).start()
-    t = threading.Thread(target=lambda: httpx.get(reg.url + "/v1/versions/latest?after=5&wait_s=60",
-                                                   timeout=70))
+    polling, real, answers = threading.Event(), reg.service.wait_latest, []
+
+    async def wait_latest(*args):  # a spy: the stop must come while the poll waits, not before it
+        polling.set()
+        return await real(*args)
+    reg.service.wait_latest = wait_latest
+    t = threading.Thread(target=lambda: answers.append(
+        httpx.get(reg.url + "/v1/versions/latest?after=5&wait_s=60", timeout=70).status_code))
     t.start()
-    time.sleep(0.3)
+    assert polling.wait(10), "the long poll never reached the registry"
     t0 = time.monotonic()
     reg.stop()
     assert time.monotonic() - t0 < 3
     t.join(5)
+    assert answers == [200], "the waiting poll was not answered before the stop"
 
 
 def test_port_in_use_is_a_clear_error():
