@@ -51,7 +51,6 @@ class SeaweedS3:
         self.tmp: Path | None = None
 
     def argv(self) -> list[str]:
-        self.tmp = self.tmp or Path(tempfile.mkdtemp(prefix="weed-"))  # short: its sockets' paths must fit 107 bytes
         identities = self.dir / "s3-identities.json"
         identities.write_text(json.dumps({"identities": [{
             "name": "rolloutd", "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
@@ -73,6 +72,7 @@ class SeaweedS3:
                 for name, port in self.ports.items() if name.endswith(".grpc")]
 
     def start(self, timeout_s: float = 60.0) -> SeaweedS3:
+        self.tmp = Path(tempfile.mkdtemp(prefix="weed-"))  # short: its sockets' paths must fit 107 bytes
         with open(self.log, "ab") as out:
             self.proc = subprocess.Popen([*self.prefix, *self.argv()], stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.dir,
