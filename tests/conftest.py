@@ -230,11 +230,13 @@ def daemons(tmp_path, registry):
     from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, wait_until
     started = []
 
-    def start(faults: str = "", *, servers: int = 1, directory=None, registry_url: str | None = None,
-              env: dict | None = None, **sections):
+    def start(faults: str | tuple[str, ...] = "", *, servers: int = 1, directory=None,
+              registry_url: str | None = None, env: dict | None = None, **sections):
+        """``faults``: every server's, or a tuple of one per server."""
         d = directory or tmp_path / f"d{len(started)}"
         d.mkdir(exist_ok=True)
-        specs = [{"name": f"s{i}", "model": "fake-model", "env": {"FAKE_VLLM_FAULTS": faults}}
+        each = faults if isinstance(faults, tuple) else (faults,) * servers
+        specs = [{"name": f"s{i}", "model": "fake-model", "env": {"FAKE_VLLM_FAULTS": each[i]}}
                  for i in range(servers)]
         sections = {"restart": {"start_timeout_s": 10, "backoff_initial_s": 0.2, "backoff_max_s": 0.5,
                                 "max_retries": 2}, "shutdown": {"server_grace_s": 1, "kill_wait_s": 5}, **sections}

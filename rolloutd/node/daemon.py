@@ -188,10 +188,10 @@ class Daemon:
         self.swarm = Swarm(swarm_settings(cfg, registry_token), self.client, self.mirror, node=cfg.node_name,
                            object_store=ObjectStoreSettings(**cfg.object_store.model_dump()),
                            read_timeout_s=cfg.pull.read_timeout_s)
+        self.refusals = Refusals(self.metrics, discard=self._discard_refused)
         self.updater = Updater(self.conf, self.client, self.mirror, self.metrics, in_use=self._in_use,
                                swarm=self.swarm)
         _release(stack, "the updater", self.updater.close)  # its pull workers, on every path
-        self.refusals = Refusals(self.metrics, discard=self._discard_refused)
         gateways = {}
         for spec in cfg.servers:  # every public port bound before anything is spawned
             gateways[spec.name] = gateway = await self._open_gateway(spec)
@@ -347,7 +347,9 @@ class Daemon:
         return self._slots
 
     def _in_use(self) -> set[int]:
-        used = set()
+        """Versions the mirror keeps: what each server holds or loads, its last good version and
+        the node's, to go back to from a refused version."""
+        used = {self.refusals.last_good.version} if self.refusals.last_good is not None else set()
         for r in self.servers.values():
             for t in (r.supervisor.loaded, r.supervisor.loading, r.supervisor.good):  # good: to go back to
                 if t is not None:

@@ -1,4 +1,5 @@
-"""Versions this node refused: the trainer's bad versions, kept apart from the node's failures.
+"""The node's verdicts on versions: those it refused (the trainer's bad versions, kept apart from
+the node's failures), and its last good one.
 
 A version a server could not be made to serve correctly (its gate failed after the re-applies
 and, when the failure could be the server's, after one restart; or its canary cannot be scored
@@ -7,6 +8,11 @@ last good version (rollout/supervise: ``Supervisor.good``) and takes the next ve
 A refusal names the version by number and manifest digest (a registry that restarted may give
 the number to other bytes) and says why; ``/status``, every heartbeat (so the registry's
 directory, its fleet view and ``wait_for_replicas``) and the metrics show them.
+
+The node's **last good version** is the last one any of its servers served with its gate passed.
+A server with no good version of its own (restarted since, or started after the refusal) goes
+back to it rather than to its start model, so that one node never serves two policies because
+one of its servers restarted at the wrong moment; the mirror keeps its copy.
 
 Kept in memory: a daemon that restarts tries the registry's newest version again, and refuses it
 again if it is still bad.
@@ -42,7 +48,8 @@ class Refusal:
 
 
 class Refusals:
-    """The node's refused versions, newest refusal last (at most ``MAX_REFUSED``: the oldest go).
+    """The node's refused versions, newest refusal last (at most ``MAX_REFUSED``: the oldest go),
+    and its last good version (:attr:`last_good`).
 
     ``discard``: called (awaited) once a server no longer holds a refused version, to free its
     room in the mirror (the daemon's: removed unless another server still holds it)."""
@@ -51,6 +58,11 @@ class Refusals:
                  discard: Callable[[Target], Awaitable[None]] | None = None):
         self._metrics, self._discard = metrics, discard
         self._refused: OrderedDict[tuple[int, str], Refusal] = OrderedDict()
+        self.last_good: Target | None = None  # the node's (module docstring); one owner, the servers report
+
+    def served(self, target: Target) -> None:
+        """A server of the node holds ``target``, its gate passed."""
+        self.last_good = target
 
     def refuse(self, target: Target, reason: str, server: str) -> Refusal:
         """Refuse ``target`` on this node (the first refusal stands; a later one returns it)."""
@@ -59,6 +71,8 @@ class Refusals:
             return known
         refusal = Refusal(target.version, target.digest, _clip(reason), server, time.time())
         self._refused[key] = refusal
+        if self.last_good == target:  # a server that passed its gate on it keeps it; none goes back to it
+            self.last_good = None
         while len(self._refused) > MAX_REFUSED:
             self._refused.popitem(last=False)
         log.error("refuse version %d on this node (%s): %s; every server keeps its last good version",

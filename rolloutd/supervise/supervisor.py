@@ -27,8 +27,9 @@
   certain (a canary the server cannot score). If it fails again,
   the node **refuses** it (:class:`~rolloutd.rollout.refusals.Refusals`: no server of the node
   loads it again) and the server goes back to its last good version (:attr:`Supervisor.good`,
-  loaded again and gated; its start model if it had none, by a restart, and probed: a server
-  whose start model fails the gate's probe too is broken, toward FATAL); a process that dies
+  loaded again and gated; with none of its own, the node's last good version; with neither, its
+  start model, by a restart, and probed: a server whose start model fails the gate's probe too
+  is broken, toward FATAL); a process that dies
   twice while loading the same version refuses it too. The next version is taken as usual. If
   the last good version cannot be loaded again, the server restarts on its start model.
 - A server whose plugin refuses to load anything into it (vLLM's CPU build and mixture-of-experts
@@ -145,6 +146,7 @@ class Supervisor:
         self._suspect: Target | None = None     # the version it restarted for once (module docstring)
         self._free_restart = False              # the next restart is the version's doing: not toward FATAL
         self._died_loading: Target | None = None  # what it was loading when its process failed
+        self._unloadable: Target | None = None  # a last good version it failed to load again: not tried twice
         metrics.server_state.labels(server=spec.name).state(S.STOPPED.name)
 
     @property
@@ -278,8 +280,8 @@ class Supervisor:
             return
         if self.refusals.refused(target) is None:
             await self._take(target)
-        elif self.good is not None:
-            await self._restore(self.good, f"version {target.version} is refused on this node")
+        elif (good := self._fallback()) is not None:
+            await self._restore(good, f"version {target.version} is refused on this node")
         else:
             await self._probe_start_model(target)
 
@@ -359,22 +361,31 @@ class Supervisor:
     async def _back(self, refused: Target) -> None:
         """After refusing ``refused``, whose weights the process may hold: load the last good
         version again, or restart on the start model (the last good one, or the one left)."""
-        if self.good is None:
+        if (good := self._fallback()) is None:
             self._free_restart = True
             await self.refusals.discard(refused)  # the process holds its weights, not its files
             raise ApplyFailed(f"version {refused.version} refused; restarting on the start model, the last "
                               "good version", restart=True)
-        await self._restore(self.good, f"refused version {refused.version}")
+        await self._restore(good, f"refused version {refused.version}")
         await self.refusals.discard(refused)
 
+    def _fallback(self) -> Target | None:
+        """Where to go back to from a refused version: this server's last good version; with none
+        (restarted since), the node's, unless it failed to load here; None: the start model."""
+        if self.good is not None:
+            return self.good
+        node = self.refusals.last_good
+        return None if node is None or node == self._unloadable else node
+
     async def _restore(self, good: Target, why: str) -> None:
-        """Load ``good`` (a version this server served) again; if it cannot, it is forgotten and
-        the server restarts on its start model: a version that is good either way."""
-        log.warning("back %s: to version %d, its last good version (%s)", self.name, good.version, why)
+        """Load ``good`` (a version this server or the node served) again; if it cannot, it is
+        forgotten here and the server restarts on its start model: a version that is good either way."""
+        whose = "its" if good == self.good else "the node's"
+        log.warning("back %s: to version %d, %s last good version (%s)", self.name, good.version, whose, why)
         try:
             await self._apply(good)
         except ApplyFailed as e:
-            self.good = None
+            self.good, self._unloadable = None, good
             raise ApplyFailed(f"loading version {good.version} again ({why}) failed: {e}; restarting on the "
                               "start model", restart=True) from None
 
@@ -456,6 +467,7 @@ class Supervisor:
         try:
             self._hold(await applier.apply(target, record))
             self.good = self.loaded
+            self.refusals.served(target)
         except ApplyFailed as e:
             if e.restart:  # half-loaded, or weights that failed the gate: not what it held before
                 self._hold(None)

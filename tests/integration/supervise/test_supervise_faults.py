@@ -169,6 +169,29 @@ def test_a_version_the_plugin_refuses_is_refused_by_the_node_once_and_no_server_
     assert [x["incarnation"] for x in st["servers"]] == [1, 1]
 
 
+def test_a_server_healthy_only_after_a_refusal_serves_the_nodes_last_good_version(daemons, registry):
+    """A server that had served nothing yet (here: slow to start) becomes healthy after the node
+    refused its newest version: it loads the version the node last served, not its start model,
+    and the node serves one policy."""
+    d = daemons(("", "never_healthy"), servers=2, restart={"start_timeout_s": 60})
+    held = registry.newest
+    d.wait(lambda s: (s["servers"][0]["state"], s["servers"][0]["version"], s["servers"][1]["state"])
+           == ("SERVING", held, "STARTING"), 30, "s0 serving, s1 still starting")
+    fake(d, "/fake/faults", {"faults": "version_refused"})
+    bad = registry.publish()
+    d.wait(lambda s: [r["version"] for r in s["refused"]] == [bad] and s["servers"][0]["state"] == "SERVING", 30,
+           "refused on s0")
+    with d.vllm("s1", timeout=5) as c:
+        c.post("/fake/health", json={"ok": True}).raise_for_status()
+    st = d.wait(lambda s: s["servers"][1]["state"] == "SERVING", 30, "s1 serving")
+    assert (st["servers"][1]["version"], st["servers"][1]["incarnation"]) == (held, 1), st["servers"][1]
+    for name in ("s0", "s1"):  # what each fake holds, by its own account
+        with d.vllm(name, timeout=5) as c:
+            assert c.get("/weight_info").json() == {"weight_version": str(held)}, name
+    assert f"back s1: to version {held}, the node's last good version (version {bad} is refused" in d.log_text()
+    assert not re.search(r"s1\[\d+\]: fake_vllm: POST /update_weights .*", d.log_text().split("back s1")[0])
+
+
 # -- 9: nothing left unwatched during an update ---------------------------------------------------
 def wait_updating(d: DaemonProcess, route: str) -> dict:
     st = d.wait(lambda s: s["servers"][0]["state"] == "UPDATING", 20, "UPDATING")

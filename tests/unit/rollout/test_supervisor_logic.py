@@ -788,6 +788,61 @@ def test_a_version_refused_by_one_server_is_never_loaded_by_another_waiting_for_
     assert [r.version for r in refusals.status()] == [2] and held == [1, 1]
 
 
+async def refused_on_the_node(tmp_path: Path, late: dict[str, str]) -> tuple[Rig, Rig]:
+    """Server 0 serves version 1 and refuses version 2; then server 1 starts, with no good version
+    of its own (``late``: its fake vLLM's bad versions)."""
+    updater, refusals = FakeUpdater(), Refusals()
+    first, late_one = (Rig(tmp_path, updater=updater, index=i, canary=True) for i in (0, 1))
+    for rig in (first, late_one):
+        rig.sup.refusals = refusals  # the node's, shared
+    first.vllm.bad_versions["2"] = "refuse"
+    late_one.vllm.bad_versions.update(late)
+    first.start()
+    await updater.publish(first.version(1))
+    await serving(first, 1)
+    await updater.publish(first.version(2))
+    await serving(first, 1, nth=2)
+    assert [r.version for r in refusals.status()] == [2] and refusals.last_good == first.version(1)
+    late_one.start()
+    return first, late_one
+
+
+def test_a_server_starting_while_the_newest_version_is_refused_serves_the_nodes_last_good_version(tmp_path):
+    """Not its start model: the node would serve two policies, one of them older than any version
+    it served, because one server restarted between a refusal and the next version."""
+    async def scenario():
+        first, late = await refused_on_the_node(tmp_path, {"2": "refuse"})
+        await serving(late, 1)  # fails if it serves its start model
+        snap = late.sup.snapshot()
+        await late.updater.publish(first.version(3))
+        for rig in (first, late):
+            await serving(rig, 3, nth=3 if rig is first else 2)
+            await rig.stop()
+        return first, late, snap
+
+    first, late, snap = run(scenario())
+    assert late.vllm.loaded == ["1", "3"], "version 2 never loaded there; the node's last good one, then the next"
+    assert (snap.state, snap.version, snap.target, snap.last_good) == ("SERVING", 1, 1, 1)
+    assert late.sup.incarnation == 1 and S.BACKOFF not in late.arrows.states, "no restart"
+    assert late.sup.refusals.last_good == first.version(3)
+
+
+def test_a_server_that_cannot_load_the_nodes_last_good_version_serves_its_start_model_without_looping(tmp_path):
+    async def scenario():
+        first, late = await refused_on_the_node(tmp_path, {"1": "load"})
+        await serving(late, None)
+        await asyncio.sleep(60)  # long enough for any restart loop to show
+        await first.stop()
+        await late.stop()
+        return late
+
+    late = run(scenario())
+    assert late.vllm.loaded == [] and "/update_weights" in late.vllm.routes(1001)
+    assert late.sup.incarnation == 2 and late.arrows.states.count(S.SERVING) == 1
+    assert late.vllm.routes(1002) == ["/v1/models", "/v1/completions"], "no load tried again; the probe"
+    assert late.sup.last_error.startswith("loading version 1 again (version 2 is refused on this node) failed")
+
+
 def test_a_step_the_version_plays_no_part_in_is_the_servers_failure_never_a_refusal(tmp_path):
     async def scenario():
         rig = Rig(tmp_path, canary=True, restart={"max_retries": 1}).start()
