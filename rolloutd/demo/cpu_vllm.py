@@ -15,4 +15,11 @@ def cpu_args(max_model_len: int = 256, max_num_seqs: int = 8) -> list[str]:
 # with torch.compile, among them the rank of a logprob; a server's first request with logprobs
 # (the gate's first score after an update) compiled C++ for 13 s of a core, and still 7 s with the
 # compile cache the daemon keeps across starts. Eager, it takes 0.02 s.
-CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TORCHDYNAMO_DISABLE": "1"}
+#
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's CPU platform otherwise turns a one-rank server's "uni"
+# executor into "mp", a worker process of its own beside the engine core, which imports torch and
+# vLLM again at every start. With it, the worker runs in the engine core, as it does on a GPU with
+# one rank (the API server still runs the engine core in a process of its own; a server of several
+# ranks still gets a process per rank). bench/README.md has the measurement.
+CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "TORCHDYNAMO_DISABLE": "1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
