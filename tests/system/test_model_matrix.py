@@ -118,10 +118,12 @@ def test_every_publish_path_updates_the_served_model_exactly(family, tmp_path, r
     start = starts(request)
     try:
         c_dir = families.build(tmp_path / "C", family, seed=2)
-        models = {0: families.hf_model(family, 0), 1: families.hf_model(family, 1), 2: families.hf_model(family, 2),
-                  3: families.hf_model(family, 3).to(torch.bfloat16)}
-        want = {v: reference(m if v != 3 else bf16_rounded(family, 3)) for v, m in models.items()}
-        assert len({str(w) for w in want.values()}) == 4, "every version must give other outputs"
+        models = {0: families.hf_model(family, 0), 1: families.hf_model(family, 1)}
+        want = {0: reference(models[0])}
+        if family not in NO_EXACT_RELOAD_ON_CPU:  # else only A is ever served: no other reference needed
+            models.update({2: families.hf_model(family, 2), 3: families.hf_model(family, 3).to(torch.bfloat16)})
+            want.update({v: reference(models[v] if v != 3 else bf16_rounded(family, 3)) for v in (1, 2, 3)})
+            assert len({str(w) for w in want.values()}) == 4, "every version must give other outputs"
 
         reg, daemon = start.reg, start.daemon
         st = start.serving()
