@@ -205,18 +205,21 @@ def render_status(st: dict, now_unix: float | None = None) -> str:
         lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     if not st["servers"]:
         lines.append("(no servers configured)")
-    lines += _refused_lines(st.get("refused") or [])
+    lines += _refused_lines(st.get("refused") or [], st.get("last_good"))
     lines += _reload_lines(st.get("reload"))
     return "\n".join(lines)
 
 
-def _refused_lines(refused: list[dict]) -> list[str]:
-    """The versions the node refused: its servers serve their last good version instead."""
+def _refused_lines(refused: list[dict], last_good: int | None) -> list[str]:
+    """The versions the node refused: its servers serve their last good version instead (one with
+    none of its own, the node's)."""
     lines = []
     for r in refused:
         reason = " ".join(r["reason"].split())
         lines.append(f"refused v{r['version']} ({r['server']}, serving its last good version): "
                      f"{reason if len(reason) <= 100 else reason[:99] + '…'}")
+    if lines:
+        lines.append(f"the node's last good version: {'v' + str(last_good) if last_good is not None else 'none'}")
     return [""] + lines if lines else []
 
 

@@ -532,7 +532,8 @@ class Daemon:
             mirror=MirrorStatus(dir=str(self.mirror.dir), max_bytes=self.mirror.max_bytes,
                                 usage_bytes=self.mirror.usage_bytes(), spare_bytes=self.mirror.spare_bytes(),
                                 versions=self.mirror.versions()),
-            servers=servers, refused=self.refusals.status())
+            servers=servers, last_good=self.refusals.last_good.version if self.refusals.last_good else None,
+            refused=self.refusals.status())
 
     def _pull_sources(self) -> PullSources:
         """Bytes of the last pull by kind of source, and what this node served its peers."""

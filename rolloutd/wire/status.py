@@ -134,8 +134,8 @@ class ServerSnapshot(_Model):
     version: int | None = Field(description="version loaded (null: the base model)")
     target: int | None = Field(description="version it is moving to")
     last_good: int | None = Field(None, description="the last version it served, gate passed, since this "
-                                  "daemon started: what it goes back to after a refused version (null: its "
-                                  "start model)")
+                                  "daemon started: what it goes back to after a refused version (null: none; "
+                                  "it goes back to the node's last_good, else to its start model)")
     incarnation: int = Field(description="processes of this server started since the daemon started (a "
                              "reload that restarts it counts on)")
     restarts: int = Field(description="restarts after a failure")
@@ -175,6 +175,9 @@ class NodeStatus(_Model):
     reload: ReloadStatus | None = Field(None, description="the last reload (SIGHUP or POST /reload)")
     mirror: MirrorStatus
     servers: list[ServerStatus]
+    last_good: int | None = Field(None, description="the node's last good version: the last version any of its "
+                                  "servers served, gate passed; a server with no good version of its own goes "
+                                  "back to it after a refused version (null: none since the daemon started)")
     refused: list[RefusedStatus] = Field([], description="versions this node refused, oldest first: no server "
                                          "loads them, each serves its last good version (docs/daemon.md, "
                                          "\"A node keeps its last good version\")")

@@ -86,6 +86,7 @@ STATUS = {
                          "gate": None},
          "heartbeat_age_s": None},
     ],
+    "last_good": 8,
     "refused": [{"version": 9, "digest": "ab" * 32, "reason": "version 9 failed the gate: gate: the server cannot "
                  "score the canary of 600 tokens: /v1/completions: HTTP 400", "server": "gpu0", "at_unix": NOW - 900}],
 }
@@ -529,9 +530,10 @@ def test_status_table():
     assert lines[-3:] == ["", "reload refused: configuration error at c.yaml:3, running the previous one (c.yaml:3: "
                           "servers[0].port: bad)", "reload: mirror changed in the file; they take effect when "
                           "rolloutd restarts"]
-    assert lines[-5] == "" and lines[-4] == ("refused v9 (gpu0, serving its last good version): version 9 failed the "
+    assert lines[-6] == "" and lines[-5] == ("refused v9 (gpu0, serving its last good version): version 9 failed the "
                                              "gate: gate: the server cannot score the canary of 600 tokens: "
                                              "/v1/completions:…"), "the reason clipped to 100 characters"
+    assert lines[-4] == "the node's last good version: v8"
 
 
 def test_status_table_before_anything_happened():

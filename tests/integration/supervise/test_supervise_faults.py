@@ -185,6 +185,7 @@ def test_a_server_healthy_only_after_a_refusal_serves_the_nodes_last_good_versio
         c.post("/fake/health", json={"ok": True}).raise_for_status()
     st = d.wait(lambda s: s["servers"][1]["state"] == "SERVING", 30, "s1 serving")
     assert (st["servers"][1]["version"], st["servers"][1]["incarnation"]) == (held, 1), st["servers"][1]
+    assert st["last_good"] == held and str(held) in os.listdir(d.cfg["mirror"]["dir"])
     for name in ("s0", "s1"):  # what each fake holds, by its own account
         with d.vllm(name, timeout=5) as c:
             assert c.get("/weight_info").json() == {"weight_version": str(held)}, name
