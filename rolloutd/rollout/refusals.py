@@ -71,7 +71,8 @@ class Refusals:
             return known
         refusal = Refusal(target.version, target.digest, _clip(reason), server, time.time())
         self._refused[key] = refusal
-        if self.last_good == target:  # a server that passed its gate on it keeps it; none goes back to it
+        last = self.last_good  # any copy of these bytes: a server that passed its gate on it keeps it, none goes back
+        if last is not None and (last.version, last.digest) == key:
             self.last_good = None
         while len(self._refused) > MAX_REFUSED:
             self._refused.popitem(last=False)

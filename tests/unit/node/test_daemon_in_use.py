@@ -4,6 +4,7 @@ its own goes back to after a refusal (rollout/refusals.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,5 +30,6 @@ def test_the_mirror_keeps_the_nodes_last_good_version_when_no_server_holds_it():
     assert daemon._in_use() == {5, 6}
     daemon.refusals.served(version(4))  # say the server that served 4 was removed by a reload since
     assert daemon._in_use() == {4, 5, 6}
-    daemon.refusals.refuse(version(4), "failed its gate", "s1")  # a refused version is nobody's to go back to
+    again = dataclasses.replace(version(4), copy="pulled-again")  # the same bytes, another mirror copy
+    daemon.refusals.refuse(again, "failed its gate", "s1")  # a refused version is nobody's to go back to
     assert daemon.refusals.last_good is None and daemon._in_use() == {5, 6}
