@@ -48,20 +48,40 @@ def http(registry):
         yield client
 
 
-_GIVEN_PORTS: set[int] = set()
+def _port_slice() -> range:
+    """This process's own ports, below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(("", 0))`` is free only until its probe socket closes:
+    another xdist worker's probe, or any process's outgoing connection, may take it before the test
+    binds it (seen in CI: a daemon's gateway port taken between the two). Ports below the ephemeral
+    range are never handed out by the kernel, and each worker of a run gets a slice of its own.
+    [10000, 29000) leaves out 29500+, which torch and vLLM's data-parallel ranks take by default."""
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    low, high = 10000, min(29000, ephemeral_low)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    size = (high - low) // workers
+    return range(low + worker * size, low + (worker + 1) * size)
+
+
+_PORTS = _port_slice()
+_next_port = _PORTS.start + (os.getpid() % len(_PORTS))  # runs one after another start apart
 
 
 def free_port() -> int:
-    """A loopback port free now and never handed out before in this run: the kernel may offer a
-    port again as soon as its probe socket closes, and one config would then name it twice (seen:
-    a server's port equal to the admin API's)."""
-    while True:
+    """A loopback port of this worker's slice, free now and not handed out again until the slice
+    has gone round: one config never names a port twice (seen: a server's port equal to the admin
+    API's), and no other worker or process is offered it meanwhile."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port, _next_port = _next_port, _next_port + 1 if _next_port + 1 < _PORTS.stop else _PORTS.start
         with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _GIVEN_PORTS:
-            _GIVEN_PORTS.add(port)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken, or still in TIME_WAIT from an earlier run
             return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: float = 30.0) -> None:

@@ -15,8 +15,9 @@ leftovers.py); ``/dev/shm`` segments are leftovers.py.
   line that started it; anything else at INFO), except where that level would alarm for nothing:
   warnings expected in rolloutd's use (``RotaryEmbedding: Failed to load weights`` at each
   update) at DEBUG, said once at INFO; and once rolloutd has signalled the child (a stop it asked
-  for), vLLM's shutdown warnings and its ``EngineDeadError`` record at INFO (an error record is
-  held until its traceback ends, to see its cause; any other error keeps its level). It ends at
+  for, while none of the child's vital processes had died on its own), vLLM's shutdown warnings
+  and its ``EngineDeadError`` record at INFO (an error record is held until its traceback ends, to
+  see its cause; any other error keeps its level). It ends at
   end of file, when the last process holding the pipe is gone; the child owns it, and its stop
   (or wait) awaits it.
 - :meth:`Child.stop` signals the **scope**, every process of it: SIGTERM, a grace period for all
@@ -477,8 +478,12 @@ class Child:
         # Once the leader is reaped and no member is left, a group's number may name a new group.
         if self.returncode is not None and not self.group_pids():
             return
+        if not self._sent:
+            # Whatever vLLM says of its end from now on, rolloutd asked for it: unless a process of
+            # it had died already without rolloutd asking (a crash), and vLLM's account of that
+            # death, which may come after this signal, is a failure's and keeps its level.
+            self._levels.stopping = self.returncode is None and self.lost_vital() is None
         self._sent.add(sig)
-        self._levels.stopping = True  # whatever vLLM says of its end from now on, rolloutd asked for it
         self.scope.signal(sig)
 
     def describe_exit(self) -> str:

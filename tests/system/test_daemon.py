@@ -301,10 +301,12 @@ def test_killed_servers_come_back_through_backoff_on_the_newest_version(node):
         assert log.index(f"update {name}[", failed) > failed  # loaded after the failure, in the same sync
         assert f"state {name}: SYNCING -> SERVING (version 8)" in log[failed:]
     assert "verify version 8: the mirror copy is damaged" in log
-    # an engine core that died without rolloutd asking is a failure, logged as vLLM logs it
+    # an engine core that died without rolloutd asking is a failure, logged as vLLM logs it, also
+    # when rolloutd saw the death first and stopped the rest before vLLM said it (then vLLM does not
+    # print its warning "engine core exited unexpectedly"; its EngineDeadError record it does)
     died = {level for level, line in server_lines(log, "gpu0", pids["gpu0"])
             if "EngineDeadError" in line or "engine core exited unexpectedly" in line}
-    assert died == {"ERROR", "WARNING"}, died
+    assert "ERROR" in died and died <= {"ERROR", "WARNING"}, died
 
 
 def test_registry_away_for_12_s_then_back_as_a_new_instance(node):

@@ -217,6 +217,38 @@ async def test_the_same_lines_without_a_stop_keep_their_levels(children, caplog)
     assert _forwarded(caplog, "dead", child.pid) == [(line, outside) for line, outside, _ in VLLM_STOP]
 
 
+async def test_a_stop_after_a_vital_process_died_on_its_own_keeps_vllms_levels(children, caplog):
+    """A crash, then rolloutd's stop of what is left: vLLM's account of the death (its EngineDeadError
+    record, its shutdown warnings), printed after the signal, is the crash's and keeps its level."""
+    lines = [line for line, _, _ in VLLM_STOP]
+    body = "".join(f"    print({line!r})\n" for line in lines)
+    leader = [sys.executable, "-c", "import signal, subprocess, sys, time\n"
+              "core = subprocess.Popen(['bash', '-c', 'exec -a VLLM::EngineCore sleep 60'])\n"
+              f"def term(*_):\n{body}    sys.stdout.flush()\n    sys.exit(0)\n"
+              "signal.signal(signal.SIGTERM, term)\nprint('ready', flush=True)\ntime.sleep(60)\n"]
+    child = await spawned_ready(children, caplog, "crash", leader)
+    core = await wait_for_title(child, "VLLM::EngineCore")
+    child.note_vital()
+    os.kill(core, signal.SIGKILL)
+    await until(lambda: child.lost_vital() is not None, what="the engine core gone")
+    assert await child.stop(10.0) == "exited with status 0"
+    assert _forwarded(caplog, "crash", child.pid) == [(line, outside) for line, outside, _ in VLLM_STOP]
+
+
+async def wait_for_title(child, title: str) -> int:
+    """The pid of the child's process whose command line starts with ``title``."""
+    def found() -> int | None:
+        for pid in child.group_pids():
+            try:
+                if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(title.encode()):
+                    return pid
+            except OSError:
+                pass
+        return None
+    await until(lambda: found() is not None, what=title)
+    return found()
+
+
 # -- one stop per child -------------------------------------------------------------------------------
 async def test_every_stop_of_a_child_is_the_same_one_and_a_cancelled_caller_waits_for_it(children, caplog,
                                                                                           tmp_path):
