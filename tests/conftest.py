@@ -15,6 +15,7 @@ import pytest
 
 from rolloutd.trainer import EmbeddedRegistry
 from tests.support.processes import group_pids
+from tests.support.tls import CONTEXT as TLS
 
 
 class FakeClock:
@@ -44,7 +45,7 @@ def registry(clock):
 
 @pytest.fixture
 def http(registry):
-    with httpx.Client(base_url=registry.url, timeout=30) as client:
+    with httpx.Client(base_url=registry.url, timeout=30, verify=TLS) as client:
         yield client
 
 
@@ -90,7 +91,7 @@ def wait_healthy(url: str, proc: subprocess.Popen | None = None, timeout_s: floa
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"process exited with {proc.returncode} before becoming healthy")
         try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+            if httpx.get(url + "/healthz", timeout=1, verify=TLS).status_code == 200:
                 return
         except httpx.HTTPError:
             pass

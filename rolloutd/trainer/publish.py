@@ -12,10 +12,12 @@ for every call. torch is imported only when a state dict holds torch tensors.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import logging
 import shutil
+import ssl
 import time
 import urllib.parse
 import urllib.request
@@ -95,6 +97,14 @@ class VersionRefused(RuntimeError):
                          f"their nodes refused version {self.version} ({why}); publish a version that fixes it")
 
 
+@functools.cache
+def _tls() -> ssl.SSLContext:
+    """One TLS context per process, shared by its clients: httpx makes a new one for each client,
+    reading the whole CA bundle each time (20-30 ms of CPU), and a trainer may make several (one
+    per embedded registry, one per RegistryHTTP)."""
+    return httpx.create_ssl_context()
+
+
 class RegistryHTTP:
     """A synchronous client for the trainer (the daemon uses the async ``client``)."""
 
@@ -104,7 +114,7 @@ class RegistryHTTP:
         self.timeout_s = timeout_s
         self._why_full = why_full  # the registry's own delta rules, where it runs in this process
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers,
+        self._http = httpx.Client(base_url=self.url, headers=headers, verify=_tls(),
                                   timeout=httpx.Timeout(timeout_s, connect=5.0))
         self._kept = KeptVersions()  # per object store prefix: the last version put there, for deltas
 

@@ -25,6 +25,7 @@ import yaml
 from rolloutd.config import SCRATCH
 from rolloutd.demo.cpu_vllm import CPU_ENV
 from rolloutd.supervise.leftovers import scratch_left
+from tests.support.tls import CONTEXT as TLS
 from tests.support.vllm_server import FAST_CPU_FLAGS, ROOT, VLLM, client, worker_cores
 
 FAKE_VLLM = ROOT / "tests" / "support" / "fake_vllm.py"
@@ -162,7 +163,7 @@ class DaemonProcess:
         return self
 
     def status(self) -> dict:
-        r = httpx.get(self.url + "/status", timeout=10)
+        r = httpx.get(self.url + "/status", timeout=10, verify=TLS)
         r.raise_for_status()
         return r.json()
 
@@ -205,7 +206,7 @@ class DaemonProcess:
         in the config), as the rolloutd CLI sends it."""
         token = token or self.generated_token()
         headers = {"authorization": f"Bearer {token}"} if token else {}
-        return httpx.post(self.url + path, headers=headers, timeout=120)
+        return httpx.post(self.url + path, headers=headers, timeout=120, verify=TLS)
 
     def generated_token(self) -> str | None:
         admin = self.cfg.get("admin", {})

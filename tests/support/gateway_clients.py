@@ -21,6 +21,7 @@ from rolloutd.supervise.plugin_path import install_plugin
 from tests.conftest import free_port
 from tests.support.gateway_harness import GatewayThread, socket_path
 from tests.support.loop_thread import LoopThread, serve
+from tests.support.tls import CONTEXT as TLS
 from tests.support.vllm_server import VllmServer
 
 TOKEN = "gw-secret-4b1d"
@@ -94,7 +95,7 @@ def post_in_thread(url: str, **kw) -> dict:
 
     def run() -> None:
         t0 = time.perf_counter()
-        r = httpx.post(url, timeout=60, **kw)
+        r = httpx.post(url, timeout=60, **kw, verify=TLS)
         result.update(status=r.status_code, json=r.json(), headers=r.headers, seconds=time.perf_counter() - t0)
     thread = threading.Thread(target=run)
     thread.start()

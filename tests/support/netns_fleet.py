@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from tests.support.daemon_harness import DaemonProcess, config, tagged_pids, wait_until
+from tests.support.tls import CONTEXT as TLS
 
 PYTHON = sys.executable
 REGISTRY_PORT, PEERS_PORT, ADMIN_PORT = 8700, 9300, 9100
@@ -154,7 +155,7 @@ class Fleet:
             if self.registry.poll() is not None:
                 raise RuntimeError(f"registry exited:\n{(self.dir / 'registry.log').read_text()[-2000:]}")
             try:
-                if httpx.get(self.registry_url + "/healthz", timeout=1).status_code == 200:
+                if httpx.get(self.registry_url + "/healthz", timeout=1, verify=TLS).status_code == 200:
                     return self.registry_url
             except httpx.HTTPError:
                 pass
@@ -168,7 +169,7 @@ class Fleet:
 
     def served_bytes(self) -> int:
         """File bytes the registry sent (its own count, ``rolloutd_registry_served_bytes_total``)."""
-        text = httpx.get(self.registry_url + "/metrics", headers=self.auth, timeout=10).text
+        text = httpx.get(self.registry_url + "/metrics", headers=self.auth, timeout=10, verify=TLS).text
         for line in text.splitlines():
             if line.startswith("rolloutd_registry_served_bytes_total "):
                 return int(float(line.split()[1]))
@@ -206,7 +207,7 @@ class Fleet:
     def _watch_latest(self, version: int, visible: list[float]) -> None:
         """When the registry first answers ``version`` as its newest: the pull can start then
         (the publishing command itself returns a moment later)."""
-        with httpx.Client(headers=self.auth, timeout=5) as http:
+        with httpx.Client(headers=self.auth, timeout=5, verify=TLS) as http:
             deadline = time.monotonic() + 900
             while time.monotonic() < deadline:
                 try:

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import httpx
 
+from tests.support.tls import CONTEXT as TLS
+
 WEED = Path(sys.executable).parent / "weed"
 BUCKET = "rolloutd-test"
 
@@ -91,7 +93,7 @@ class SeaweedS3:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weed exited with {self.proc.returncode}:\n{self.tail()}")
             try:
-                httpx.get(self.endpoint, timeout=1)
+                httpx.get(self.endpoint, timeout=1, verify=TLS)
                 obstore.list(store, prefix="no-such-prefix/").collect()
                 return
             except Exception as e:  # not listening yet, or the bucket not made yet

@@ -18,6 +18,7 @@ import httpx
 from rolloutd.demo import families
 from rolloutd.trainer import EmbeddedRegistry
 from tests.support.daemon_harness import DaemonProcess, config
+from tests.support.tls import CONTEXT as TLS
 
 NEW_TOKENS = 16  # greedy tokens compared per prompt
 RANK_HEADER = "X-data-parallel-rank"  # vLLM's header: the engine of a data-parallel server that must answer
@@ -28,7 +29,8 @@ def generate(url: str, prompts: list[list[int]], rank: int | None = None,
     """Greedy outputs through a server's gateway (``rank``: that engine of a data-parallel server;
     None: vLLM's choice), and the weight versions that produced them."""
     outs, versions = [], set()
-    with httpx.Client(base_url=url, timeout=120, headers={RANK_HEADER: str(rank)} if rank is not None else {}) as c:
+    headers = {RANK_HEADER: str(rank)} if rank is not None else {}
+    with httpx.Client(base_url=url, timeout=120, headers=headers, verify=TLS) as c:
         for p in prompts:
             r = c.post("/inference/v1/generate", json={"token_ids": p, "sampling_params": {
                 "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}})

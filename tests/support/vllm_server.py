@@ -22,6 +22,7 @@ import httpx
 from rolloutd.demo.cpu_vllm import CPU_ENV, cpu_args
 from rolloutd.supervise.leftovers import remove_shm_leftovers, shm_held_by, shm_names
 from tests.support.processes import group_pids
+from tests.support.tls import CONTEXT as TLS
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM = ROOT / ".venv-vllm" / "bin" / "vllm"
@@ -161,7 +162,7 @@ def client(url: str | Path, **kw) -> httpx.Client:
     kw.setdefault("timeout", 120)
     if isinstance(url, Path):
         kw["transport"], url = httpx.HTTPTransport(uds=str(url)), "http://localhost"
-    return httpx.Client(base_url=url, limits=httpx.Limits(max_keepalive_connections=0), **kw)
+    return httpx.Client(base_url=url, limits=httpx.Limits(max_keepalive_connections=0), **kw, verify=TLS)
 
 
 def pip_install_rolloutd(target: Path) -> Path:

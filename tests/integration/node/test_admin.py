@@ -42,6 +42,7 @@ from rolloutd.rollout.puller import PullProgress, PullState
 from rolloutd.rollout.updater import RegistryView
 from rolloutd.supervise.supervisor import Supervisor
 from rolloutd.wire.states import ServerState
+from tests.support.tls import CONTEXT as TLS
 
 TOKEN = "adm-7f3c9e-secret-token"
 NOW = 1_750_000_000.0
@@ -166,7 +167,7 @@ def url(served, node):
 
 @pytest.fixture
 def http(url):
-    with httpx.Client(base_url=url, timeout=10) as client:
+    with httpx.Client(base_url=url, timeout=10, verify=TLS) as client:
         yield client
 
 

@@ -22,6 +22,7 @@ from rolloutd.wire.manifest import Manifest, build_manifest
 from tests.conftest import run_cli
 from tests.support.daemon_harness import wait_until
 from tests.support.np_weights import step
+from tests.support.tls import CONTEXT as TLS
 
 CHUNK = 4096
 SHARD = 150_000  # a few files per version: a tensor may move to another file between versions
@@ -88,7 +89,7 @@ def reg(where):
 
 @pytest.fixture
 def http(reg):
-    with httpx.Client(base_url=reg.url, timeout=30) as client:
+    with httpx.Client(base_url=reg.url, timeout=30, verify=TLS) as client:
         yield client
 
 

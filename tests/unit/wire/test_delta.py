@@ -13,14 +13,24 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 import zstandard
-from safetensors.torch import save
 
 from rolloutd.wire import delta
 from rolloutd.wire.manifest import DeltaEncoding, hash_chunks
 
 CHUNK = 64 << 10
+torch: typing.Any = None  # torch, and safetensors' save: imported by _import_torch
+save: typing.Any = None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _import_torch():
+    """torch when a test of this file runs, not when the file is collected: each worker of the fast
+    tier collects every file, and only the one that runs these tests needs torch (1.4 CPU-s)."""
+    global torch, save
+    import torch as imported
+    from safetensors.torch import save as imported_save
+    torch, save = imported, imported_save
 
 
 def _checkpoint(seed: int = 0) -> dict[str, torch.Tensor]:
