@@ -230,8 +230,14 @@ class Load(threading.Thread):
 
     def answered_on(self, version: int) -> bool:
         """Some request of the load was answered (its end) by ``version``."""
-        return any(status == 200 and choice["weight_versions"][-1]["version"] == str(version)
+        return any(status == 200 and choice["weight_versions"] and
+                   choice["weight_versions"][-1]["version"] == str(version)
                    for _, status, choice in list(self.answers))
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.join(150)
+        assert not self.is_alive(), "a request of the load was never answered"
 
     def run(self) -> None:
         headers = {RANK_HEADER: str(self.rank)} if self.rank is not None else {}
@@ -268,10 +274,15 @@ def versions_told_truly(answers: list, reference: Reference, versions: set[int])
     """Every answer 200, its tokens covered by the versions it reports (``weight_versions``), each
     version's part what transformers continues with that version: no token of a version the
     answer did not name. Figures: answers on each version, and spanning two."""
-    figures = {"answers": len(answers), "spanning two versions": 0, **{f"on {v}": 0 for v in sorted(versions)}}
+    figures = {"answers": len(answers), "spanning two versions": 0, "aborted before a token": 0,
+               **{f"on {v}": 0 for v in sorted(versions)}}
     for prompt, status, choice in answers:
         assert status == 200, (status, choice)
         tokens, spans = choice["token_ids"], choice["weight_versions"]
+        if not tokens:  # pause_mode abort caught it before its first token: no token, so no version
+            assert spans == [] and choice["finish_reason"] == "abort", choice
+            figures["aborted before a token"] += 1
+            continue
         assert [sp["start"] for sp in spans] == [0] + [sp["end"] for sp in spans[:-1]] and \
             spans[-1]["end"] == len(tokens), spans
         figures["spanning two versions"] += len(spans) > 1
@@ -322,18 +333,19 @@ def every_pause_mode(node: Node, loaded: str) -> None:
         loads = [Load(node.gateways[loaded], rank) for rank in node.ranks(loaded)]
         for load in loads:
             load.start()
-        wait_until(lambda: all(load.answers for load in loads), 60, "the load answered")  # noqa: B023
-        t0 = time.monotonic()
-        node.reg.publish(version, models[version])
-        d.wait_versions({name: version for name in node.gateways}, 120)
-        took = time.monotonic() - t0
-        wait_until(lambda: all(load.answered_on(version) for load in loads), 60,  # noqa: B023
-                   f"the load answered on version {version}")
-        for load in loads:
-            load.stopped.set()
-        for load in loads:
-            load.join(150)
-            assert not load.is_alive(), "a request of the load was never answered"
+        try:
+            wait_until(lambda: all(load.answers for load in loads), 60, "the load answered")  # noqa: B023
+            t0 = time.monotonic()
+            node.reg.publish(version, models[version])
+            d.wait_versions({name: version for name in node.gateways}, 120)
+            took = time.monotonic() - t0
+            wait_until(lambda: all(load.answered_on(version) for load in loads), 60,  # noqa: B023
+                       f"the load answered on version {version}")
+        finally:  # also on a failure: a load left running would be counted by the node's next test
+            for load in loads:
+                load.stopped.set()
+            for load in loads:
+                load.stop()
         figures = versions_told_truly([a for load in loads for a in load.answers], reference, {version - 1, version})
         assert d.log_text().count(f"/pause?mode={mode}&") == pauses + len(node.gateways), f"not paused with {mode}"
         served_exactly(node, version, wants[version])
