@@ -95,7 +95,7 @@ def post_in_thread(url: str, **kw) -> dict:
 
     def run() -> None:
         t0 = time.perf_counter()
-        r = httpx.post(url, timeout=60, **kw, verify=TLS)
+        r = httpx.post(url, timeout=60, verify=TLS, **kw)
         result.update(status=r.status_code, json=r.json(), headers=r.headers, seconds=time.perf_counter() - t0)
     thread = threading.Thread(target=run)
     thread.start()

@@ -162,7 +162,7 @@ def client(url: str | Path, **kw) -> httpx.Client:
     kw.setdefault("timeout", 120)
     if isinstance(url, Path):
         kw["transport"], url = httpx.HTTPTransport(uds=str(url)), "http://localhost"
-    return httpx.Client(base_url=url, limits=httpx.Limits(max_keepalive_connections=0), **kw, verify=TLS)
+    return httpx.Client(base_url=url, limits=httpx.Limits(max_keepalive_connections=0), verify=TLS, **kw)
 
 
 def pip_install_rolloutd(target: Path) -> Path:
