@@ -8,8 +8,9 @@ family updated A -> B -> C, each version's greedy outputs through every gateway 
 transformers'; for DP, the prompts sent to each engine in turn (vLLM's header
 ``X-data-parallel-rank``; vLLM counts the requests of each engine in ``/metrics``, which shows the
 header did pin them), so an engine left on old weights cannot hide. Then one TP worker, or one DP
-engine, killed in the middle of an update; then an update in each pause mode (abort, wait, keep)
-under load; for DP, then an engine killed while serving.
+engine, killed in the middle of an update (the server then serves the new version exactly); then
+an update in each pause mode (abort, wait, keep) under load; for DP, last, an engine killed while
+serving, and the node stopped while the server starts again.
 """
 
 from __future__ import annotations
@@ -391,8 +392,12 @@ def test_a_dp_server_is_updated_in_every_pause_mode_under_load(nodes):
 
 
 def test_a_dp_engine_killed_while_serving_is_in_backoff_within_seconds(nodes):
-    """The newest version (the last of every_pause_mode) served again by every engine after the
-    restart; nothing of the old group left."""
+    """An engine of the DP server on the newest version (the last of every_pause_mode) killed: the
+    server is in BACKOFF within seconds, nothing of its old group is left (processes, /dev/shm
+    segments, TMPDIR), and a new incarnation starts. Last in the file: the node then stops while
+    that incarnation starts, and nothing of it may be left either (Node.close). That a restarted DP
+    server serves its node's version exactly on every engine is the mid-update kill's check; here
+    it would only add another start of both engines."""
     node, version = nodes.get("dp"), max(MODES)
     on_version(node, version)
     d = node.daemon
@@ -409,12 +414,10 @@ def test_a_dp_engine_killed_while_serving_is_in_backoff_within_seconds(nodes):
     d.wait(lambda s: d.server(DP, s)["state"] == "BACKOFF", 30, "BACKOFF")
     to_backoff = time.monotonic() - t0
     group_gone(node, pid, segments)
-    want = families.greedy(families.hf_model(FAMILY, SEED[version]), families.PROMPTS, NEW_TOKENS)
-    served_exactly(node, version, want)
-    assert not old_tmp & set(node.scratch), "the TMPDIR of the killed group is left"
-    print(f"EngineCore_DP1 killed while serving: BACKOFF after {to_backoff:.1f} s, SERVING v{version} after "
+    wait_until(lambda: not old_tmp & set(node.scratch), 30, "the TMPDIR of the killed group removed")
+    d.wait(lambda s: d.server(DP, s)["incarnation"] == before["incarnation"] + 1, 60, "the next incarnation")
+    print(f"EngineCore_DP1 killed while serving: BACKOFF after {to_backoff:.1f} s, restarting after "
           f"{time.monotonic() - t0:.1f} s; segments of the old group: {sorted(segments)}")
     assert to_backoff < 10, to_backoff
-    assert d.server(DP)["incarnation"] == before["incarnation"] + 1
     said = f"its process VLLM::EngineCore_DP1 (pid {victim}) exited"
     assert said in d.log_text(), "the supervisor did not see the engine go"
