@@ -395,8 +395,12 @@ def test_an_upload_whose_fsync_outlasts_the_client_timeout_succeeds(tmp_path, mo
     """The registry answers an upload once the file is synced; a slow disk (a fake_ slow sync,
     twice the client's timeout) must not fail the publish: the client waits for the reply as
     long as syncing the file at ``UPLOAD_SYNC_BYTES_PER_S`` would take (set here so that this
-    small version counts as a large one on a slow disk)."""
+    small version counts as a large one on a slow disk: 8 times the client's timeout, so that the
+    real fsync after the fake's sleep, seconds on a disk busy with the rest of the suite, still
+    fits)."""
     import rolloutd.trainer.publish as publish
+    timeout_s = 1.0  # the client's, for every request of the publish (at 0.5 s, with half the margin, the test
+    # failed once in five runs of the fast tier)
     with EmbeddedRegistry(port=0) as reg:
         real_upload, synced = reg.service.blobs.upload, []
 
@@ -405,7 +409,7 @@ def test_an_upload_whose_fsync_outlasts_the_client_timeout_succeeds(tmp_path, mo
             real_sync = up.sync
 
             def fake_slow_sync():
-                time.sleep(2 * SHORT_TIMEOUT_S)
+                time.sleep(2 * timeout_s)
                 synced.append(name)
                 real_sync()
             up.sync = fake_slow_sync
@@ -413,8 +417,8 @@ def test_an_upload_whose_fsync_outlasts_the_client_timeout_succeeds(tmp_path, mo
         monkeypatch.setattr(reg.service.blobs, "upload", upload)
         sd = numpy_state_dict(1)
         size = sum(a.nbytes for a in sd.values())
-        monkeypatch.setattr(publish, "UPLOAD_SYNC_BYTES_PER_S", size / (4 * SHORT_TIMEOUT_S))
-        client = RegistryHTTP(reg.url, reg.service.token, timeout_s=SHORT_TIMEOUT_S)
+        monkeypatch.setattr(publish, "UPLOAD_SYNC_BYTES_PER_S", size / (8 * timeout_s))
+        client = RegistryHTTP(reg.url, reg.service.token, timeout_s=timeout_s)
         m1 = client.publish(1, sd, chunk_bytes=4096)
         save_shards(numpy_state_dict(2), tmp_path)
         m2 = client.publish_dir(2, tmp_path, chunk_bytes=4096)
