@@ -399,8 +399,9 @@ def test_an_upload_whose_fsync_outlasts_the_client_timeout_succeeds(tmp_path, mo
     real fsync after the fake's sleep, seconds on a disk busy with the rest of the suite, still
     fits)."""
     import rolloutd.trainer.publish as publish
-    timeout_s = 1.0  # the client's, for every request of the publish (at 0.5 s, with half the margin, the test
-    # failed once in five runs of the fast tier)
+    # the client's, for every request of the publish (at 0.5 s, with the reply to an upload waited
+    # for 4 times that, the test failed once in five runs of the fast tier)
+    timeout_s = 1.0
     with EmbeddedRegistry(port=0) as reg:
         real_upload, synced = reg.service.blobs.upload, []
 
