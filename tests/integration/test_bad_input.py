@@ -832,8 +832,11 @@ def test_random_manifest_mutations_on_the_node(tmp_path, cases):
             check_version(vdir, manifest_digest({}) if raw == b"{}" else "0" * 64)
         seen["cases"] += 1
     # Hypothesis steers its mutations, so how many the plugin must refuse varies: 117 to 173 of
-    # about 450 in ten runs. At least 50 shows refusals are tried, without a flaky bound.
-    assert seen["cases"] >= cases(350) and seen["plugin refused"] >= cases.at_least(50), seen
+    # about 450 in ten runs. At least 50 shows refusals are tried, without a flaky bound. The quick
+    # run's 40 are no tenth of that spread (its first examples are the generator's simplest: 4
+    # refusals of 46 once in about 20 fast-tier runs), so there one refusal is asked for.
+    refusals = cases.at_least(50) if cases.share == 1 else 1
+    assert seen["cases"] >= cases(350) and seen["plugin refused"] >= refusals, seen
     summary("random manifest mutations on the node", seen["cases"])
 
 

@@ -109,7 +109,11 @@ async def test_a_registry_restarted_numbering_again_moves_the_node_through_a_mir
             for v in (1, 2, 3):
                 digest = publish(reg, v, seed=20 + v)
                 await target(v, new)
-            assert mirror.versions()[-1] == 3 and {mirror.record(v).instance for v in mirror.versions()} == {new}
+            # The old instance's copies go once the new one's version 3 is the target: wait for the
+            # removal, which runs on in a thread (read meanwhile, a copy being removed has no record).
+            await until(lambda: {mirror.record(v).instance for v in mirror.versions()} == {new}, 10,
+                        "only the new instance's versions in the mirror")
+            assert mirror.versions()[-1] == 3
             assert updater.target.digest == digest
         finally:
             run.cancel()
