@@ -178,11 +178,9 @@ def killed_mid_update(node: Node, server: str, title: str) -> None:
     processes, /dev/shm segments, its TMPDIR."""
     d = node.daemon
     pid = d.server(server)["pid"]
-    segments = {n for n in shm_mapped(group_pids(pid)) if "/" not in n}
-    assert segments, "the group holds no /dev/shm segment"
+    segments, old_tmp = held(node, pid)
+    assert any(old_tmp.iterdir()), "vLLM wrote nothing in its TMPDIR"
     victim = _process(pid, title)
-    old_tmp = {p for p in node.scratch if f"TMPDIR={p}\0" in Path(f"/proc/{pid}/environ").read_text()}
-    assert len(old_tmp) == 1 and any(next(iter(old_tmp)).iterdir()), "vLLM wrote nothing in its TMPDIR"
     os.kill(victim, signal.SIGSTOP)
     model = families.hf_model(FAMILY, SEED[3])
     want = families.greedy(model, families.PROMPTS, NEW_TOKENS)
@@ -194,21 +192,31 @@ def killed_mid_update(node: Node, server: str, title: str) -> None:
     os.kill(victim, signal.SIGKILL)
     d.wait(lambda s: d.server(server, s)["state"] == "BACKOFF", 30, "BACKOFF")
     to_backoff = time.monotonic() - t0
-    group_gone(node, pid, segments)
+    group_gone(node, pid, segments, old_tmp)
     served_exactly(node, 3, want)
-    assert not old_tmp & set(node.scratch), "the TMPDIR of the killed group is left"
     print(f"{title} killed: BACKOFF after {to_backoff:.1f} s, SERVING v3 after {time.monotonic() - t0:.1f} s; "
           f"segments of the old group: {sorted(segments)}")
     assert to_backoff < 10, to_backoff
     assert d.server(server)["incarnation"] == 2
 
 
-def group_gone(node: Node, pid: int, segments: set[str]) -> None:
-    """Nothing of the group of ``pid`` left: its processes, its /dev/shm ``segments`` (removed by
-    the daemon once it found the group gone)."""
+def held(node: Node, pid: int) -> tuple[set[str], Path]:
+    """What the server group of ``pid`` holds: its /dev/shm segments (some), its TMPDIR (one of
+    the node's scratch directories)."""
+    segments = {n for n in shm_mapped(group_pids(pid)) if "/" not in n}
+    assert segments, "the group holds no /dev/shm segment"
+    environ = Path(f"/proc/{pid}/environ").read_text()
+    [tmp] = [p for p in node.scratch if f"TMPDIR={p}\0" in environ]
+    return segments, tmp
+
+
+def group_gone(node: Node, pid: int, segments: set[str], tmp: Path) -> None:
+    """Nothing of the group of ``pid`` left: its processes, its /dev/shm ``segments`` and its
+    ``tmp`` (TMPDIR), removed by the daemon once it found the group gone."""
     wait_until(lambda: not group_pids(pid), 30, "the old group gone")
     left = lambda: sorted(n for n in segments if (Path("/dev/shm") / n).exists())  # noqa: E731
     wait_until(lambda: not left(), 30, f"the dead group's shared memory removed (of {sorted(segments)})")
+    wait_until(lambda: tmp not in node.scratch, 30, "the TMPDIR of the killed group removed")
 
 
 def test_a_tp_worker_killed_mid_update_is_in_backoff_within_seconds(nodes):
@@ -404,17 +412,13 @@ def test_a_dp_engine_killed_while_serving_is_in_backoff_within_seconds(nodes):
     before = d.server(DP)
     assert (before["state"], before["version"]) == ("SERVING", version), before
     pid = before["pid"]
-    segments = {n for n in shm_mapped(group_pids(pid)) if "/" not in n}
-    assert segments, "the group holds no /dev/shm segment"
-    old_tmp = {p for p in node.scratch if f"TMPDIR={p}\0" in Path(f"/proc/{pid}/environ").read_text()}
-    assert len(old_tmp) == 1, old_tmp
+    segments, old_tmp = held(node, pid)
     victim = _process(pid, "EngineCore_DP1")
     t0 = time.monotonic()
     os.kill(victim, signal.SIGKILL)
     d.wait(lambda s: d.server(DP, s)["state"] == "BACKOFF", 30, "BACKOFF")
     to_backoff = time.monotonic() - t0
-    group_gone(node, pid, segments)
-    wait_until(lambda: not old_tmp & set(node.scratch), 30, "the TMPDIR of the killed group removed")
+    group_gone(node, pid, segments, old_tmp)
     d.wait(lambda s: d.server(DP, s)["incarnation"] == before["incarnation"] + 1, 60, "the next incarnation")
     print(f"EngineCore_DP1 killed while serving: BACKOFF after {to_backoff:.1f} s, restarting after "
           f"{time.monotonic() - t0:.1f} s; segments of the old group: {sorted(segments)}")
